@@ -1,0 +1,60 @@
+# Set-up is two commands on a fresh Debian machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO_HOST := tests/fixtures/hosts/hgx-h100
+SYSTEM_PACKAGES := runc podman crun busybox-static gcc libc6-dev
+
+.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean
+
+$(BIN)/devinject: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/devinject
+
+# Debian packages the live tests drive (real runc, podman, crun) and build fixture libraries with.
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+demo: venv
+	@echo "== devinject list --root $(DEMO_HOST)"
+	@$(BIN)/devinject list --root $(DEMO_HOST)
+	@echo
+	@echo "== devinject generate --root $(DEMO_HOST) --output -   (first spec shown)"
+	@$(BIN)/devinject generate --root $(DEMO_HOST) --kind nvidia.com/gpu --output - \
+		--hook-path $(abspath $(BIN))/devinject
+
+lint: venv
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+
+test: system-deps venv lint
+	$(BIN)/pytest -q
+
+unit: venv
+	$(BIN)/pytest -q -m 'not live'
+
+live: system-deps venv
+	$(BIN)/pytest -q -m live
+
+bench: venv
+	$(BIN)/python bench/bench_generate.py
+	$(BIN)/python bench/bench_hook.py
+
+# Rebuild the fixture hosts (needs gcc and ldconfig) and then their golden specs.
+fixtures: venv
+	$(BIN)/python tests/fixtures/build_hosts.py
+	$(BIN)/pytest -q tests/integration/test_golden.py --update-golden
+
+golden: venv
+	$(BIN)/pytest -q tests/integration/test_golden.py --update-golden
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from devinject.entry import main
+
+sys.exit(main())

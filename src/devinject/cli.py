@@ -1,0 +1,148 @@
+"""The `devinject` command line: click parsing and exit codes only; the work is in the library."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from devinject import __version__
+from devinject.errors import DevinjectError
+from devinject.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
+
+log = logging.getLogger("devinject")
+
+root_option = click.option(
+    "--root", default="/", show_default=True, type=click.Path(file_okay=False),
+    help="Read the host under this directory (a driver root or a fixture host).",
+)
+
+
+class _Group(click.Group):
+    """Turns library errors into one line on stderr and exit 1; no tracebacks for users."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DevinjectError as err:
+            click.echo(f"devinject: error: {err.message}", err=True)
+            if err.hint:
+                click.echo(f"hint: {err.hint}", err=True)
+            ctx.exit(err.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="devinject")
+@click.option("-v", "--verbose", count=True, help="More logging (repeat for debug).")
+@click.option("-q", "--quiet", is_flag=True, help="Errors only.")
+def cli(verbose: int, quiet: bool) -> None:
+    """Discover accelerators, write CDI specs, and inject devices into containers."""
+    level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+    logging.basicConfig(level=level, format="devinject: %(levelname)s: %(message)s", stream=sys.stderr)
+
+
+@cli.command()
+@root_option
+@click.option("--output-dir", default="/etc/cdi", show_default=True, type=click.Path(file_okay=False),
+              help="Write one <vendor>-<class> spec per kind here.")
+@click.option("--output", "output", default=None, help="Write to this file instead ('-' for stdout).")
+@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
+@click.option("--device-name-strategy", "strategies", multiple=True,
+              type=click.Choice(["index", "uuid", "pci"]),
+              help="Names to give each device (repeatable). Default: index and uuid, or index and pci.")
+@click.option("--cdi-version", "version_cap", default=DEFAULT_VERSION_CAP, show_default=True,
+              type=click.Choice(KNOWN_VERSIONS), help="Highest CDI version to emit (podman 4, containerd 1.7: 0.5.0).")
+@click.option("--kind", "kinds", multiple=True, help="Only this kind, e.g. nvidia.com/gpu (repeatable).")
+@click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks.")
+@click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False),
+              help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d).")
+@click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
+def generate(root: str, output_dir: str, output: str | None, fmt: str, strategies: tuple[str, ...],
+             version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
+             nvml: bool | None) -> None:
+    """Discover devices on the host and write CDI specs."""
+    from devinject.generate import GenerateOptions, generate_specs, render, spec_filename, write_specs
+    from devinject.spec import write_atomic
+
+    opts = GenerateOptions(root=root, kinds=kinds, strategies=strategies, version_cap=version_cap,
+                           hook_path=hook_path, profile_dirs=profile_dirs, nvml=nvml)
+    specs = generate_specs(opts)
+    if not specs:
+        log.warning("no devices found under %s; nothing written", root)
+        return
+    if output == "-":
+        texts = [render(spec, fmt) for spec in specs]
+        if fmt == "json" and len(texts) > 1:
+            click.echo(json.dumps([json.loads(t) for t in texts], indent=2))
+        else:
+            click.echo("".join(texts), nl=False)
+        return
+    if output is not None:
+        if len(specs) != 1:
+            kinds_found = ", ".join(s.kind for s in specs)
+            raise DevinjectError(f"--output {output}: {len(specs)} kinds found ({kinds_found}); "
+                                 "a spec file holds one kind", hint="use --kind or --output-dir")
+        write_atomic(Path(output), render(specs[0], fmt))
+        click.echo(f"wrote {output} ({specs[0].kind}, {len(specs[0].devices)} names)", err=True)
+        return
+    for spec, path in zip(specs, write_specs(specs, Path(output_dir), fmt), strict=True):
+        assert path.name == spec_filename(spec, fmt)
+        click.echo(f"wrote {path} ({spec.kind}, {len(spec.devices)} names)", err=True)
+
+
+@cli.command()
+@click.argument("paths", nargs=-1)
+def validate(paths: tuple[str, ...]) -> None:
+    """Check CDI spec files (default: the CDI spec directories)."""
+    from devinject.validate import DEFAULT_SPEC_DIRS, validate_paths
+
+    targets = paths or tuple(d for d in DEFAULT_SPEC_DIRS if Path(d).is_dir())
+    files, problems = validate_paths(targets)
+    for problem in problems:
+        click.echo(problem, err=True)
+    bad = {p.split(": ", 1)[0] for p in problems}
+    for file in files:
+        if str(file) not in bad:
+            click.echo(f"ok: {file}")
+    if problems:
+        sys.exit(1)
+    if not files:
+        click.echo("no spec files found", err=True)
+
+
+@cli.command("list")
+@root_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False))
+def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...]) -> None:
+    """Show every discovered device."""
+    from devinject.inventory import inventory
+
+    rows = inventory(root, profile_dirs=profile_dirs)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no devices found", err=True)
+        return
+    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "NODES")
+    table = [header] + [
+        (r["names"][0], r["pci"], r["model"], str(r["numa_node"]), r["driver"] or "-",
+         " ".join(n["path"] for n in r["nodes"]))
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    for row in table:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+
+
+def run(args: list[str]) -> int:
+    try:
+        cli.main(args=args, prog_name="devinject", standalone_mode=True)
+    except SystemExit as done:
+        return int(done.code or 0) if not isinstance(done.code, str) else 1
+    return 0

@@ -1,0 +1,19 @@
+"""Console entry point. `hook` and `cdi-hook` take a lean path that never imports click or jsonschema:
+they run on every container start."""
+
+from __future__ import annotations
+
+import sys
+
+LEAN_COMMANDS = ("hook", "cdi-hook")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in LEAN_COMMANDS:
+        from devinject.hook.main import main as hook_main
+
+        return hook_main(args)
+    from devinject.cli import run
+
+    return run(args)

@@ -1,0 +1,256 @@
+"""`generate`: discovered devices -> one CDI spec per kind, validated, lowest version that fits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from devinject.discover import FoundDevice, HostView, discover, shared_nodes
+from devinject.errors import ConfigError, DevinjectError, SpecError
+from devinject.host import Host
+from devinject.libraries import (
+    LocatedFile,
+    locate_binaries,
+    locate_files,
+    locate_libraries,
+    native_arch,
+    read_ldcache,
+)
+from devinject.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
+from devinject.procfs import parse_nvidia_version
+from devinject.profiles import Profile, load_profiles
+from devinject.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, dump, required_version, version_key
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("index", "uuid", "pci")
+HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
+HOOK_TIMEOUT = 10
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    root: str = "/"
+    kinds: tuple[str, ...] = ()
+    strategies: tuple[str, ...] = ()
+    version_cap: str = DEFAULT_VERSION_CAP
+    hook_path: str | None = None
+    profile_dirs: tuple[str, ...] = ()
+    nvml: bool | None = None
+    exclude: frozenset[str] = field(default_factory=frozenset)
+
+    def check(self) -> None:
+        for strategy in self.strategies:
+            if strategy not in STRATEGIES:
+                raise ConfigError(f"--device-name-strategy: unknown {strategy!r} (use {', '.join(STRATEGIES)})")
+        if self.version_cap not in KNOWN_VERSIONS:
+            raise ConfigError(f"--cdi-version: unknown version {self.version_cap!r}")
+        if not os.path.isdir(self.root):
+            raise ConfigError(f"--root: {self.root}: not a directory")
+
+
+def default_hook_path() -> str:
+    argv0 = sys.argv[0]
+    if os.path.isabs(argv0) and os.path.basename(argv0) == "devinject" and os.access(argv0, os.X_OK):
+        return argv0
+    return shutil.which("devinject") or "/usr/local/bin/devinject"
+
+
+def device_names(found: FoundDevice, strategies: tuple[str, ...]) -> list[str]:
+    chosen = strategies or (("index", "uuid") if found.uuid else ("index", "pci"))
+    names = []
+    for strategy in chosen:
+        if strategy == "index":
+            names.append(str(found.index))
+        elif strategy == "uuid":
+            names.append(found.uuid or found.address)
+        else:
+            names.append(found.address)
+    return list(dict.fromkeys(names))
+
+
+class _Rerooter:
+    """Host paths carry the root prefix (the real file on this machine); container paths do not."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.identity = host.root == "/"
+
+    def node(self, node: DeviceNode) -> DeviceNode:
+        if self.identity:
+            return node
+        return DeviceNode(node.path, self.host.real(node.path), node.type, node.major, node.minor,
+                          node.file_mode, node.permissions, node.uid, node.gid)
+
+    def mount(self, located: LocatedFile, container_path: str | None = None) -> Mount:
+        return Mount(host_path=self.host.real(located.real), container_path=container_path or located.real)
+
+
+def driver_version(host: Host, profile: Profile, libraries: list[LocatedFile]) -> str | None:
+    if profile.driver_version_file:
+        version = parse_nvidia_version(host.read_text(profile.driver_version_file) or "")
+        if version:
+            return version
+    if profile.driver_module:
+        version = host.read_attr(f"/sys/module/{profile.driver_module}/version")
+        if version:
+            return version
+    for library in libraries:  # libcuda.so.1 -> libcuda.so.550.54.14
+        base = posixpath.basename(library.real)
+        _, _, suffix = base.partition(".so.")
+        if suffix.count(".") >= 1 and suffix.replace(".", "").isdigit():
+            return suffix
+    return None
+
+
+def _link_target(library: LocatedFile) -> str:
+    """Relative within one directory (as ldconfig makes SONAME links), absolute otherwise."""
+    same_dir = posixpath.dirname(library.real) == posixpath.dirname(library.path)
+    return posixpath.basename(library.real) if same_dir else library.real
+
+
+def common_edits(view: HostView, profile: Profile, rerooter: _Rerooter, hook_path: str,
+                 ldcache: list | None) -> ContainerEdits:
+    host = view.host
+    libraries = locate_libraries(host, ldcache or [], profile.libraries, native_arch()) if profile.libraries else []
+    version = driver_version(host, profile, libraries)
+    mounts: dict[str, Mount] = {}
+    for library in libraries:
+        mounts.setdefault(library.real, rerooter.mount(library))
+    for directory in profile.library_dirs:
+        if host.is_dir(directory):
+            mounts.setdefault(directory, rerooter.mount(LocatedFile(directory, host.resolve(directory)), directory))
+    for located in locate_binaries(host, profile.binaries) + locate_files(host, profile.files, driver_version=version):
+        mounts.setdefault(located.path, rerooter.mount(located, located.path))
+    hooks = []
+    links = [f"{_link_target(lib)}::{lib.path}" for lib in libraries if lib.real != lib.path]
+    if links:
+        args = ["devinject", "cdi-hook", "create-symlinks"]
+        for link in links:
+            args += ["--link", link]
+        hooks.append(Hook("createContainer", hook_path, tuple(args), HOOK_ENV, HOOK_TIMEOUT))
+    folders = sorted({posixpath.dirname(lib.real) for lib in libraries} | {
+        d for d in profile.library_dirs if d in mounts})
+    if folders:
+        args = ["devinject", "cdi-hook", "update-ldcache"]
+        for folder in folders:
+            args += ["--folder", folder]
+        hooks.append(Hook("createContainer", hook_path, tuple(args), HOOK_ENV, HOOK_TIMEOUT))
+    ordered_mounts = sorted(_without_nested(list(mounts.values())),
+                            key=lambda m: (m.container_path.count("/"), m.container_path))
+    return ContainerEdits(
+        env=profile.env,
+        device_nodes=tuple(rerooter.node(n) for n in shared_nodes(view, profile)),
+        mounts=tuple(ordered_mounts),
+        hooks=tuple(hooks),
+    )
+
+
+def _without_nested(mounts: list[Mount]) -> list[Mount]:
+    """Drop a mount that a mounted parent directory already brings along (same file on both sides)."""
+
+    def covered(m: Mount) -> bool:
+        return any(
+            other is not m
+            and m.container_path.startswith(other.container_path + "/")
+            and m.host_path == other.host_path + m.container_path[len(other.container_path):]
+            for other in mounts
+        )
+
+    return [m for m in mounts if not covered(m)]
+
+
+def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdits, rerooter: _Rerooter,
+               opts: GenerateOptions) -> Spec | None:
+    devices: list[Device] = []
+    merged = ContainerEdits()
+    for item in found:
+        edits = ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in item.nodes))
+        if edits.is_empty():
+            continue
+        merged = merged.merge(edits)
+        devices.extend(Device(name, edits) for name in device_names(item, opts.strategies))
+    if not devices:
+        return None
+    devices.append(Device("all", merged))
+    spec = Spec(kind=profile.kind, devices=tuple(devices), edits=common)
+    needed = required_version(spec)
+    if version_key(needed) > version_key(opts.version_cap):
+        raise SpecError(f"{profile.kind}: content needs CDI {needed}, above the --cdi-version cap {opts.version_cap}")
+    return Spec(kind=spec.kind, devices=spec.devices, edits=spec.edits, cdi_version=needed)
+
+
+def _enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -> list[FoundDevice]:
+    use_nvml = opts.nvml if opts.nvml is not None else host.root == "/"
+    if not use_nvml or not any(f.profile.kind == "nvidia.com/gpu" and not f.uuid for f in found):
+        return found
+    from devinject.gpuinfo import nvml_gpus
+
+    by_bus = nvml_gpus()
+    return [
+        FoundDevice(f.profile, f.index, f.functions, f.nodes, by_bus[f.address].uuid)
+        if f.profile.kind == "nvidia.com/gpu" and not f.uuid and f.address in by_bus else f
+        for f in found
+    ]
+
+
+def generate_specs(opts: GenerateOptions, *, host: Host | None = None) -> list[Spec]:
+    opts.check()
+    host = host or Host(opts.root)
+    profiles = load_profiles(host, opts.profile_dirs)
+    known = {p.kind for p in profiles}
+    for kind in opts.kinds:
+        if kind not in known:
+            raise ConfigError(f"--kind: no profile offers {kind!r} (known: {', '.join(sorted(known))})")
+    if opts.kinds:
+        profiles = [p for p in profiles if p.kind in opts.kinds]
+    view = HostView(host)
+    found = [f for f in discover(host, profiles, view=view) if f"{f.profile.kind}={f.address}" not in opts.exclude]
+    found = _enrich_uuids(found, opts, host)
+    rerooter = _Rerooter(host)
+    hook_path = opts.hook_path or default_hook_path()
+    ldcache = read_ldcache(host) if any(p.libraries for p in profiles) else []
+    by_kind: dict[str, list[FoundDevice]] = {}
+    for item in found:
+        by_kind.setdefault(item.profile.kind, []).append(item)
+    specs = []
+    for profile in profiles:
+        devices = by_kind.pop(profile.kind, [])
+        if not devices:
+            continue
+        spec = build_spec(profile, devices, common_edits(view, profile, rerooter, hook_path, ldcache), rerooter, opts)
+        if spec is not None:
+            specs.append(spec)
+    return specs
+
+
+def spec_filename(spec: Spec, fmt: str) -> str:
+    return f"{spec.vendor}-{spec.device_class}.{fmt}"
+
+
+def render(spec: Spec, fmt: str, generation: int | None = None) -> str:
+    from devinject.validate import validate_spec
+
+    text = dump(spec, fmt, generation=generation)
+    validate_spec(spec, source=spec_filename(spec, fmt))
+    return text
+
+
+def write_specs(specs: list[Spec], output_dir: Path, fmt: str, generation: int | None = None) -> list[Path]:
+    """Validate every spec first, then write each atomically: an invalid one writes nothing at all."""
+    from devinject.spec import write_atomic
+
+    if not output_dir.is_dir():
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DevinjectError(f"{output_dir}: cannot create output directory: {err.strerror}") from None
+    rendered = [(output_dir / spec_filename(spec, fmt), render(spec, fmt, generation)) for spec in specs]
+    for path, text in rendered:
+        write_atomic(path, text)
+    return [path for path, _ in rendered]

@@ -1,0 +1,255 @@
+"""Device families as data. A profile says which PCI functions belong to a CDI kind and what a container
+needs to use them; the mechanisms it names (class devices, procfs minors, IOMMU groups, ...) are generic.
+
+Shipped profiles live in `devinject/data/profiles/*.yaml`; an admin adds or replaces one (same `name`) with a
+file in `<root>/etc/devinject/profiles.d/`. `docs/profiles.md` documents every field.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from devinject.errors import ConfigError
+from devinject.host import Host
+from devinject.names import kind_problem
+from devinject.sysfs import PciDevice
+
+ADMIN_PROFILE_DIR = "/etc/devinject/profiles.d"
+SHARING_MODES = ("exclusive", "shared")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRule:
+    """Where a device's char nodes come from. Exactly one source is set."""
+
+    class_name: str | None = None  # child class devices of the PCI function: <fn>/<class>/<name>
+    names: tuple[str, ...] = ("*",)  # globs on the class device name
+    proc_file: str | None = None  # procfs file with a minor number (NVIDIA's `information`)
+    proc_key: str | None = None
+    path: str | None = None  # /dev path template, `{minor}` / `{index}` / `{group}` filled in
+    region: str | None = None  # /proc/devices region giving the major
+    major: int | None = None
+    minor: int | None = None
+    sysfs: str | None = None  # class device (glob allowed) whose dev/uevent give the node
+    iommu_group: bool = False  # VFIO: /dev/vfio/<group>
+    optional: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    name: str
+    kind: str
+    source: str
+    vendors: tuple[int, ...] = ()
+    class_prefixes: tuple[str, ...] = ()
+    drivers: tuple[str, ...] = ()
+    priority: int = 0
+    group_by: str = "function"
+    sharing: str = "exclusive"
+    device_nodes: tuple[NodeRule, ...] = ()
+    shared_nodes: tuple[NodeRule, ...] = ()
+    uuid_file: str | None = None
+    uuid_key: str | None = None
+    driver_module: str | None = None
+    driver_version_file: str | None = None
+    libraries: tuple[str, ...] = ()
+    library_dirs: tuple[str, ...] = ()
+    binaries: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    models: tuple[tuple[int, str], ...] = ()
+    description: str = ""
+
+    def matches(self, pci: PciDevice) -> bool:
+        if self.vendors and pci.vendor not in self.vendors:
+            return False
+        if self.class_prefixes and not any(pci.class_hex.startswith(p) for p in self.class_prefixes):
+            return False
+        return not self.drivers or pci.driver in self.drivers
+
+    def model(self, pci: PciDevice) -> str | None:
+        return dict(self.models).get(pci.device)
+
+
+class _Fields:
+    """Strict reader for one mapping in a profile file; errors name the file and the field."""
+
+    def __init__(self, data: object, where: str, allowed: set[str]) -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown field")
+        self.data: dict[str, Any] = data
+        self.where = where
+
+    def text(self, key: str, default: str | None = None, *, required: bool = False) -> Any:
+        value = self.data.get(key, default)
+        if value is None and required:
+            raise ConfigError(f"{self.where}.{key}: required")
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{self.where}.{key}: expected a string")
+        return value
+
+    def integer(self, key: str) -> int | None:
+        value = self.data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{self.where}.{key}: expected an integer")
+        return value
+
+    def flag(self, key: str) -> bool:
+        value = self.data.get(key, False)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.where}.{key}: expected true or false")
+        return value
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        value = self.data.get(key, [])
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{self.where}.{key}: expected a list of strings")
+        return tuple(value)
+
+    def hex_ids(self, key: str) -> tuple[int, ...]:
+        out = []
+        for text in self.strings(key):
+            try:
+                out.append(int(text, 16))
+            except ValueError:
+                raise ConfigError(f"{self.where}.{key}: {text!r} is not a hex id") from None
+        return tuple(out)
+
+
+def _node_rule(data: object, where: str) -> NodeRule:
+    f = _Fields(data, where, {"class", "names", "proc-file", "proc-key", "path", "region", "major", "minor",
+                              "sysfs", "iommu-group", "optional"})
+    rule = NodeRule(
+        class_name=f.text("class"),
+        names=f.strings("names") or ("*",),
+        proc_file=f.text("proc-file"),
+        proc_key=f.text("proc-key"),
+        path=f.text("path"),
+        region=f.text("region"),
+        major=f.integer("major"),
+        minor=f.integer("minor"),
+        sysfs=f.text("sysfs"),
+        iommu_group=f.flag("iommu-group"),
+        optional=f.flag("optional"),
+    )
+    sources = [rule.class_name, rule.proc_file, rule.sysfs, rule.iommu_group or None,
+               rule.path if not (rule.proc_file or rule.sysfs) else None]
+    if sum(s is not None for s in sources) != 1:
+        raise ConfigError(f"{where}: give exactly one of class, proc-file, sysfs, iommu-group, path")
+    if rule.proc_file and not (rule.proc_key and rule.path):
+        raise ConfigError(f"{where}: proc-file needs proc-key and path")
+    if rule.path and not (rule.proc_file or rule.sysfs) and (rule.minor is None or (
+            rule.major is None and rule.region is None)):
+        raise ConfigError(f"{where}: a fixed path needs minor and one of major, region")
+    return rule
+
+
+def parse_profile(data: object, source: str) -> Profile:
+    f = _Fields(data, source, {"name", "kind", "description", "match", "priority", "group-by", "sharing",
+                               "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
+                               "library-dirs", "binaries", "files", "env", "models"})
+    name = f.text("name", required=True)
+    kind = f.text("kind", required=True)
+    problem = kind_problem(kind)
+    if problem:
+        raise ConfigError(f"{source}.kind: {problem}")
+    match = _Fields(f.data.get("match", {}), f"{source}.match", {"vendor", "class", "driver"})
+    uuid = _Fields(f.data.get("uuid", {}), f"{source}.uuid", {"proc-file", "key"})
+    version = _Fields(f.data.get("driver-version", {}), f"{source}.driver-version", {"proc-file", "module"})
+    group_by = f.text("group-by", "function")
+    if group_by not in ("function", "slot"):
+        raise ConfigError(f"{source}.group-by: expected function or slot")
+    sharing = f.text("sharing", "exclusive")
+    if sharing not in SHARING_MODES:
+        raise ConfigError(f"{source}.sharing: expected one of {', '.join(SHARING_MODES)}")
+    models_raw = f.data.get("models", {})
+    if not isinstance(models_raw, dict):
+        raise ConfigError(f"{source}.models: expected a mapping of device id to name")
+    try:
+        models = tuple(sorted((int(str(k), 16), str(v)) for k, v in models_raw.items()))
+    except ValueError:
+        raise ConfigError(f"{source}.models: keys must be hex device ids") from None
+    for entry in f.strings("env"):
+        if "=" not in entry[1:]:
+            raise ConfigError(f"{source}.env: {entry!r} is not KEY=VALUE")
+    nodes = f.data.get("device-nodes", [])
+    shared = f.data.get("shared-nodes", [])
+    if not isinstance(nodes, list) or not isinstance(shared, list):
+        raise ConfigError(f"{source}: device-nodes and shared-nodes are lists")
+    return Profile(
+        name=name,
+        kind=kind,
+        source=source,
+        description=f.text("description", ""),
+        vendors=match.hex_ids("vendor"),
+        class_prefixes=tuple(c.lower().removeprefix("0x") for c in match.strings("class")),
+        drivers=match.strings("driver"),
+        priority=f.integer("priority") or 0,
+        group_by=group_by,
+        sharing=sharing,
+        device_nodes=tuple(_node_rule(n, f"{source}.device-nodes[{i}]") for i, n in enumerate(nodes)),
+        shared_nodes=tuple(_node_rule(n, f"{source}.shared-nodes[{i}]") for i, n in enumerate(shared)),
+        uuid_file=uuid.text("proc-file"),
+        uuid_key=uuid.text("key"),
+        driver_module=version.text("module"),
+        driver_version_file=version.text("proc-file"),
+        libraries=f.strings("libraries"),
+        library_dirs=f.strings("library-dirs"),
+        binaries=f.strings("binaries"),
+        files=f.strings("files"),
+        env=f.strings("env"),
+        models=models,
+    )
+
+
+def _load_yaml(text: str, source: str) -> object:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(err).split())}") from None
+
+
+def builtin_profiles() -> list[Profile]:
+    out = []
+    for entry in sorted(resources.files("devinject").joinpath("data/profiles").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".yaml"):
+            out.append(parse_profile(_load_yaml(entry.read_text(), f"profiles/{entry.name}"), entry.name))
+    return out
+
+
+def load_profiles(host: Host, extra_dirs: tuple[str, ...] = ()) -> list[Profile]:
+    """Shipped profiles, then admin files (same name replaces), ordered by priority then name."""
+    by_name = {p.name: p for p in builtin_profiles()}
+    admin_dirs = [host.real(ADMIN_PROFILE_DIR), *extra_dirs]
+    for directory in admin_dirs:
+        path = Path(directory)
+        if not path.is_dir():
+            continue
+        for file in sorted(path.iterdir()):
+            if file.suffix in (".yaml", ".yml"):
+                try:
+                    text = file.read_text()
+                except OSError as err:
+                    raise ConfigError(f"{file}: cannot read: {err.strerror}") from None
+                profile = parse_profile(_load_yaml(text, str(file)), str(file))
+                by_name[profile.name] = profile
+    return sorted(by_name.values(), key=lambda p: (-p.priority, p.name))
+
+
+def select_profile(profiles: list[Profile], pci: PciDevice) -> Profile | None:
+    return next((p for p in profiles if p.matches(pci)), None)
+
+
+def glob_names(names: tuple[str, ...], candidate: str) -> bool:
+    return any(fnmatch.fnmatchcase(candidate, pattern) for pattern in names)

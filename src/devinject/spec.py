@@ -1,0 +1,304 @@
+"""CDI spec (de)serialisation: the only module that knows CDI's camelCase field names.
+
+`spec_from_dict` is strict, like CDI's own `yaml.UnmarshalStrict`: an unknown field or a wrong type is an
+error that names the field's path (`devices[3].containerEdits.deviceNodes[0].major`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from devinject.errors import SpecError
+from devinject.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
+
+# CDI versions in order; what each adds is in docs/cdi-versions.md.
+KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0")
+DEFAULT_VERSION_CAP = "0.5.0"
+GENERATION_MARKER = "# devinject-generation: "
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in version.split("."))
+    except ValueError:
+        raise SpecError(f"invalid cdiVersion {version!r}") from None
+
+
+def required_version(spec: Spec) -> str:
+    """The lowest CDI version whose schema admits everything this spec uses."""
+    needed = "0.3.0"
+    if "." in spec.device_class:
+        return "0.6.0"
+    edits = [spec.edits, *(d.edits for d in spec.devices)]
+    if any(d.name[:1].isdigit() for d in spec.devices) or any(
+        n.host_path for e in edits for n in e.device_nodes
+    ):
+        needed = "0.5.0"
+    elif any(m.type for e in edits for m in e.mounts):
+        needed = "0.4.0"
+    return needed
+
+
+# --- to dict -----------------------------------------------------------------------------------------
+
+
+def _node_to_dict(node: DeviceNode) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": node.path}
+    for key, value in (
+        ("hostPath", node.host_path),
+        ("type", node.type),
+        ("major", node.major),
+        ("minor", node.minor),
+        ("fileMode", node.file_mode),
+        ("permissions", node.permissions),
+        ("uid", node.uid),
+        ("gid", node.gid),
+    ):
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _mount_to_dict(mount: Mount) -> dict[str, Any]:
+    out: dict[str, Any] = {"hostPath": mount.host_path, "containerPath": mount.container_path}
+    if mount.options:
+        out["options"] = list(mount.options)
+    if mount.type:
+        out["type"] = mount.type
+    return out
+
+
+def _hook_to_dict(hook: Hook) -> dict[str, Any]:
+    out: dict[str, Any] = {"hookName": hook.hook_name, "path": hook.path}
+    if hook.args:
+        out["args"] = list(hook.args)
+    if hook.env:
+        out["env"] = list(hook.env)
+    if hook.timeout is not None:
+        out["timeout"] = hook.timeout
+    return out
+
+
+def edits_to_dict(edits: ContainerEdits) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if edits.env:
+        out["env"] = list(edits.env)
+    if edits.device_nodes:
+        out["deviceNodes"] = [_node_to_dict(n) for n in edits.device_nodes]
+    if edits.mounts:
+        out["mounts"] = [_mount_to_dict(m) for m in edits.mounts]
+    if edits.hooks:
+        out["hooks"] = [_hook_to_dict(h) for h in edits.hooks]
+    return out
+
+
+def spec_to_dict(spec: Spec) -> dict[str, Any]:
+    out: dict[str, Any] = {"cdiVersion": spec.cdi_version, "kind": spec.kind}
+    out["devices"] = [{"name": d.name, "containerEdits": edits_to_dict(d.edits)} for d in spec.devices]
+    if not spec.edits.is_empty():
+        out["containerEdits"] = edits_to_dict(spec.edits)
+    return out
+
+
+# --- from dict ---------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Typed field access on a mapping that reports the path of whatever is wrong."""
+
+    def __init__(self, data: object, where: str, allowed: tuple[str, ...]) -> None:
+        if not isinstance(data, Mapping):
+            raise SpecError(f"{where or 'spec'}: expected a mapping, got {type(data).__name__}")
+        self.data = data
+        self.where = where
+        for key in data:
+            if key not in allowed:
+                raise SpecError(f"{self.at(str(key))}: unknown field")
+
+    def at(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def get(self, key: str, typ: type | tuple[type, ...], *, required: bool = False) -> Any:
+        if key not in self.data or self.data[key] is None:
+            if required:
+                raise SpecError(f"{self.at(key)}: required field missing")
+            return None
+        value = self.data[key]
+        if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
+            raise SpecError(f"{self.at(key)}: expected {_type_name(typ)}, got {type(value).__name__}")
+        return value
+
+    def strings(self, key: str) -> tuple[str, ...]:
+        items = self.get(key, list) or []
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise SpecError(f"{self.at(key)}[{i}]: expected a string, got {type(item).__name__}")
+        return tuple(items)
+
+    def items(self, key: str, parse: Callable[[object, str], Any]) -> tuple[Any, ...]:
+        return tuple(parse(item, f"{self.at(key)}[{i}]") for i, item in enumerate(self.get(key, list) or []))
+
+
+def _type_name(typ: type | tuple[type, ...]) -> str:
+    names = {str: "a string", int: "an integer", list: "a list", dict: "a mapping", Mapping: "a mapping"}
+    if isinstance(typ, tuple):
+        return " or ".join(names.get(t, t.__name__) for t in typ)
+    return names.get(typ, typ.__name__)
+
+
+def _node_from(data: object, where: str) -> DeviceNode:
+    r = _Reader(data, where, ("path", "hostPath", "type", "major", "minor", "fileMode", "permissions", "uid", "gid"))
+    return DeviceNode(
+        path=r.get("path", str, required=True),
+        host_path=r.get("hostPath", str),
+        type=r.get("type", str),
+        major=r.get("major", int),
+        minor=r.get("minor", int),
+        file_mode=r.get("fileMode", int),
+        permissions=r.get("permissions", str),
+        uid=r.get("uid", int),
+        gid=r.get("gid", int),
+    )
+
+
+def _mount_from(data: object, where: str) -> Mount:
+    r = _Reader(data, where, ("hostPath", "containerPath", "options", "type"))
+    return Mount(
+        host_path=r.get("hostPath", str, required=True),
+        container_path=r.get("containerPath", str, required=True),
+        options=r.strings("options"),
+        type=r.get("type", str),
+    )
+
+
+def _hook_from(data: object, where: str) -> Hook:
+    r = _Reader(data, where, ("hookName", "path", "args", "env", "timeout"))
+    return Hook(
+        hook_name=r.get("hookName", str, required=True),
+        path=r.get("path", str, required=True),
+        args=r.strings("args"),
+        env=r.strings("env"),
+        timeout=r.get("timeout", int),
+    )
+
+
+def edits_from_dict(data: object, where: str) -> ContainerEdits:
+    r = _Reader(data, where, ("env", "deviceNodes", "mounts", "hooks"))
+    return ContainerEdits(
+        env=r.strings("env"),
+        device_nodes=r.items("deviceNodes", _node_from),
+        mounts=r.items("mounts", _mount_from),
+        hooks=r.items("hooks", _hook_from),
+    )
+
+
+def _device_from(data: object, where: str) -> Device:
+    r = _Reader(data, where, ("name", "containerEdits"))
+    edits = r.get("containerEdits", Mapping, required=True)
+    return Device(name=r.get("name", str, required=True), edits=edits_from_dict(edits, r.at("containerEdits")))
+
+
+def spec_from_dict(data: object) -> Spec:
+    r = _Reader(data, "", ("cdiVersion", "kind", "devices", "containerEdits"))
+    edits = r.get("containerEdits", Mapping)
+    return Spec(
+        cdi_version=r.get("cdiVersion", str, required=True),
+        kind=r.get("kind", str, required=True),
+        devices=r.items("devices", _device_from),
+        edits=edits_from_dict(edits, "containerEdits") if edits is not None else ContainerEdits(),
+    )
+
+
+# --- files -------------------------------------------------------------------------------------------
+
+
+def dump(spec: Spec, fmt: str = "yaml", *, generation: int | None = None) -> str:
+    """Serialise deterministically: same spec, same bytes."""
+    data = spec_to_dict(spec)
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    import yaml
+
+    header = f"---\n{GENERATION_MARKER}{generation}\n" if generation is not None else "---\n"
+    return header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def parse_text(text: str, source: str) -> object:
+    """Parse YAML or JSON text (JSON is YAML; the JSON fast path keeps the hook quick)."""
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise SpecError(f"{source}: invalid JSON: {err}") from None
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        docs = [d for d in yaml.load_all(text, Loader=loader) if d is not None]
+    except yaml.YAMLError as err:
+        raise SpecError(f"{source}: invalid YAML: {' '.join(str(err).split())}") from None
+    if len(docs) != 1:
+        raise SpecError(f"{source}: expected one YAML document, found {len(docs)}")
+    return docs[0]
+
+
+def read_generation(text: str) -> int | None:
+    for line in text.splitlines()[:3]:
+        if line.startswith(GENERATION_MARKER):
+            try:
+                return int(line[len(GENERATION_MARKER) :])
+            except ValueError:
+                return None
+    return None
+
+
+def load_file(path: str | Path) -> Spec:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read: {err.strerror}") from None
+    try:
+        return spec_from_dict(parse_text(text, str(path)))
+    except SpecError as err:
+        if str(err).startswith(str(path)):
+            raise
+        raise SpecError(f"{path}: {err}") from None
+
+
+def write_atomic(path: Path, content: str, *, mode: int = 0o644) -> bool:
+    """Write via a temp file in the same directory, fsync, rename. Returns False when already identical."""
+    try:
+        if path.read_text() == content:
+            return False
+    except (OSError, UnicodeDecodeError):
+        pass
+    directory = path.parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as err:
+        raise SpecError(f"{directory}: cannot write spec: {err.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(content)
+            handle.flush()
+            os.fchmod(handle.fileno(), mode)
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise SpecError(f"{path}: cannot write spec: {err.strerror}") from None
+    return True

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+HOSTS = FIXTURES / "hosts"
+GOLDEN = FIXTURES / "golden"
+HOST_NAMES = sorted(p.name for p in HOSTS.iterdir() if p.is_dir())
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", help="rewrite golden specs from current output")
+
+
+@pytest.fixture
+def update_golden(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-golden"))
+
+
+@pytest.fixture
+def host_copy(tmp_path: Path):
+    """Copy a fixture host into tmp_path so a test can break it."""
+
+    def copy(name: str) -> Path:
+        target = tmp_path / name
+        shutil.copytree(HOSTS / name, target, symlinks=True)
+        return target
+
+    return copy

@@ -1,0 +1,87 @@
+import logging
+
+from devinject.discover import discover
+from devinject.host import Host
+from devinject.profiles import load_profiles
+from devinject.sysfs import scan_pci
+from tests.conftest import HOSTS
+
+
+def _found(name):
+    host = Host(str(HOSTS / name))
+    return discover(host, load_profiles(host))
+
+
+def test_pci_scan_follows_nested_realpaths_and_strips_newlines():
+    host = Host(str(HOSTS / "hgx-h100"))
+    gpu = next(p for p in scan_pci(host) if p.address == "0000:18:00.0")
+    assert gpu.sys_path == "/sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
+    assert (gpu.vendor, gpu.device, gpu.class_code) == (0x10DE, 0x2330, 0x030200)
+    assert (gpu.driver, gpu.numa_node, gpu.iommu_group) == ("nvidia", 0, "20")
+
+
+def test_nvidia_minor_comes_from_information_file_not_the_index():
+    gpus = [f for f in _found("hgx-h100") if f.profile.kind == "nvidia.com/gpu"]
+    assert [f.address for f in gpus] == [f"0000:{b}:00.0" for b in ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")]
+    assert [f.index for f in gpus] == list(range(8))
+    assert [f.nodes[0].minor for f in gpus] == [2, 3, 0, 1, 6, 7, 4, 5]
+    assert all(f.nodes[0].path == f"/dev/nvidia{f.nodes[0].minor}" and f.nodes[0].major == 195 for f in gpus)
+
+
+def test_nvswitches_and_bmc_are_not_gpus():
+    kinds = {(f.profile.kind, f.pci.device) for f in _found("hgx-h100")}
+    assert (("nvidia.com/gpu", 0x22A3)) not in kinds
+    assert all(k[0] in ("nvidia.com/gpu", "nvidia.com/rdma") for k in kinds)
+
+
+def test_amd_gpus_skip_the_bmc_card0():
+    gpus = _found("mi300x")
+    assert [n.path for n in gpus[0].nodes] == ["/dev/dri/card1", "/dev/dri/renderD128"]
+    assert gpus[0].nodes[1].major == 226 and gpus[0].nodes[1].minor == 128
+
+
+def test_gaudi_accel_control_and_uverbs():
+    first = _found("gaudi2")[0]
+    assert [(n.path, n.major, n.minor) for n in first.nodes] == [
+        ("/dev/accel/accel0", 261, 0), ("/dev/accel/accel_controlD0", 508, 0), ("/dev/infiniband/uverbs0", 231, 192)]
+
+
+def test_alveo_joins_both_functions_of_a_card():
+    cards = _found("alveo-u250")
+    assert len(cards) == 2
+    assert [f.address for f in cards[1].functions] == ["0000:05:00.0", "0000:05:00.1"]
+    assert [n.path for n in cards[1].nodes] == ["/dev/xclmgmt1280", "/dev/dri/renderD129"]
+
+
+def test_vfio_bound_function_goes_to_vfio_kind_not_vendor_kind():
+    found = {f.address: f for f in _found("workstation")}
+    assert found["0000:02:00.0"].profile.kind == "devinject.io/vfio"
+    assert [n.path for n in found["0000:02:00.0"].nodes] == ["/dev/vfio/15", "/dev/vfio/devices/vfio0"]
+    assert found["0000:01:00.0"].profile.kind == "nvidia.com/gpu"
+
+
+def test_ascend_indexed_virtual_class_devices():
+    npus = _found("ascend-910b")
+    assert [n.path for f in npus for n in f.nodes] == [f"/dev/davinci{i}" for i in range(8)]
+
+
+def test_empty_vm_has_no_devices():
+    assert _found("empty-vm") == []
+
+
+def test_unreadable_device_is_skipped_with_a_warning_naming_the_path(host_copy, caplog):
+    root = host_copy("hgx-h100")
+    (root / "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0/vendor").unlink()
+    host = Host(str(root))
+    with caplog.at_level(logging.WARNING):
+        gpus = [f for f in discover(host, load_profiles(host)) if f.profile.kind == "nvidia.com/gpu"]
+    assert len(gpus) == 7
+    assert "0000:18:00.0" in caplog.text and "vendor" in caplog.text and "0000:16:00.0/0000:18:00.0" in caplog.text
+
+
+def test_missing_information_file_drops_only_that_gpu(host_copy, caplog):
+    root = host_copy("hgx-h100")
+    (root / "proc/driver/nvidia/gpus/0000:2a:00.0/information").unlink()
+    host = Host(str(root))
+    gpus = [f for f in discover(host, load_profiles(host)) if f.profile.kind == "nvidia.com/gpu"]
+    assert [f.index for f in gpus] == [0, 2, 3, 4, 5, 6, 7]  # indices do not shift

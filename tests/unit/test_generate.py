@@ -1,0 +1,146 @@
+import os
+import stat
+
+import pytest
+
+from devinject.errors import ConfigError, DevinjectError, SpecError
+from devinject.generate import GenerateOptions, generate_specs, render, write_specs
+from devinject.model import ContainerEdits, Device, DeviceNode, Spec
+from devinject.spec import load_file, required_version
+from tests.conftest import HOSTS
+
+HOOK = "/usr/bin/devinject"
+
+
+def _specs(name, **kw):
+    return {s.kind: s for s in generate_specs(GenerateOptions(root=str(HOSTS / name), hook_path=HOOK, **kw))}
+
+
+def test_default_names_are_index_and_uuid_plus_all():
+    gpu = _specs("hgx-h100")["nvidia.com/gpu"]
+    names = [d.name for d in gpu.devices]
+    assert names[:2] == ["0", "GPU-5b3c0a1e-7c1d-4c1b-9a55-0e1f2a3b4c00"]
+    assert names[-1] == "all" and len(names) == 17
+
+
+def test_index_and_pci_where_no_uuid():
+    names = [d.name for d in _specs("mi300x")["amd.com/gpu"].devices]
+    assert names[:2] == ["0", "0000:05:00.0"]
+
+
+def test_every_name_of_a_device_has_identical_edits():
+    gpu = _specs("hgx-h100", strategies=("index", "uuid", "pci"))["nvidia.com/gpu"]
+    assert gpu.device("0").edits == gpu.device("GPU-5b3c0a1e-7c1d-4c1b-9a55-0e1f2a3b4c00").edits == gpu.device(
+        "0000:18:00.0").edits
+
+
+def test_all_device_merges_every_device():
+    gpu = _specs("hgx-h100")["nvidia.com/gpu"]
+    assert sorted(n.minor for n in gpu.device("all").edits.device_nodes) == list(range(8))
+
+
+def test_host_paths_carry_the_root_container_paths_do_not():
+    root = str(HOSTS / "hgx-h100")
+    gpu = _specs("hgx-h100")["nvidia.com/gpu"]
+    node = gpu.device("0").edits.device_nodes[0]
+    assert (node.path, node.host_path) == ("/dev/nvidia2", root + "/dev/nvidia2")
+    cuda = next(m for m in gpu.edits.mounts if "libcuda" in m.container_path)
+    assert cuda.container_path == "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14"
+    assert cuda.host_path == root + cuda.container_path
+    assert cuda.options == ("ro", "nosuid", "nodev", "bind")
+
+
+def test_soname_links_and_ldcache_hooks_are_generated():
+    hooks = _specs("hgx-h100")["nvidia.com/gpu"].edits.hooks
+    assert [h.args[2] for h in hooks] == ["create-symlinks", "update-ldcache"]
+    assert "libcuda.so.550.54.14::/usr/lib/x86_64-linux-gnu/libcuda.so.1" in hooks[0].args
+    assert all(h.path == HOOK and h.hook_name == "createContainer" and h.env for h in hooks)
+
+
+def test_firmware_follows_driver_version():
+    mounts = [m.container_path for m in _specs("hgx-h100")["nvidia.com/gpu"].edits.mounts]
+    assert "/lib/firmware/nvidia/550.54.14/gsp_ga10x.bin" in mounts
+
+
+def test_control_nodes_use_proc_devices_majors():
+    nodes = {n.path: (n.major, n.minor) for n in _specs("hgx-h100")["nvidia.com/gpu"].edits.device_nodes}
+    assert nodes == {"/dev/nvidiactl": (195, 255), "/dev/nvidia-uvm": (510, 0), "/dev/nvidia-uvm-tools": (510, 1),
+                     "/dev/nvidia-modeset": (195, 254)}
+
+
+def test_version_is_lowest_that_fits():
+    spec = Spec("a.com/b", (Device("gpu-a", ContainerEdits(device_nodes=(DeviceNode("/dev/x", type="c", major=1,
+                                                                                    minor=2),))),))
+    assert required_version(spec) == "0.3.0"
+    digit = Spec("a.com/b", (Device("0", spec.devices[0].edits),))
+    assert required_version(digit) == "0.5.0"
+    assert _specs("hgx-h100")["nvidia.com/gpu"].cdi_version == "0.5.0"
+
+
+def test_uuid_only_names_at_root_slash_would_need_no_more_than_cap():
+    with pytest.raises(SpecError, match=r"needs CDI 0\.5\.0, above the --cdi-version cap 0\.4\.0"):
+        _specs("hgx-h100", version_cap="0.4.0")
+
+
+def test_unknown_strategy_and_kind_are_config_errors():
+    with pytest.raises(ConfigError, match="--device-name-strategy"):
+        _specs("hgx-h100", strategies=("serial",))
+    with pytest.raises(ConfigError, match=r"--kind: no profile offers 'acme\.com/x'"):
+        _specs("hgx-h100", kinds=("acme.com/x",))
+
+
+def test_written_specs_are_valid_0644_and_byte_identical(tmp_path):
+    specs = list(_specs("hgx-h100").values())
+    first = write_specs(specs, tmp_path / "cdi", "yaml")
+    contents = {p: p.read_bytes() for p in first}
+    again = write_specs(list(_specs("hgx-h100").values()), tmp_path / "cdi", "yaml")
+    assert {p: p.read_bytes() for p in again} == contents
+    for path in first:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+        assert load_file(path).kind in ("nvidia.com/gpu", "nvidia.com/rdma")
+    assert sorted(p.name for p in (tmp_path / "cdi").iterdir()) == ["nvidia.com-gpu.yaml", "nvidia.com-rdma.yaml"]
+
+
+def test_invalid_spec_is_never_written(tmp_path):
+    bad = Spec("a.com/b", (Device("x", ContainerEdits()),))
+    with pytest.raises(SpecError, match="empty device edits"):
+        write_specs([bad], tmp_path, "yaml")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_output_dir_leaves_existing_spec_untouched(tmp_path):
+    out = tmp_path / "cdi"
+    out.mkdir()
+    existing = out / "nvidia.com-gpu.yaml"
+    existing.write_text("old\n")
+    os.chmod(out, 0o500)
+    try:
+        if os.access(out, os.W_OK):  # root ignores mode bits: make the directory immutable instead
+            os.chmod(out, 0o755)
+            os.system(f"chattr +i {out} 2>/dev/null")
+        with pytest.raises(DevinjectError, match=str(out)):
+            write_specs([_specs("hgx-h100")["nvidia.com/gpu"]], out, "yaml")
+    finally:
+        os.system(f"chattr -i {out} 2>/dev/null")
+        os.chmod(out, 0o755)
+    assert existing.read_text() == "old\n"
+    assert [p.name for p in out.iterdir()] == ["nvidia.com-gpu.yaml"]
+
+
+def test_json_format_round_trips():
+    spec = _specs("mi300x")["amd.com/gpu"]
+    import json
+
+    data = json.loads(render(spec, "json"))
+    assert data["kind"] == "amd.com/gpu" and data["cdiVersion"] == "0.5.0"
+    assert data["containerEdits"]["deviceNodes"][0]["path"] == "/dev/kfd"
+
+
+def test_device_with_no_nodes_is_not_emitted(host_copy):
+    root = host_copy("mi300x")
+    import shutil
+
+    shutil.rmtree(root / "sys/devices/pci0000:00/0000:00:01.1/0000:01:00.0/0000:02:00.0/0000:03:00.0"
+                  "/0000:04:00.0/0000:05:00.0/drm")
+    spec = {s.kind: s for s in generate_specs(GenerateOptions(root=str(root), hook_path=HOOK))}["amd.com/gpu"]
+    assert spec.device("0") is None and spec.device("1") is not None
