@@ -13,6 +13,7 @@ from pathlib import Path
 from devinject.discover import FoundDevice, HostView, discover, shared_nodes
 from devinject.errors import ConfigError, DevinjectError, SpecError
 from devinject.host import Host
+from devinject.ldcache import LdCacheEntry
 from devinject.libraries import (
     LocatedFile,
     locate_binaries,
@@ -115,7 +116,7 @@ def _link_target(library: LocatedFile) -> str:
 
 
 def common_edits(view: HostView, profile: Profile, rerooter: _Rerooter, hook_path: str,
-                 ldcache: list | None) -> ContainerEdits:
+                 ldcache: list[LdCacheEntry] | None) -> ContainerEdits:
     host = view.host
     libraries = locate_libraries(host, ldcache or [], profile.libraries, native_arch()) if profile.libraries else []
     version = driver_version(host, profile, libraries)

@@ -121,7 +121,7 @@ class Host:
 
         matches = ["/"]
         for part in [p for p in pattern.split("/") if p]:
-            step = []
+            step: list[str] = []
             for base in matches:
                 if any(ch in part for ch in "*?["):
                     step.extend(

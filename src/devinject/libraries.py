@@ -74,7 +74,7 @@ def locate_binaries(host: Host, names: tuple[str, ...]) -> list[LocatedFile]:
 
 def locate_files(host: Host, patterns: tuple[str, ...], **fields: str | None) -> list[LocatedFile]:
     """Globbed files and directories; a pattern whose template field is unknown is skipped."""
-    found = []
+    found: list[LocatedFile] = []
     for pattern in patterns:
         try:
             expanded = pattern.format(**{k: v for k, v in fields.items() if v is not None})

@@ -1,0 +1,160 @@
+"""Grant device access in the container's device cgroup.
+
+Which cgroup and which version come from `/proc/<pid>/cgroup` and the mount table, never from guesses:
+cgroup v2 when `/sys/fs/cgroup` is a cgroup2 mount (what runc checks), else v1's `devices` hierarchy.
+v1 appends rules to `devices.allow`; v2 rewrites the attached BPF_CGROUP_DEVICE program (see bpf.py).
+
+Rules added here live outside the OCI config: a systemd reload that re-applies the unit's device policy can
+reset them (docs/hook.md explains the `/dev/char` links that avoid this).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from devinject.errors import HookError
+from devinject.hook.plan import AllowDevice
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+@dataclass(frozen=True, slots=True)
+class MountEntry:
+    root: str
+    mount_point: str
+    fstype: str
+    super_options: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCgroup:
+    version: int
+    path: str  # directory of the container's cgroup on this host's view
+
+
+def _unescape(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def parse_mountinfo(text: str) -> list[MountEntry]:
+    entries = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        tail = right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        entries.append(MountEntry(_unescape(fields[3]), _unescape(fields[4]), tail[0], tuple(tail[2].split(","))))
+    return entries
+
+
+def parse_proc_cgroup(text: str) -> dict[str, str]:
+    """controller (or '' for the v2 unified line) -> path."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if not controllers:
+            out[""] = path
+        for controller in controllers.split(","):
+            if controller:
+                out[controller] = path
+    return out
+
+
+def _join(entry: MountEntry, cgroup_path: str) -> str:
+    root = entry.root.rstrip("/")
+    relative = cgroup_path[len(root):] if root and cgroup_path.startswith(root) else cgroup_path
+    return os.path.normpath(entry.mount_point + "/" + relative.lstrip("/"))
+
+
+def find_device_cgroup(mountinfo: str, proc_cgroup: str) -> DeviceCgroup | None:
+    """Pure: the device cgroup directory for a process, or None when it has no device controller."""
+    mounts = parse_mountinfo(mountinfo)
+    paths = parse_proc_cgroup(proc_cgroup)
+    at_root = [m for m in mounts if m.mount_point == CGROUP_ROOT]
+    if at_root and at_root[-1].fstype == "cgroup2":  # the last mount on a point is the visible one
+        if "" not in paths:
+            return None
+        return DeviceCgroup(2, _join(at_root[-1], paths[""]))
+    devices = [m for m in mounts if m.fstype == "cgroup" and "devices" in m.super_options]
+    if devices and "devices" in paths:
+        return DeviceCgroup(1, _join(devices[-1], paths["devices"]))
+    unified = [m for m in mounts if m.fstype == "cgroup2"]
+    if unified and "" in paths:
+        return DeviceCgroup(2, _join(unified[-1], paths[""]))
+    return None
+
+
+def device_cgroup_of(pid: int, proc: str = "/proc") -> DeviceCgroup | None:
+    try:
+        with open(f"{proc}/self/mountinfo") as handle:
+            mountinfo = handle.read()
+        with open(f"{proc}/{pid}/cgroup") as handle:
+            proc_cgroup = handle.read()
+    except OSError as err:
+        raise HookError(f"container process {pid}: cannot read its cgroup: {err.strerror}") from None
+    return find_device_cgroup(mountinfo, proc_cgroup)
+
+
+class CgroupGrant:
+    """Adds rules; `revert()` takes back exactly what this grant added."""
+
+    def __init__(self, cgroup: DeviceCgroup) -> None:
+        self.cgroup = cgroup
+        self.added_v1: list[str] = []
+        self.v2_swap: object | None = None
+
+    def allow(self, rules: tuple[AllowDevice, ...]) -> None:
+        if not rules:
+            return
+        if self.cgroup.version == 1:
+            self._allow_v1(rules)
+        else:
+            from devinject.hook import bpf
+
+            self.v2_swap = bpf.allow_devices(self.cgroup.path, rules)
+
+    def _allow_v1(self, rules: tuple[AllowDevice, ...]) -> None:
+        listed = set()
+        try:
+            with open(os.path.join(self.cgroup.path, "devices.list")) as handle:
+                listed = {line.strip() for line in handle}
+        except OSError:
+            pass
+        allow_file = os.path.join(self.cgroup.path, "devices.allow")
+        for rule in rules:
+            if rule.rule in listed or "a *:* rwm" in listed:
+                continue
+            try:
+                with open(allow_file, "w") as handle:
+                    handle.write(rule.rule)
+            except OSError as err:
+                raise HookError(f"{allow_file}: cannot add {rule.rule!r}: {err.strerror}") from None
+            self.added_v1.append(rule.rule)
+
+    def revert(self) -> None:
+        if self.cgroup.version == 1:
+            deny = os.path.join(self.cgroup.path, "devices.deny")
+            for rule in reversed(self.added_v1):
+                try:
+                    with open(deny, "w") as handle:
+                        handle.write(rule)
+                except OSError:
+                    pass
+            self.added_v1.clear()
+        elif self.v2_swap is not None:
+            from devinject.hook import bpf
+
+            bpf.restore(self.v2_swap)
+            self.v2_swap = None
+
+    def done(self) -> None:
+        if self.v2_swap is not None:
+            from devinject.hook import bpf
+
+            bpf.release(self.v2_swap)
+            self.v2_swap = None

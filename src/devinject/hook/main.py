@@ -1,0 +1,223 @@
+"""`devinject hook` (OCI prestart / createRuntime / poststop) and `devinject cdi-hook` (CDI createContainer).
+
+Lean on purpose: stdlib, the CDI model and a spec cache; no click, jsonschema, pynvml or pyroute2.
+Errors are one line on stderr starting `devinject: error:` and a non-zero exit; nothing goes to stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from devinject.errors import DevinjectError, HookError
+
+CONFIG_FILE = "/etc/devinject/hook.json"
+DEFAULT_LOG = "/var/log/devinject/hook.log"
+DEFAULT_STATE_DIR = "/run/devinject"
+USAGE = """usage: devinject hook [--spec-dir DIR]... [--log-file FILE] [--state-dir DIR] [--config FILE]
+                      [--no-env-requests] [--no-ledger] [--stage prestart|createRuntime|poststop] < state.json
+       devinject cdi-hook create-symlinks --link TARGET::LINK... < state.json
+       devinject cdi-hook update-ldcache --folder DIR... < state.json"""
+
+
+@dataclass
+class HookOptions:
+    spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
+    log_file: str | None = DEFAULT_LOG
+    state_dir: str = DEFAULT_STATE_DIR
+    env_requests: bool = True
+    ledger: bool = True
+    stage: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+_CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
+    "env_requests": bool, "ledger": bool, "state_dir": str, "log_file": (str, type(None)),
+}
+
+
+def _load_config(path: str, opts: HookOptions, *, required: bool) -> None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        if required:
+            raise HookError(f"{path}: no such config file") from None
+        return
+    except (OSError, ValueError) as err:
+        raise HookError(f"{path}: invalid config: {err}") from None
+    if not isinstance(data, dict):
+        raise HookError(f"{path}: expected a JSON object")
+    for key, value in data.items():
+        if key == "spec_dirs" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            opts.spec_dirs = tuple(value)
+        elif _CONFIG_TYPES.get(key) is not None and isinstance(value, _CONFIG_TYPES[key]):
+            setattr(opts, key, value)
+        else:
+            raise HookError(f"{path}: {key}: unknown key or wrong type")
+
+
+def parse_hook_args(args: list[str]) -> HookOptions:
+    opts = HookOptions()
+    config, config_required = CONFIG_FILE, False
+    spec_dirs: list[str] = []
+    overrides: dict[str, object] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, inline = arg.partition("=")
+        takes_value = name in ("--spec-dir", "--log-file", "--state-dir", "--config", "--stage")
+        if takes_value:
+            if eq:
+                value = inline
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                raise HookError(f"{name}: needs a value")
+            if name == "--spec-dir":
+                spec_dirs.append(value)
+            elif name == "--config":
+                config, config_required = value, True
+            elif name == "--stage":
+                if value not in ("prestart", "createRuntime", "poststop"):
+                    raise HookError(f"--stage: {value!r} is not prestart, createRuntime or poststop")
+                overrides["stage"] = value
+            else:
+                overrides[name[2:].replace("-", "_")] = str(value)
+        elif arg == "--no-env-requests":
+            overrides["env_requests"] = False
+        elif arg == "--no-ledger":
+            overrides["ledger"] = False
+        elif arg in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
+        else:
+            raise HookError(f"unknown argument {arg!r}\n{USAGE}")
+        i += 1
+    _load_config(config, opts, required=config_required)
+    for key, setting in overrides.items():
+        setattr(opts, key, setting)
+    if spec_dirs:
+        opts.spec_dirs = tuple(spec_dirs)
+    return opts
+
+
+def _log(opts: HookOptions, record: dict[str, object]) -> None:
+    if not opts.log_file:
+        return
+    try:
+        os.makedirs(os.path.dirname(opts.log_file) or ".", exist_ok=True)
+        with open(opts.log_file, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+    except OSError:
+        pass  # the runtime may not give us a writable /var/log; never fail a container for a log line
+
+
+def run_hook(opts: HookOptions, stdin_fd: int = 0) -> dict[str, object]:
+    from devinject.hook.request import requested_devices
+    from devinject.hook.state import load_bundle, parse_state, read_stdin
+
+    record: dict[str, object] = {}
+    state = parse_state(read_stdin(stdin_fd))
+    record.update(container=state.id, status=state.status)
+    stage = opts.stage or ("poststop" if state.status == "stopped" else "prestart")
+    record["stage"] = stage
+    if stage == "poststop":
+        if opts.ledger:
+            from devinject.ledger import Ledger
+
+            record["released"] = Ledger(opts.state_dir).release(state.id)
+        return record
+    bundle = load_bundle(state)
+    request = requested_devices({**bundle.annotations, **state.annotations}, bundle.env,
+                                allow_env=opts.env_requests)
+    record["devices"] = list(request.names)
+    if not request.names:
+        record["result"] = "nothing requested"
+        return record
+    record["source"] = request.source
+    if state.pid <= 0 or not os.path.exists(f"/proc/{state.pid}"):
+        raise HookError(f"container {state.id}: process {state.pid} is gone")
+
+    from devinject.hook.cgroup import CgroupGrant, device_cgroup_of
+    from devinject.hook.executor import Executor
+    from devinject.hook.nsenter import run_in_mount_ns
+    from devinject.hook.plan import plan
+    from devinject.hook.registry import Registry
+
+    registry = Registry(opts.spec_dirs, cache_file=os.path.join(opts.state_dir, "spec-cache.json"))
+    resolved = registry.resolve(request.names)
+    user = bundle.raw.get("process", {}).get("user", {}) if isinstance(bundle.raw.get("process"), dict) else {}
+    steps = plan(resolved.edits, uid=int(user.get("uid", 0) or 0), gid=int(user.get("gid", 0) or 0))
+    record["warnings"] = list(steps.warnings)
+    booking = None
+    if opts.ledger:
+        from devinject.ledger import Ledger
+
+        booking = Ledger(opts.state_dir).book(state.id, state.pid, request.names, resolved)
+    cgroup = device_cgroup_of(state.pid)
+    grant = CgroupGrant(cgroup) if cgroup is not None else None
+    try:
+        if grant is not None:
+            grant.allow(steps.allow)
+            record["cgroup"] = f"v{cgroup.version} {cgroup.path}" if cgroup else None
+        record["steps"] = run_in_mount_ns(state.pid, lambda: Executor(bundle.rootfs).apply(steps))
+    except BaseException:
+        if grant is not None:
+            grant.revert()
+        if booking is not None:
+            booking.cancel()
+        raise
+    if grant is not None:
+        grant.done()
+    record["result"] = "ok"
+    return record
+
+
+def run_cdi_hook(args: list[str], stdin_fd: int = 0) -> list[str]:
+    """A CDI createContainer hook: already inside the container's mount namespace, before pivot_root."""
+    from devinject.hook.executor import Executor
+    from devinject.hook.plan import Plan, parse_cdi_hook, parse_link
+    from devinject.hook.state import load_bundle, parse_state, read_stdin
+
+    command, values = parse_cdi_hook(args)
+    bundle = load_bundle(parse_state(read_stdin(stdin_fd)))
+    if command == "create-symlinks":
+        steps = Plan(links=tuple(parse_link(v) for v in values))
+    else:
+        steps = Plan(ldcache_folders=tuple(v for v in values if v.startswith("/")))
+    return Executor(bundle.rootfs).apply(steps)
+
+
+def main(argv: list[str]) -> int:
+    command, args = argv[0], argv[1:]
+    started = time.monotonic()
+    opts = HookOptions()
+    record: dict[str, object] = {"command": command, "time": time.time()}
+    try:
+        if command == "cdi-hook":
+            if args and args[0] in ("-h", "--help"):
+                print(USAGE)
+                return 0
+            opts.log_file = None
+            run_cdi_hook(args)
+            return 0
+        opts = parse_hook_args(args)
+        record.update(run_hook(opts))
+        return 0
+    except DevinjectError as err:
+        record["error"] = err.message
+        print(f"devinject: error: {err.message}", file=sys.stderr)
+        return 1
+    except Exception as err:
+        record["error"] = f"internal: {type(err).__name__}: {err}"
+        print(f"devinject: error: internal error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    finally:
+        record["duration_ms"] = round((time.monotonic() - started) * 1000, 2)
+        if record.get("devices") or record.get("error") or record.get("stage") == "poststop":
+            _log(opts, record)

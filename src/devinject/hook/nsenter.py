@@ -1,0 +1,74 @@
+"""Run a function inside a container's mount namespace: setns from a forked, single-threaded child
+(setns(CLONE_NEWNS) fails in a multi-threaded process), result or error back over a pipe, bounded time."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from devinject.errors import DevinjectError, HookError
+from devinject.hook import syscalls
+
+CHILD_TIMEOUT = 30.0
+
+
+def same_mount_ns(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False
+
+
+def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_TIMEOUT) -> Any:
+    try:
+        ns_fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise HookError(f"container process {pid}: cannot open its mount namespace: {err.strerror}") from None
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child
+        os.close(read_end)
+        status = 1
+        try:
+            syscalls.setns(ns_fd, syscalls.CLONE_NEWNS)
+            os.chdir("/")
+            payload = {"ok": True, "result": fn()}
+            status = 0
+        except DevinjectError as err:
+            payload = {"ok": False, "error": err.message}
+        except BaseException as err:  # report, never raise across fork
+            payload = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+        try:
+            os.write(write_end, json.dumps(payload).encode())
+        finally:
+            os._exit(status)
+    os.close(ns_fd)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout
+    chunks = []
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([read_end], [], [], max(remaining, 0))
+            if not ready:
+                os.kill(child, signal.SIGKILL)
+                raise HookError(f"work in the container's mount namespace did not finish in {timeout:g}s")
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
+    try:
+        payload = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        payload = {}
+    if not payload.get("ok"):
+        raise HookError(payload.get("error") or "the namespace child died without a report")
+    return payload.get("result")

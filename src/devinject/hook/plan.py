@@ -1,0 +1,191 @@
+"""The action planner: resolved CDI edits -> the exact steps the hook takes. Pure: the only outside input is
+an injectable `stat` for device nodes whose numbers the spec leaves out."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat as statmod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from devinject.errors import HookError
+from devinject.model import ContainerEdits, DeviceNode, Hook
+
+MAX_ACTIONS = 4096
+_MOUNT_FLAGS = {"ro": "readonly", "nosuid": "nosuid", "nodev": "nodev", "noexec": "noexec"}
+_IGNORED_OPTIONS = {"bind", "rbind", "rprivate", "private", "rslave", "slave", "rw", "suid", "dev", "exec",
+                    "rshared", "shared"}
+
+
+@dataclass(frozen=True, slots=True)
+class MakeNode:
+    path: str
+    type: str
+    major: int
+    minor: int
+    mode: int
+    uid: int
+    gid: int
+    host_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class BindMount:
+    host_path: str
+    container_path: str
+    readonly: bool = True
+    nosuid: bool = True
+    nodev: bool = True
+    noexec: bool = False
+    recursive: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Symlink:
+    target: str
+    link: str
+
+
+@dataclass(frozen=True, slots=True)
+class AllowDevice:
+    type: str
+    major: int
+    minor: int
+    access: str
+
+    @property
+    def rule(self) -> str:
+        return f"{self.type} {self.major}:{self.minor} {self.access}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    nodes: tuple[MakeNode, ...] = ()
+    mounts: tuple[BindMount, ...] = ()
+    links: tuple[Symlink, ...] = ()
+    ldcache_folders: tuple[str, ...] = ()
+    allow: tuple[AllowDevice, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes) + len(self.mounts) + len(self.links) + len(self.allow)
+
+
+StatFn = Callable[[str], os.stat_result]
+
+
+def _fill_node(node: DeviceNode, stat_fn: StatFn, uid: int, gid: int) -> MakeNode:
+    host_path = node.host_path or node.path
+    kind, major, minor, mode = node.type, node.major, node.minor, node.file_mode
+    if not kind or major is None or minor is None or mode is None:
+        try:
+            st = stat_fn(host_path)
+        except OSError as err:
+            if not kind or major is None or minor is None:
+                raise HookError(f"device node {node.path}: numbers not in the spec and {host_path}: "
+                                f"{err.strerror}") from None
+        else:
+            if statmod.S_ISCHR(st.st_mode) or statmod.S_ISBLK(st.st_mode):
+                kind = kind or ("c" if statmod.S_ISCHR(st.st_mode) else "b")
+                major = os.major(st.st_rdev) if major is None else major
+                minor = os.minor(st.st_rdev) if minor is None else minor
+                mode = statmod.S_IMODE(st.st_mode) if mode is None else mode
+            elif not kind or major is None or minor is None:
+                raise HookError(f"device node {node.path}: {host_path} is not a device node")
+    if kind not in ("c", "b"):
+        raise HookError(f"device node {node.path}: type {kind!r} cannot be created by the hook (c or b only)")
+    if not node.path.startswith("/"):
+        raise HookError(f"device node {node.path}: path must be absolute")
+    assert major is not None and minor is not None
+    return MakeNode(node.path, kind, major, minor, 0o666 if mode is None else statmod.S_IMODE(mode),
+                    uid if node.uid is None else node.uid, gid if node.gid is None else node.gid, host_path)
+
+
+def _bind(host_path: str, container_path: str, options: tuple[str, ...], mount_type: str | None) -> BindMount:
+    if mount_type not in (None, "", "bind", "none"):
+        raise HookError(f"mount {container_path}: type {mount_type!r} not supported by the hook (bind only)")
+    if not container_path.startswith("/") or not host_path.startswith("/"):
+        raise HookError(f"mount {container_path}: host and container paths must be absolute")
+    flags = {"readonly": False, "nosuid": False, "nodev": False, "noexec": False}
+    for option in options:
+        if option in _MOUNT_FLAGS:
+            flags[_MOUNT_FLAGS[option]] = True
+        elif option not in _IGNORED_OPTIONS:
+            raise HookError(f"mount {container_path}: option {option!r} not supported by the hook")
+    return BindMount(host_path, container_path, recursive="rbind" in options, **flags)
+
+
+def _devinject_hook_args(hook: Hook) -> list[str] | None:
+    """Args after `cdi-hook` when this is a hook devinject generated, else None."""
+    args = list(hook.args)
+    if len(args) >= 3 and posixpath.basename(args[0]) == "devinject" and args[1] == "cdi-hook":
+        return args[2:]
+    return None
+
+
+def parse_cdi_hook(args: list[str]) -> tuple[str, list[str]]:
+    """`create-symlinks --link T::L ...` or `update-ldcache --folder F ...` -> (subcommand, values)."""
+    if not args:
+        raise HookError("cdi-hook: subcommand missing (create-symlinks or update-ldcache)")
+    command, rest = args[0], args[1:]
+    flag = {"create-symlinks": "--link", "update-ldcache": "--folder"}.get(command)
+    if flag is None:
+        raise HookError(f"cdi-hook: unknown subcommand {command!r}")
+    values = []
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == flag and i + 1 < len(rest):
+            values.append(rest[i + 1])
+            i += 2
+        elif arg.startswith(flag + "="):
+            values.append(arg[len(flag) + 1:])
+            i += 1
+        else:
+            raise HookError(f"cdi-hook {command}: unexpected argument {arg!r}")
+    return command, values
+
+
+def parse_link(value: str) -> Symlink:
+    target, sep, link = value.partition("::")
+    if not sep or not target or not link.startswith("/"):
+        raise HookError(f"cdi-hook create-symlinks: --link {value!r} is not TARGET::/ABSOLUTE/LINK")
+    return Symlink(target, link)
+
+
+def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid: int = 0) -> Plan:
+    nodes = tuple(_fill_node(n, stat_fn, uid, gid) for n in edits.device_nodes)
+    mounts = [_bind(m.host_path, m.container_path, m.options, m.type) for m in edits.mounts]
+    mounts.sort(key=lambda m: posixpath.normpath(m.container_path).count("/"))  # parents before children
+    links: list[Symlink] = []
+    folders: list[str] = []
+    warnings = []
+    if edits.env:
+        warnings.append(f"{len(edits.env)} env edit(s) ignored: a runtime hook cannot change the container's env")
+    for hook in edits.hooks:
+        args = _devinject_hook_args(hook)
+        if args is None:
+            warnings.append(f"hook {hook.path} ({hook.hook_name}) skipped: only devinject's own hooks run inline")
+            continue
+        command, values = parse_cdi_hook(args)
+        if command == "create-symlinks":
+            links += [parse_link(v) for v in values]
+        else:
+            folders += [v for v in values if v.startswith("/")]
+    allow = tuple(dict.fromkeys(AllowDevice(n.type, n.major, n.minor, _access(d.permissions))
+                                for n, d in zip(nodes, edits.device_nodes, strict=True)))
+    result = Plan(tuple(nodes), tuple(mounts), tuple(dict.fromkeys(links)), tuple(dict.fromkeys(folders)), allow,
+                  tuple(warnings))
+    if result.size > MAX_ACTIONS:
+        raise HookError(f"{result.size} actions requested; at most {MAX_ACTIONS}")
+    return result
+
+
+def _access(permissions: str | None) -> str:
+    if not permissions:
+        return "rwm"
+    if any(ch not in "rwm" for ch in permissions):
+        raise HookError(f"device permissions {permissions!r}: only r, w, m")
+    return "".join(ch for ch in "rwm" if ch in permissions)

@@ -1,0 +1,141 @@
+"""CDI specs as the hook sees them: every spec dir scanned, later dirs win, names resolved all-or-nothing.
+
+Parsed specs are cached as JSON under the state dir, keyed by each file's size and mtime, so a container
+start does not pay for a YAML parser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from devinject.errors import ResolveError, SpecError
+from devinject.model import ContainerEdits, Spec
+from devinject.names import parse_qualified_name
+from devinject.spec import edits_to_dict, parse_text, spec_from_dict, spec_to_dict
+
+DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
+MAX_SPEC_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    names: tuple[str, ...]
+    edits: ContainerEdits
+    specs: tuple[Spec, ...]
+    devices: tuple[tuple[str, ContainerEdits], ...] = ()  # each requested name with its own edits
+
+
+def _spec_files(spec_dirs: tuple[str, ...]) -> list[str]:
+    files = []
+    for directory in spec_dirs:
+        try:
+            names = sorted(os.listdir(directory))
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise SpecError(f"{directory}: cannot list spec dir: {err.strerror}") from None
+        files += [os.path.join(directory, n) for n in names if n.endswith((".yaml", ".json"))]
+    return files
+
+
+def _load(path: str, cache: dict[str, object] | None) -> Spec:
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read: {err.strerror}") from None
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    if cache is not None and key in cache:
+        return spec_from_dict(cache[key])
+    if st.st_size > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: larger than {MAX_SPEC_BYTES} bytes")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(f"{path}: cannot read: {getattr(err, 'strerror', None) or err}") from None
+    try:
+        spec = spec_from_dict(parse_text(text, path))
+    except SpecError as err:
+        raise SpecError(err.message if err.message.startswith(path) else f"{path}: {err.message}") from None
+    if cache is not None:
+        cache[key] = spec_to_dict(spec)
+    return spec
+
+
+class Registry:
+    def __init__(self, spec_dirs: tuple[str, ...] = DEFAULT_SPEC_DIRS, cache_file: str | None = None) -> None:
+        self.spec_dirs = spec_dirs
+        self.cache_file = cache_file
+        self._specs: dict[str, Spec] | None = None
+
+    def _read_cache(self) -> dict[str, object] | None:
+        if self.cache_file is None:
+            return None
+        try:
+            with open(self.cache_file, encoding="utf-8") as handle:
+                data = json.load(handle)
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _write_cache(self, cache: dict[str, object], used: set[str]) -> None:
+        if self.cache_file is None:
+            return
+        kept = {k: v for k, v in cache.items() if k in used}
+        tmp = f"{self.cache_file}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.cache_file), mode=0o700, exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as handle:
+                json.dump(kept, handle)
+            os.replace(tmp, self.cache_file)
+        except OSError:
+            pass  # a cache is an optimisation only
+
+    def specs_by_kind(self) -> dict[str, Spec]:
+        """Kind -> spec; when two files define a kind, the later dir (or later file name) wins, as in CDI."""
+        if self._specs is None:
+            cache = self._read_cache()
+            before = dict(cache) if cache is not None else None
+            specs: dict[str, Spec] = {}
+            used = set()
+            for path in _spec_files(self.spec_dirs):
+                spec = _load(path, cache)
+                if cache is not None:
+                    used |= {k for k in cache if k.startswith(path + ":")}
+                specs[spec.kind] = spec
+            if cache is not None and (cache != before or set(cache) != used):
+                self._write_cache(cache, used)
+            self._specs = specs
+        return self._specs
+
+    def resolve(self, names: tuple[str, ...]) -> Resolved:
+        """Spec-level edits once per spec, then each device's edits; any unknown name fails before anything."""
+        specs = self.specs_by_kind()
+        edits = ContainerEdits()
+        used: list[Spec] = []
+        device_edits: list[tuple[str, ContainerEdits]] = []
+        for text in names:
+            name = parse_qualified_name(text)
+            spec = specs.get(name.kind)
+            if spec is None:
+                known = ", ".join(sorted(specs)) or "none"
+                raise ResolveError(f"unresolvable CDI device {text}: no spec for kind {name.kind} "
+                                   f"(kinds: {known}; spec dirs: {', '.join(self.spec_dirs)})")
+            device = spec.device(name.name)
+            if device is None:
+                offered = ", ".join(d.name for d in spec.devices)
+                raise ResolveError(f"unresolvable CDI device {text}: {name.kind} offers {offered}")
+            if spec not in used:
+                used.append(spec)
+            device_edits.append((text, device.edits))
+        for spec in used:
+            edits = edits.merge(spec.edits)
+        for _, item in device_edits:
+            edits = edits.merge(item)
+        return Resolved(names, edits, tuple(used), tuple(device_edits))
+
+
+def edits_json(edits: ContainerEdits) -> str:
+    return json.dumps(edits_to_dict(edits), sort_keys=True)

@@ -1,0 +1,73 @@
+"""What a container asked for: CDI annotations first, then DEVINJECT_DEVICES, then vendor env variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from devinject.errors import HookError
+from devinject.names import parse_qualified_name
+
+ANNOTATION_PREFIX = "cdi.k8s.io/"
+DEVICES_ENV = "DEVINJECT_DEVICES"
+# Drop-in compatibility: the variables other vendors' hooks read, mapped onto a CDI kind.
+VENDOR_ENV = {
+    "NVIDIA_VISIBLE_DEVICES": "nvidia.com/gpu",
+    "AMD_VISIBLE_DEVICES": "amd.com/gpu",
+    "HABANA_VISIBLE_DEVICES": "habana.ai/gaudi",
+    "ASCEND_VISIBLE_DEVICES": "huawei.com/npu",
+}
+NO_DEVICES = ("", "none", "void")
+MAX_REQUESTED = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    names: tuple[str, ...]  # qualified names, in request order, deduplicated
+    source: str  # where they came from: annotation, env, or a vendor variable
+
+
+def _split(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _checked(names: list[str], source: str) -> list[str]:
+    for name in names:
+        try:
+            parse_qualified_name(name)
+        except ValueError as err:
+            raise HookError(f"{source}: {err}") from None
+    return names
+
+
+def _env_map(env: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for entry in env:
+        key, sep, value = entry.partition("=")
+        if sep:
+            out[key] = value  # the last definition wins, as in execve
+    return out
+
+
+def requested_devices(annotations: dict[str, str], env: tuple[str, ...], *, allow_env: bool = True) -> Request:
+    names: list[str] = []
+    sources: list[str] = []
+    for key in sorted(annotations):
+        if key.startswith(ANNOTATION_PREFIX):
+            names += _checked(_split(annotations[key]), f"annotation {key}")
+            sources.append("annotation")
+    if not names and allow_env:
+        variables = _env_map(env)
+        if DEVICES_ENV in variables:
+            names += _checked(_split(variables[DEVICES_ENV]), DEVICES_ENV)
+            sources.append(DEVICES_ENV)
+        for variable, kind in VENDOR_ENV.items():
+            value = variables.get(variable)
+            if value is None or value.strip().lower() in NO_DEVICES:
+                continue
+            ids = ["all"] if value.strip().lower() == "all" else _split(value)
+            names += _checked([f"{kind}={i}" for i in ids], variable)
+            sources.append(variable)
+    unique = tuple(dict.fromkeys(names))
+    if len(unique) > MAX_REQUESTED:
+        raise HookError(f"{len(unique)} devices requested; at most {MAX_REQUESTED}")
+    return Request(unique, "+".join(dict.fromkeys(sources)))

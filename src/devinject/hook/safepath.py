@@ -1,0 +1,130 @@
+"""Resolve container paths inside the rootfs without ever leaving it.
+
+Everything in a container image is hostile: a symlink in the image is followed as if the rootfs were `/`
+(absolute targets restart at the rootfs, `..` stops at it), one component at a time with O_NOFOLLOW and
+dir fds, so no string path into the rootfs is ever handed to the kernel.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+
+from devinject.errors import UnsafePathError
+
+MAX_HOPS = 40
+_O_PATH = getattr(os, "O_PATH", 0o10000000)
+
+
+@dataclass
+class Created:
+    """What a walk created, so a failed hook can remove it again (deepest first)."""
+
+    dirs: list[tuple[int, str]] = field(default_factory=list)
+
+
+class Root:
+    """An O_PATH handle on a container rootfs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as err:
+            raise UnsafePathError(f"rootfs {path}: {err.strerror}") from None
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> Root:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def walk_parent(self, path: str, *, create: bool = False, created: Created | None = None) -> tuple[int, str]:
+        """An fd on the directory that holds `path`'s last component (resolved in-root), and that name.
+
+        The caller owns the returned fd. With `create`, missing directories are made (mode 0755).
+        """
+        parts = [p for p in path.split("/") if p not in ("", ".")]
+        if not parts or parts[-1] == "..":
+            raise UnsafePathError(f"{path}: not a file path inside the container")
+        last = parts.pop()
+        return self._walk(parts, create=create, created=created, path=path), last
+
+    def resolve(self, path: str, *, create_dirs: bool = False, created: Created | None = None) -> tuple[int, str]:
+        """Like walk_parent, but the last component's symlinks are followed too (in-root)."""
+        hops = 0
+        current = path
+        while True:
+            dir_fd, name = self.walk_parent(current, create=create_dirs, created=created)
+            try:
+                target = os.readlink(name, dir_fd=dir_fd)
+            except OSError:
+                return dir_fd, name
+            hops += 1
+            if hops > MAX_HOPS:
+                os.close(dir_fd)
+                raise UnsafePathError(f"{path}: too many symlinks")
+            parent = self.relative_dir(dir_fd)
+            os.close(dir_fd)
+            current = target if target.startswith("/") else f"{parent}/{target}"
+
+    def relative_dir(self, dir_fd: int) -> str:
+        """The in-root path of a directory fd (for re-walking a relative link target)."""
+        real = os.readlink(f"/proc/self/fd/{dir_fd}")
+        base = os.readlink(f"/proc/self/fd/{self.fd}")
+        if real == base:
+            return "/"
+        if not real.startswith(base.rstrip("/") + "/"):
+            raise UnsafePathError(f"{real}: outside the rootfs {base}")
+        return real[len(base.rstrip("/")):]
+
+    def _walk(self, parts: list[str], *, create: bool, created: Created | None, path: str) -> int:
+        stack = [os.dup(self.fd)]
+        pending = list(parts)
+        hops = 0
+        try:
+            while pending:
+                part = pending.pop(0)
+                if part in ("", "."):
+                    continue
+                if part == "..":
+                    if len(stack) > 1:
+                        os.close(stack.pop())
+                    continue
+                try:
+                    fd = os.open(part, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=stack[-1])
+                except FileNotFoundError:
+                    if not create:
+                        raise UnsafePathError(f"{path}: {part} does not exist in the container") from None
+                    os.mkdir(part, 0o755, dir_fd=stack[-1])
+                    if created is not None:
+                        created.dirs.append((os.dup(stack[-1]), part))
+                    fd = os.open(part, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=stack[-1])
+                st = os.fstat(fd)
+                if stat.S_ISLNK(st.st_mode):
+                    target = os.readlink(part, dir_fd=stack[-1])
+                    os.close(fd)
+                    hops += 1
+                    if hops > MAX_HOPS:
+                        raise UnsafePathError(f"{path}: too many symlinks")
+                    if target.startswith("/"):
+                        while len(stack) > 1:
+                            os.close(stack.pop())
+                    pending = [p for p in target.split("/") if p] + pending
+                    continue
+                if not stat.S_ISDIR(st.st_mode):
+                    os.close(fd)
+                    raise UnsafePathError(f"{path}: {part} is not a directory in the container")
+                stack.append(fd)
+            result = stack.pop()
+            return result
+        except OSError as err:
+            raise UnsafePathError(f"{path}: {os.strerror(err.errno or errno.EIO)}") from None
+        finally:
+            for fd in stack:
+                os.close(fd)

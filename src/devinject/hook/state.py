@@ -1,0 +1,113 @@
+"""The OCI state on stdin and the bundle's config.json: read with size caps and a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+from dataclasses import dataclass, field
+from typing import Any
+
+from devinject.errors import HookError
+
+MAX_STATE_BYTES = 1 << 20
+MAX_CONFIG_BYTES = 16 << 20
+STDIN_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerState:
+    id: str
+    status: str
+    pid: int
+    bundle: str
+    annotations: dict[str, str] = field(default_factory=dict)
+    root: str | None = None  # crun's extension: the rootfs
+
+
+@dataclass(frozen=True, slots=True)
+class BundleConfig:
+    rootfs: str
+    env: tuple[str, ...]
+    annotations: dict[str, str]
+    raw: dict[str, Any]
+
+
+def read_stdin(fd: int = 0, *, limit: int = MAX_STATE_BYTES, timeout: float = STDIN_TIMEOUT) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            raise HookError(f"no OCI state on stdin within {timeout:g}s")
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise HookError(f"OCI state on stdin is larger than {limit} bytes")
+        chunks.append(chunk)
+
+
+def _strings(value: object, where: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise HookError(f"{where}: expected a map of strings")
+    return value
+
+
+def parse_state(data: bytes) -> ContainerState:
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise HookError(f"OCI state on stdin: invalid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise HookError("OCI state on stdin: expected a JSON object")
+    for key in ("id", "bundle"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise HookError(f"OCI state on stdin: missing or invalid {key!r}")
+    pid = raw.get("pid", 0)
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid < 0:
+        raise HookError("OCI state on stdin: invalid 'pid'")
+    root = raw.get("root")
+    return ContainerState(
+        id=raw["id"],
+        status=str(raw.get("status", "")),
+        pid=pid,
+        bundle=raw["bundle"],
+        annotations=_strings(raw.get("annotations"), "OCI state annotations"),
+        root=root if isinstance(root, str) and root else None,
+    )
+
+
+def load_bundle(state: ContainerState) -> BundleConfig:
+    path = os.path.join(state.bundle, "config.json")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise HookError(f"{path}: cannot read: {err.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise HookError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise HookError(f"{path}: invalid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise HookError(f"{path}: expected a JSON object")
+    root = raw.get("root") or {}
+    root_path = state.root or (root.get("path") if isinstance(root, dict) else None)
+    if not isinstance(root_path, str) or not root_path:
+        raise HookError(f"{path}: root.path missing")
+    rootfs = root_path if os.path.isabs(root_path) else os.path.join(state.bundle, root_path)
+    process = raw.get("process") or {}
+    env = process.get("env") if isinstance(process, dict) else None
+    if env is not None and (not isinstance(env, list) or not all(isinstance(e, str) for e in env)):
+        raise HookError(f"{path}: process.env must be a list of strings")
+    return BundleConfig(
+        rootfs=os.path.normpath(rootfs),
+        env=tuple(env or ()),
+        annotations=_strings(raw.get("annotations"), f"{path}: annotations"),
+        raw=raw,
+    )

@@ -1,0 +1,241 @@
+"""The node-local ledger: which container holds which device, so an exclusive device is never handed out
+twice. One JSON file under the state dir, rewritten atomically under an exclusive file lock.
+
+A device's identity is its own char nodes (`c 195:2`), so `gpu=0`, `gpu=GPU-…` and `gpu=all` that share a
+node conflict with each other. Allocations of dead containers (pid + start time, so pid reuse cannot fool
+it) are reclaimed on every access; a released device stays `reclaiming` while a host process still holds
+one of its nodes open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from devinject.errors import LedgerError
+
+LEDGER_FILE = "ledger.json"
+LOCK_FILE = "ledger.lock"
+HEALTH_FILE = "health.json"
+EVENTS_FILE = "events.jsonl"
+LOCK_TIMEOUT = 10.0
+RECLAIM_TIMEOUT = 30.0
+
+
+def process_start_time(pid: int, proc: str = "/proc") -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks since boot); None when the process is gone."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def node_key(kind: str, major: int, minor: int) -> str:
+    return f"{kind} {major}:{minor}"
+
+
+def holders_of(nodes: set[str], proc: str = "/proc") -> dict[str, list[int]]:
+    """Host processes with one of `nodes` ("c 195:2") open: node -> pids. Scans /proc/*/fd."""
+    found: dict[str, list[int]] = {}
+    if not nodes:
+        return found
+    try:
+        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        fd_dir = f"{proc}/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                key = node_key("c" if stat.S_ISCHR(st.st_mode) else "b", os.major(st.st_rdev), os.minor(st.st_rdev))
+                if key in nodes and pid not in found.setdefault(key, []):
+                    found[key].append(pid)
+    return {k: v for k, v in found.items() if v}
+
+
+@dataclass
+class Booking:
+    ledger: Ledger
+    container_id: str
+    new: bool
+
+    def cancel(self) -> None:
+        """The hook failed after booking: free what this invocation booked (nothing if it was a re-run)."""
+        if self.new:
+            with self.ledger.locked() as data:
+                data["allocations"].pop(self.container_id, None)
+                self.ledger.event("cancelled", container=self.container_id)
+
+
+class Ledger:
+    def __init__(self, state_dir: str, *, proc: str = "/proc", reclaim_timeout: float = RECLAIM_TIMEOUT) -> None:
+        self.state_dir = state_dir
+        self.proc = proc
+        self.reclaim_timeout = reclaim_timeout
+        self.path = os.path.join(state_dir, LEDGER_FILE)
+
+    # --- storage -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[dict[str, Any]]:
+        """The ledger's contents under an exclusive lock; written back (atomically) on a clean exit."""
+        try:
+            os.makedirs(self.state_dir, mode=0o755, exist_ok=True)
+            lock_fd = os.open(os.path.join(self.state_dir, LOCK_FILE), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            raise LedgerError(f"{self.state_dir}: cannot open the ledger: {err.strerror}") from None
+        try:
+            deadline = time.monotonic() + LOCK_TIMEOUT
+            while True:
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as err:
+                    if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                        raise LedgerError(f"{self.path}: ledger lock not obtained in {LOCK_TIMEOUT:g}s") from None
+                    time.sleep(0.005)
+            data = self._read()
+            before = json.dumps(data, sort_keys=True)
+            yield data
+            if json.dumps(data, sort_keys=True) != before:
+                self._write(data)
+        finally:
+            os.close(lock_fd)
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            with open(self.path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except FileNotFoundError:
+            return {"allocations": {}}
+        except (OSError, ValueError) as err:
+            raise LedgerError(f"{self.path}: unreadable ledger: {err}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("allocations"), dict):
+            raise LedgerError(f"{self.path}: not a devinject ledger")
+        return data
+
+    def _write(self, data: dict[str, Any]) -> None:
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as handle:
+                json.dump(data, handle, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path)
+        except OSError as err:
+            raise LedgerError(f"{self.path}: cannot write the ledger: {err.strerror}") from None
+
+    def event(self, kind: str, **fields: object) -> None:
+        try:
+            with open(os.path.join(self.state_dir, EVENTS_FILE), "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"time": time.time(), "event": kind, **fields}, sort_keys=True) + "\n")
+        except OSError:
+            pass
+
+    # --- housekeeping --------------------------------------------------------------------------------
+    def _alive(self, entry: dict[str, Any]) -> bool:
+        return process_start_time(int(entry.get("pid", 0)), self.proc) == entry.get("start_time")
+
+    def reclaim(self, data: dict[str, Any]) -> None:
+        """Drop allocations of dead containers; finish releases whose nodes nobody holds any more."""
+        allocations = data["allocations"]
+        reclaiming = {cid: e for cid, e in allocations.items() if e.get("state") == "reclaiming"}
+        held = holders_of({n for e in reclaiming.values() for n in e.get("exclusive", [])}, self.proc)
+        for cid, entry in list(allocations.items()):
+            if entry.get("state") == "reclaiming":
+                mine = {n: pids for n, pids in held.items() if n in entry.get("exclusive", [])}
+                if not mine:
+                    del allocations[cid]
+                    self.event("released", container=cid, devices=entry.get("devices"))
+                elif time.time() - float(entry.get("released_at", 0)) > self.reclaim_timeout:
+                    del allocations[cid]
+                    self.event("reclaim-timeout", container=cid, devices=entry.get("devices"), holders=mine)
+            elif not self._alive(entry):
+                entry["state"] = "reclaiming"
+                entry["released_at"] = time.time()
+                self.event("container-gone", container=cid, devices=entry.get("devices"))
+                if not {n for n in entry.get("exclusive", []) if n in holders_of(set(entry["exclusive"]), self.proc)}:
+                    del allocations[cid]
+                    self.event("released", container=cid, devices=entry.get("devices"))
+
+    def _unhealthy_nodes(self) -> set[str]:
+        try:
+            with open(os.path.join(self.state_dir, HEALTH_FILE), encoding="utf-8") as handle:
+                return set(json.load(handle).get("unhealthy_nodes", []))
+        except (OSError, ValueError, AttributeError):
+            return set()
+
+    # --- the operations ------------------------------------------------------------------------------
+    def book(self, container_id: str, pid: int, names: tuple[str, ...], resolved: Any,
+             policy: dict[str, str] | None = None) -> Booking:
+        """Record `container_id`'s devices; refuse an exclusive device another live container holds."""
+        if policy is None:
+            from devinject.sharing import sharing_policy
+
+            policy = sharing_policy(self.state_dir)
+        exclusive: list[str] = []
+        shared: list[str] = []
+        for name, edits in resolved.devices:
+            kind = name.partition("=")[0]
+            keys = [node_key(n.type or "c", n.major, n.minor) for n in edits.device_nodes if n.major is not None]
+            (exclusive if policy.get(kind, "exclusive") == "exclusive" else shared).extend(keys)
+        exclusive = sorted(set(exclusive))
+        unhealthy = self._unhealthy_nodes() & set(exclusive + shared)
+        if unhealthy:
+            raise LedgerError(f"container {container_id}: device node {sorted(unhealthy)[0]} is unhealthy; "
+                              "not allocated")
+        start_time = process_start_time(pid, self.proc)
+        with self.locked() as data:
+            self.reclaim(data)
+            allocations = data["allocations"]
+            if container_id in allocations:
+                return Booking(self, container_id, new=False)  # the hook ran again for this container
+            for other_id, entry in allocations.items():
+                clash = set(exclusive) & set(entry.get("exclusive", []))
+                if clash:
+                    state = entry.get("state", "active")
+                    raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "
+                                      f"{other_id} ({state}, pid {entry.get('pid')})")
+            allocations[container_id] = {"devices": list(names), "exclusive": exclusive, "shared": sorted(set(shared)),
+                                         "pid": pid, "start_time": start_time, "time": time.time(),
+                                         "state": "active"}
+            self.event("allocated", container=container_id, devices=list(names))
+        return Booking(self, container_id, new=True)
+
+    def release(self, container_id: str) -> str:
+        """poststop: idempotent; the device is free once no host process holds its nodes open."""
+        with self.locked() as data:
+            entry = data["allocations"].get(container_id)
+            if entry is None:
+                self.reclaim(data)
+                return "not allocated"
+            if entry.get("state") != "reclaiming":
+                entry["state"] = "reclaiming"
+                entry["released_at"] = time.time()
+                self.event("poststop", container=container_id, devices=entry.get("devices"))
+            self.reclaim(data)
+            return "released" if container_id not in data["allocations"] else "reclaiming"
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.locked() as data:
+            self.reclaim(data)
+            copy: dict[str, Any] = json.loads(json.dumps(data))
+            return copy

@@ -1,0 +1,59 @@
+"""Kind -> sharing mode ("exclusive" or "shared") from the device profiles, cached as JSON for the hook."""
+
+from __future__ import annotations
+
+import json
+import os
+
+CACHE_NAME = "sharing-cache.json"
+DEFAULT_SHARING = "exclusive"
+
+
+def _profile_files(root: str) -> list[str]:
+    from importlib import resources
+
+    files = [str(p) for p in resources.files("devinject").joinpath("data/profiles").iterdir()
+             if str(p).endswith(".yaml")]
+    admin = os.path.join(root, "etc/devinject/profiles.d")
+    if os.path.isdir(admin):
+        files += [os.path.join(admin, n) for n in sorted(os.listdir(admin)) if n.endswith((".yaml", ".yml"))]
+    return sorted(files)
+
+
+def _fingerprint(files: list[str]) -> str:
+    parts = []
+    for path in files:
+        try:
+            st = os.stat(path)
+            parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{path}:-")
+    return "|".join(parts)
+
+
+def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
+    files = _profile_files(root)
+    fingerprint = _fingerprint(files)
+    cache = os.path.join(state_dir, CACHE_NAME)
+    try:
+        with open(cache, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if data.get("fingerprint") == fingerprint:
+            return dict(data["policy"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    from devinject.host import Host
+    from devinject.profiles import load_profiles
+
+    policy: dict[str, str] = {}
+    for profile in reversed(load_profiles(Host(root))):  # highest priority last, so it wins
+        policy[profile.kind] = profile.sharing
+    try:
+        os.makedirs(state_dir, exist_ok=True)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump({"fingerprint": fingerprint, "policy": policy}, handle)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return policy
