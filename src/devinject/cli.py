@@ -146,3 +146,33 @@ def run(args: list[str]) -> int:
     except SystemExit as done:
         return int(done.code or 0) if not isinstance(done.code, str) else 1
     return 0
+
+
+@cli.command("install-hook")
+@click.option("--hooks-dir", default=None, help="hooks.d directory [default: /etc/containers/oci/hooks.d].")
+@click.option("--executable", default=None, help="Absolute path of devinject [default: this one].")
+@click.option("--env-requests", is_flag=True,
+              help="Run for every container so env requests (NVIDIA_VISIBLE_DEVICES, ...) work too.")
+@click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
+def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, runc_snippet: bool) -> None:
+    """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
+    import os
+
+    from devinject.generate import default_hook_path
+    from devinject.hooksd import DEFAULT_HOOKS_DIR, HOOK_FILE, hooks_d_entry, render, runc_hooks
+    from devinject.spec import write_atomic
+
+    path = os.path.abspath(executable or default_hook_path())
+    if not os.access(path, os.X_OK):
+        raise DevinjectError(f"--executable {path}: not an executable file")
+    if runc_snippet:
+        click.echo(render(runc_hooks(path)), nl=False)
+        return
+    directory = Path(hooks_dir or DEFAULT_HOOKS_DIR)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DevinjectError(f"{directory}: cannot create hooks dir: {err.strerror}") from None
+    target = directory / HOOK_FILE
+    write_atomic(target, render(hooks_d_entry(path, env_requests=env_requests)))
+    click.echo(f"wrote {target}", err=True)

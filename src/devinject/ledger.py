@@ -152,7 +152,8 @@ class Ledger:
 
     # --- housekeeping --------------------------------------------------------------------------------
     def _alive(self, entry: dict[str, Any]) -> bool:
-        return process_start_time(int(entry.get("pid", 0)), self.proc) == entry.get("start_time")
+        started = process_start_time(int(entry.get("pid", 0)), self.proc)
+        return started is not None and started == entry.get("start_time")
 
     def reclaim(self, data: dict[str, Any]) -> None:
         """Drop allocations of dead containers; finish releases whose nodes nobody holds any more."""
@@ -203,6 +204,8 @@ class Ledger:
             raise LedgerError(f"container {container_id}: device node {sorted(unhealthy)[0]} is unhealthy; "
                               "not allocated")
         start_time = process_start_time(pid, self.proc)
+        if start_time is None:
+            raise LedgerError(f"container {container_id}: process {pid} is gone")
         with self.locked() as data:
             self.reclaim(data)
             allocations = data["allocations"]
@@ -222,6 +225,8 @@ class Ledger:
 
     def release(self, container_id: str) -> str:
         """poststop: idempotent; the device is free once no host process holds its nodes open."""
+        if not os.path.exists(self.path):
+            return "not allocated"  # nothing was ever booked: touch nothing
         with self.locked() as data:
             entry = data["allocations"].get(container_id)
             if entry is None:

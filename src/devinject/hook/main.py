@@ -219,5 +219,5 @@ def main(argv: list[str]) -> int:
         return 2
     finally:
         record["duration_ms"] = round((time.monotonic() - started) * 1000, 2)
-        if record.get("devices") or record.get("error") or record.get("stage") == "poststop":
+        if record.get("devices") or record.get("error") or record.get("released") not in (None, "not allocated"):
             _log(opts, record)

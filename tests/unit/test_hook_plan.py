@@ -1,0 +1,118 @@
+import os
+
+import pytest
+
+from devinject.errors import HookError, ResolveError
+from devinject.hook.plan import AllowDevice, Symlink, plan
+from devinject.hook.registry import Registry
+from devinject.model import ContainerEdits, DeviceNode, Hook, Mount
+
+SPEC = """---
+cdiVersion: 0.5.0
+kind: vendor.com/gpu
+devices:
+- name: '0'
+  containerEdits:
+    deviceNodes: [{path: /dev/gpu0, type: c, major: 195, minor: 0}]
+- name: '1'
+  containerEdits:
+    deviceNodes: [{path: /dev/gpu1, type: c, major: 195, minor: 1, permissions: rw}]
+containerEdits:
+  deviceNodes: [{path: /dev/gpuctl, type: c, major: 195, minor: 255}]
+  mounts:
+  - {hostPath: /host/lib/libgpu.so.1.2, containerPath: /usr/lib/libgpu.so.1.2, options: [ro, nosuid, nodev, bind]}
+  - {hostPath: /host/lib, containerPath: /usr, options: [ro, bind]}
+  hooks:
+  - hookName: createContainer
+    path: /usr/bin/devinject
+    args: [devinject, cdi-hook, create-symlinks, --link, libgpu.so.1.2::/usr/lib/libgpu.so.1]
+  - hookName: createContainer
+    path: /usr/bin/devinject
+    args: [devinject, cdi-hook, update-ldcache, --folder, /usr/lib]
+  - {hookName: createContainer, path: /opt/other/hook}
+"""
+
+
+@pytest.fixture
+def registry(tmp_path):
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "etc" / "vendor.yaml").write_text(SPEC)
+    return Registry((str(tmp_path / "etc"), str(tmp_path / "run")), cache_file=str(tmp_path / "cache.json"))
+
+
+def test_resolution_adds_spec_edits_once_then_device_edits(registry):
+    resolved = registry.resolve(("vendor.com/gpu=0", "vendor.com/gpu=1"))
+    assert [n.path for n in resolved.edits.device_nodes] == ["/dev/gpuctl", "/dev/gpu0", "/dev/gpu1"]
+    assert [name for name, _ in resolved.devices] == ["vendor.com/gpu=0", "vendor.com/gpu=1"]
+
+
+def test_unknown_device_lists_what_the_kind_offers(registry):
+    with pytest.raises(ResolveError, match="vendor.com/gpu=7: vendor.com/gpu offers 0, 1"):
+        registry.resolve(("vendor.com/gpu=0", "vendor.com/gpu=7"))
+    with pytest.raises(ResolveError, match="no spec for kind other.com/x"):
+        registry.resolve(("other.com/x=0",))
+
+
+def test_later_spec_dir_wins(registry, tmp_path):
+    (tmp_path / "run" / "vendor.yaml").write_text(SPEC.replace("minor: 0}", "minor: 9}"))
+    registry._specs = None
+    resolved = registry.resolve(("vendor.com/gpu=0",))
+    assert resolved.devices[0][1].device_nodes[0].minor == 9
+
+
+def test_spec_cache_is_used_and_invalidated(registry, tmp_path):
+    registry.resolve(("vendor.com/gpu=0",))
+    assert (tmp_path / "cache.json").exists()
+    spec = tmp_path / "etc" / "vendor.yaml"
+    spec.write_text(SPEC.replace("minor: 0}", "minor: 5}"))
+    os.utime(spec, ns=(1, 1))
+    fresh = Registry(registry.spec_dirs, cache_file=str(tmp_path / "cache.json"))
+    assert fresh.resolve(("vendor.com/gpu=0",)).devices[0][1].device_nodes[0].minor == 5
+
+
+def test_broken_spec_names_the_file(registry, tmp_path):
+    (tmp_path / "run" / "broken.yaml").write_text("cdiVersion: 0.5.0\nkind: a.com/b\ndevices: [{name: x}]\n")
+    registry._specs = None
+    with pytest.raises(Exception, match=r"broken\.yaml: devices\[0\]\.containerEdits: required"):
+        registry.resolve(("vendor.com/gpu=0",))
+
+
+def test_plan_orders_parents_before_children_and_parses_devinject_hooks(registry):
+    steps = plan(registry.resolve(("vendor.com/gpu=1",)).edits)
+    assert [m.container_path for m in steps.mounts] == ["/usr", "/usr/lib/libgpu.so.1.2"]
+    assert steps.mounts[0].readonly and not steps.mounts[0].nosuid
+    assert steps.mounts[1].readonly and steps.mounts[1].nosuid and steps.mounts[1].nodev
+    assert steps.links == (Symlink("libgpu.so.1.2", "/usr/lib/libgpu.so.1"),)
+    assert steps.ldcache_folders == ("/usr/lib",)
+    assert AllowDevice("c", 195, 1, "rw") in steps.allow and AllowDevice("c", 195, 255, "rwm") in steps.allow
+    assert any("/opt/other/hook" in w for w in steps.warnings)
+
+
+def test_missing_numbers_are_filled_from_the_host_node():
+    st = os.stat("/dev/null")
+    steps = plan(ContainerEdits(device_nodes=(DeviceNode("/dev/null"),)))
+    assert (steps.nodes[0].type, steps.nodes[0].major, steps.nodes[0].minor) == ("c", 1, 3)
+    assert steps.nodes[0].mode == st.st_mode & 0o7777
+
+
+def test_unfillable_node_is_an_error():
+    with pytest.raises(HookError, match="/dev/nope"):
+        plan(ContainerEdits(device_nodes=(DeviceNode("/dev/nope", host_path="/nonexistent/dev/nope"),)))
+
+
+@pytest.mark.parametrize(
+    ("edits", "message"),
+    [
+        (ContainerEdits(mounts=(Mount("/a", "/b", ("ro", "exotic")),)), "option 'exotic'"),
+        (ContainerEdits(mounts=(Mount("/a", "/b", (), "tmpfs"),)), "type 'tmpfs'"),
+        (ContainerEdits(mounts=(Mount("/a", "relative"),)), "absolute"),
+        (ContainerEdits(hooks=(Hook("createContainer", "/usr/bin/devinject",
+                                    ("devinject", "cdi-hook", "create-symlinks", "--link", "nolink")),)), "TARGET::"),
+        (ContainerEdits(device_nodes=(DeviceNode("/dev/x", type="c", major=1, minor=2, permissions="rx"),)),
+         "only r, w, m"),
+    ],
+)
+def test_plan_rejects_what_it_cannot_do_safely(edits, message):
+    with pytest.raises(HookError, match=message):
+        plan(edits)

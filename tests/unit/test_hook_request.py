@@ -1,0 +1,79 @@
+import json
+
+import pytest
+
+from devinject.errors import HookError
+from devinject.hook.request import requested_devices
+from devinject.hook.state import parse_state
+
+
+def test_annotations_win_over_env():
+    request = requested_devices({"cdi.k8s.io/plugin_dev": "nvidia.com/gpu=0, nvidia.com/gpu=1"},
+                                ("DEVINJECT_DEVICES=amd.com/gpu=0",))
+    assert request.names == ("nvidia.com/gpu=0", "nvidia.com/gpu=1")
+    assert request.source == "annotation"
+
+
+def test_devinject_devices_env_and_dedup():
+    request = requested_devices({}, ("PATH=/bin", "DEVINJECT_DEVICES=amd.com/gpu=0,amd.com/gpu=0,amd.com/gpu=1"))
+    assert request.names == ("amd.com/gpu=0", "amd.com/gpu=1")
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ("NVIDIA_VISIBLE_DEVICES=all", ("nvidia.com/gpu=all",)),
+        ("NVIDIA_VISIBLE_DEVICES=0,2", ("nvidia.com/gpu=0", "nvidia.com/gpu=2")),
+        ("NVIDIA_VISIBLE_DEVICES=GPU-5b3c0a1e-7c1d", ("nvidia.com/gpu=GPU-5b3c0a1e-7c1d",)),
+        ("NVIDIA_VISIBLE_DEVICES=void", ()),
+        ("NVIDIA_VISIBLE_DEVICES=none", ()),
+        ("NVIDIA_VISIBLE_DEVICES=", ()),
+        ("AMD_VISIBLE_DEVICES=1", ("amd.com/gpu=1",)),
+        ("HABANA_VISIBLE_DEVICES=all", ("habana.ai/gaudi=all",)),
+        ("ASCEND_VISIBLE_DEVICES=0,1", ("huawei.com/npu=0", "huawei.com/npu=1")),
+    ],
+)
+def test_vendor_variables(env, names):
+    assert requested_devices({}, (env,)).names == names
+
+
+def test_env_requests_can_be_turned_off():
+    assert requested_devices({}, ("NVIDIA_VISIBLE_DEVICES=all",), allow_env=False).names == ()
+    assert requested_devices({"cdi.k8s.io/x": "a.com/b=c"}, (), allow_env=False).names == ("a.com/b=c",)
+
+
+def test_last_env_definition_wins():
+    assert requested_devices({}, ("AMD_VISIBLE_DEVICES=0", "AMD_VISIBLE_DEVICES=1")).names == ("amd.com/gpu=1",)
+
+
+def test_bad_names_are_errors_naming_the_source():
+    with pytest.raises(HookError, match="annotation cdi.k8s.io/x: invalid device 'nogood'"):
+        requested_devices({"cdi.k8s.io/x": "nogood"}, ())
+    with pytest.raises(HookError, match="DEVINJECT_DEVICES"):
+        requested_devices({}, ("DEVINJECT_DEVICES=a.com/b",))
+
+
+def test_too_many_devices():
+    with pytest.raises(HookError, match="at most 256"):
+        requested_devices({"cdi.k8s.io/x": ",".join(f"a.com/b={i}" for i in range(300))}, ())
+
+
+def test_state_parsing_including_crun_root():
+    state = parse_state(json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": 42,
+                                    "bundle": "/b", "annotations": {"k": "v"}, "root": "/r"}).encode())
+    assert (state.id, state.pid, state.bundle, state.root, state.annotations) == ("c1", 42, "/b", "/r", {"k": "v"})
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"{not json", "invalid JSON"),
+        (b"[]", "expected a JSON object"),
+        (b'{"id": "c"}', "'bundle'"),
+        (b'{"id": "c", "bundle": "/b", "pid": -3}', "'pid'"),
+        (b'{"id": "c", "bundle": "/b", "annotations": {"a": 1}}', "annotations"),
+    ],
+)
+def test_bad_state(data, message):
+    with pytest.raises(HookError, match=message):
+        parse_state(data)
