@@ -78,7 +78,8 @@ def test_failure_midway_rolls_back_nodes_mounts_and_dirs(bundle: Bundle, tmp_pat
 def test_prestart_and_create_runtime_both_configured_stack_nothing(bundle: Bundle) -> None:
     """The same hook in two pre-pivot stages: the second run finds everything in place."""
     bundle.config["hooks"]["createRuntime"] = [bundle.config["hooks"]["prestart"][0]]
-    bundle.save(["sh", "-c", "grep -c libcuda.so.550.54.14 /proc/self/mountinfo; grep -c nvidia0 /proc/self/mountinfo; true"],
+    count = "grep -c libcuda.so.550.54.14 /proc/self/mountinfo; grep -c nvidia0 /proc/self/mountinfo; true"
+    bundle.save(["sh", "-c", count],
                 annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
     done = bundle.run(container_name())
     assert done.returncode == 0, done.stderr
