@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -280,6 +279,8 @@ def write_atomic(path: Path, content: str, *, mode: int = 0o644) -> bool:
             return False
     except (OSError, UnicodeDecodeError):
         pass
+    import tempfile
+
     directory = path.parent
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)

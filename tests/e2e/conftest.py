@@ -18,7 +18,8 @@ from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_workstation
 
 REPO = Path(__file__).resolve().parents[2]
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
-BUSYBOX_APPLETS = ("sh", "cat", "ls", "stat", "mknod", "grep", "head", "readlink", "echo", "sleep", "test", "wc", "true")
+BUSYBOX_APPLETS = ("sh", "cat", "ls", "stat", "mknod", "grep", "head", "readlink", "echo", "sleep", "test", "wc",
+                   "true")
 IMAGE = "localhost/devinject-busybox:test"
 
 

@@ -44,8 +44,8 @@ def cdi_spec(spec_dir: Path) -> Iterator[Path]:
 
 
 def test_podman_consumes_generated_cdi_spec(image: str, cdi_spec: Path) -> None:
-    script = ("stat -c '%t:%T' /dev/nvidia0; grep libcuda /proc/mounts; readlink /usr/lib/x86_64-linux-gnu/libcuda.so.1;"
-              " cat /dev/nvidia0; echo done")
+    script = ("stat -c '%t:%T' /dev/nvidia0; grep libcuda /proc/mounts; "
+              "readlink /usr/lib/x86_64-linux-gnu/libcuda.so.1; cat /dev/nvidia0; echo done")
     done = subprocess.run([*PODMAN, "--device", "nvidia.com/gpu=0", image, "sh", "-c", script], capture_output=True,
                           text=True, timeout=180)
     out = done.stdout + done.stderr
