@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +62,11 @@ def cli(verbose: int, quiet: bool) -> None:
 @click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False),
               help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d).")
 @click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
+@click.option("--state-dir", default="/run/devinject", show_default=True,
+              help="Where the spec generation counter lives (shared with `watch`).")
 def generate(root: str, output_dir: str, output: str | None, fmt: str, strategies: tuple[str, ...],
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
-             nvml: bool | None) -> None:
+             nvml: bool | None, state_dir: str) -> None:
     """Discover devices on the host and write CDI specs."""
     from devinject.generate import GenerateOptions, generate_specs, render, spec_filename, write_specs
     from devinject.spec import write_atomic
@@ -89,7 +92,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
         write_atomic(Path(output), render(specs[0], fmt))
         click.echo(f"wrote {output} ({specs[0].kind}, {len(specs[0].devices)} names)", err=True)
         return
-    for spec, path in zip(specs, write_specs(specs, Path(output_dir), fmt), strict=True):
+    for spec, path in zip(specs, write_specs(specs, Path(output_dir), fmt, state_dir=state_dir), strict=True):
         assert path.name == spec_filename(spec, fmt)
         click.echo(f"wrote {path} ({spec.kind}, {len(spec.devices)} names)", err=True)
 
@@ -114,25 +117,33 @@ def validate(paths: tuple[str, ...]) -> None:
         click.echo("no spec files found", err=True)
 
 
+state_dir_option = click.option("--state-dir", default="/run/devinject", show_default=True,
+                                help="devinject's node state: ledger, health, events.")
+kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", show_default=True,
+                                 help="Kernel log (under --root) scanned for NVIDIA Xid events.")
+
+
 @cli.command("list")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False))
-def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...]) -> None:
-    """Show every discovered device."""
+@state_dir_option
+@kernel_log_option
+def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_dir: str, kernel_log: str) -> None:
+    """Show every discovered device, its health and which container holds it."""
     from devinject.inventory import inventory
 
-    rows = inventory(root, profile_dirs=profile_dirs)
+    rows = inventory(root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     if not rows:
         click.echo("no devices found", err=True)
         return
-    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "NODES")
+    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "NODES")
     table = [header] + [
-        (r["names"][0], r["pci"], r["model"], str(r["numa_node"]), r["driver"] or "-",
-         " ".join(n["path"] for n in r["nodes"]))
+        (r["names"][0], r["pci"], r["model"], str(r["numa_node"]), r["driver"] or "-", r["health"],
+         ",".join(r["held_by"]) or "-", " ".join(n["path"] for n in r["nodes"]))
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
@@ -176,3 +187,114 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
     target = directory / HOOK_FILE
     write_atomic(target, render(hooks_d_entry(path, env_requests=env_requests)))
     click.echo(f"wrote {target}", err=True)
+
+
+@cli.command()
+@root_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False))
+@kernel_log_option
+@click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0.1, 60))
+def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: str, probe_timeout: float) -> None:
+    """Check every device once; exit 0 only when all are healthy."""
+    from devinject.health import check_host
+    from devinject.host import Host
+    from devinject.profiles import load_profiles
+
+    host = Host(root)
+    verdicts = check_host(host, load_profiles(host, profile_dirs), kernel_log=kernel_log, timeout=probe_timeout)
+    if as_json:
+        click.echo(json.dumps([{"device": v.key, "status": v.status, "reasons": list(v.reasons)} for v in verdicts],
+                              indent=2))
+    else:
+        for v in verdicts:
+            click.echo(f"{v.key:40} {v.status:10} {'; '.join(v.reasons)}".rstrip())
+        if not verdicts:
+            click.echo("no devices found", err=True)
+    sys.exit(0 if all(v.healthy for v in verdicts) else 1)
+
+
+@cli.command()
+@root_option
+@click.option("--output-dir", default="/var/run/cdi", show_default=True, type=click.Path(file_okay=False),
+              help="Dynamic spec dir (wins over /etc/cdi).")
+@state_dir_option
+@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
+@click.option("--interval", default=10.0, show_default=True, type=float, help="Seconds between health checks (5-60).")
+@click.option("--recheck", default=1.5, show_default=True, type=float,
+              help="Seconds between re-checks of a failing device (1-2).")
+@click.option("--threshold", default=3, show_default=True, type=click.IntRange(1, 20),
+              help="Consecutive failures (or passes) before a device is taken out (or put back).")
+@click.option("--rescan", default=60.0, show_default=True, type=click.FloatRange(0.05, 3600),
+              help="Seconds between full rediscoveries (uevents trigger one at once).")
+@click.option("--test-timings", is_flag=True, hidden=True, help="Lift the interval ranges (tests, benchmarks).")
+@kernel_log_option
+@click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks.")
+@click.option("--kind", "kinds", multiple=True, help="Only this kind (repeatable).")
+@click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents.")
+def watch(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float, threshold: int,
+          rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
+          kinds: tuple[str, ...], uevents: bool) -> None:
+    """Keep the CDI specs true to the hardware: rescan on hot-plug, take out unhealthy devices."""
+    import signal
+    import threading
+
+    from devinject.generate import GenerateOptions, default_hook_path
+    from devinject.watch import Watcher, WatchOptions
+
+    if not test_timings:
+        if not 5 <= interval <= 60:
+            raise DevinjectError(f"--interval {interval:g}: must be between 5 and 60 seconds")
+        if not 1 <= recheck <= 2:
+            raise DevinjectError(f"--recheck {recheck:g}: must be between 1 and 2 seconds")
+    if min(interval, recheck, rescan) <= 0:
+        raise DevinjectError("--interval, --recheck and --rescan must be positive")
+    gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path())
+    gen.check()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    opts = WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
+                        recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log, uevents=uevents)
+    Watcher(opts).run(stop)
+
+
+@cli.command("events")
+@click.argument("device", required=False)
+@state_dir_option
+@click.option("--json", "as_json", is_flag=True)
+def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
+    """The last transitions per device (all devices, or those matching DEVICE)."""
+    from devinject.events import device_history
+
+    history = device_history(state_dir, device)
+    if as_json:
+        click.echo(json.dumps(history, indent=2))
+        return
+    if not history:
+        click.echo("no events", err=True)
+    for key, entries in sorted(history.items()):
+        click.echo(key)
+        for entry in entries:
+            extra = "; ".join(entry.get("reasons", [])) or entry.get("status", "")
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["time"]))
+            click.echo(f"  {stamp}  {entry['event']:10} {extra}".rstrip())
+
+
+@cli.command()
+@click.argument("device", required=False)
+@root_option
+@state_dir_option
+@click.option("--json", "as_json", is_flag=True)
+def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
+    """Processes holding device nodes open (pid, command, container if known)."""
+    from devinject.inventory import holders
+
+    rows = holders(root, state_dir=state_dir, device=device)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no process holds a device node", err=True)
+    for r in rows:
+        click.echo(f"{r['device']:32} {r['node']:24} pid {r['pid']:<8} {r['command']:16} {r['container'] or '-'}")

@@ -75,7 +75,7 @@ def device_names(found: FoundDevice, strategies: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-class _Rerooter:
+class Rerooter:
     """Host paths carry the root prefix (the real file on this machine); container paths do not."""
 
     def __init__(self, host: Host) -> None:
@@ -115,7 +115,7 @@ def _link_target(library: LocatedFile) -> str:
     return posixpath.basename(library.real) if same_dir else library.real
 
 
-def common_edits(view: HostView, profile: Profile, rerooter: _Rerooter, hook_path: str,
+def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path: str,
                  ldcache: list[LdCacheEntry] | None) -> ContainerEdits:
     host = view.host
     libraries = locate_libraries(host, ldcache or [], profile.libraries, native_arch()) if profile.libraries else []
@@ -166,7 +166,7 @@ def _without_nested(mounts: list[Mount]) -> list[Mount]:
     return [m for m in mounts if not covered(m)]
 
 
-def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdits, rerooter: _Rerooter,
+def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdits, rerooter: Rerooter,
                opts: GenerateOptions) -> Spec | None:
     devices: list[Device] = []
     merged = ContainerEdits()
@@ -213,7 +213,7 @@ def generate_specs(opts: GenerateOptions, *, host: Host | None = None) -> list[S
     view = HostView(host)
     found = [f for f in discover(host, profiles, view=view) if f"{f.profile.kind}={f.address}" not in opts.exclude]
     found = _enrich_uuids(found, opts, host)
-    rerooter = _Rerooter(host)
+    rerooter = Rerooter(host)
     hook_path = opts.hook_path or default_hook_path()
     ldcache = read_ldcache(host) if any(p.libraries for p in profiles) else []
     by_kind: dict[str, list[FoundDevice]] = {}
@@ -242,8 +242,13 @@ def render(spec: Spec, fmt: str, generation: int | None = None) -> str:
     return text
 
 
-def write_specs(specs: list[Spec], output_dir: Path, fmt: str, generation: int | None = None) -> list[Path]:
-    """Validate every spec first, then write each atomically: an invalid one writes nothing at all."""
+def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, state_dir: str | None = None,
+                stale_kinds: tuple[str, ...] = ()) -> list[Path]:
+    """Validate every spec first, then write each atomically: an invalid one writes nothing at all.
+
+    With a state dir, the rewrite carries a generation number and never replaces a newer one; specs of
+    `stale_kinds` (no devices left) are removed.
+    """
     from devinject.spec import write_atomic
 
     if not output_dir.is_dir():
@@ -251,7 +256,13 @@ def write_specs(specs: list[Spec], output_dir: Path, fmt: str, generation: int |
             output_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise DevinjectError(f"{output_dir}: cannot create output directory: {err.strerror}") from None
-    rendered = [(output_dir / spec_filename(spec, fmt), render(spec, fmt, generation)) for spec in specs]
-    for path, text in rendered:
-        write_atomic(path, text)
-    return [path for path, _ in rendered]
+    rendered = {output_dir / spec_filename(spec, fmt): render(spec, fmt) for spec in specs}
+    if state_dir is not None:
+        from devinject.generation import write_specs_generation
+
+        stale = [output_dir / f"{kind.replace('/', '-')}.{fmt}" for kind in stale_kinds]
+        write_specs_generation(state_dir, rendered, stale)
+    else:
+        for path, text in rendered.items():
+            write_atomic(path, text)
+    return list(rendered)

@@ -1,36 +1,88 @@
-"""What `devinject list` shows: one row per discovered device, as plain data."""
+"""What `devinject list` and `devinject who` show, as plain data."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from devinject.discover import discover
 from devinject.generate import device_names
+from devinject.health import HealthChecker, device_key
 from devinject.host import Host
+from devinject.ledger import Ledger, holders_of
 from devinject.profiles import load_profiles
 
 VENDOR_NAMES = {0x10DE: "NVIDIA", 0x1002: "AMD", 0x8086: "Intel", 0x1DA3: "Habana", 0x15B3: "Mellanox",
                 0x19E5: "Huawei", 0x10EE: "Xilinx"}
 
 
-def inventory(root: str, *, profile_dirs: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def _allocations(state_dir: str) -> dict[str, dict[str, Any]]:
+    if not os.path.exists(os.path.join(state_dir, "ledger.json")):
+        return {}
+    allocations: dict[str, dict[str, Any]] = Ledger(state_dir).snapshot()["allocations"]
+    return allocations
+
+
+def inventory(root: str, *, profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
+              kernel_log: str = "/var/log/kern.log") -> list[dict[str, Any]]:
     host = Host(root)
+    found = discover(host, load_profiles(host, profile_dirs))
+    verdicts = {v.key: v for v in HealthChecker(host, kernel_log=kernel_log).check(found)}
+    allocations = _allocations(state_dir) if state_dir else {}
     rows = []
-    for found in discover(host, load_profiles(host, profile_dirs)):
-        pci = found.pci
+    for item in found:
+        pci = item.pci
         vendor = VENDOR_NAMES.get(pci.vendor, f"{pci.vendor:04x}")
+        nodes = [f"{n.type or 'c'} {n.major}:{n.minor}" for n in item.nodes]
+        verdict = verdicts[device_key(item.profile.kind, item.address)]
+        held_by = sorted(cid for cid, entry in allocations.items()
+                         if set(nodes) & set(entry.get("exclusive", []) + entry.get("shared", [])))
+        states = {allocations[cid].get("state", "active") for cid in held_by}
         rows.append({
-            "names": [f"{found.profile.kind}={n}" for n in device_names(found, ())],
-            "kind": found.profile.kind,
-            "pci": found.address,
-            "functions": [f.address for f in found.functions],
+            "names": [f"{item.profile.kind}={n}" for n in device_names(item, ())],
+            "kind": item.profile.kind,
+            "pci": item.address,
+            "functions": [f.address for f in item.functions],
             "vendor": vendor,
-            "model": found.model or f"{vendor} {pci.device:04x}",
+            "model": item.model or f"{vendor} {pci.device:04x}",
             "pci_id": f"{pci.vendor:04x}:{pci.device:04x}",
-            "uuid": found.uuid,
+            "uuid": item.uuid,
             "numa_node": pci.numa_node,
             "driver": pci.driver,
-            "sharing": found.profile.sharing,
-            "nodes": [{"path": n.path, "major": n.major, "minor": n.minor} for n in found.nodes],
+            "sharing": item.profile.sharing,
+            "health": verdict.status,
+            "health_reasons": list(verdict.reasons),
+            "held_by": held_by,
+            "state": "reclaiming" if "reclaiming" in states else ("allocated" if held_by else "free"),
+            "nodes": [{"path": n.path, "major": n.major, "minor": n.minor} for n in item.nodes],
         })
+    return rows
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip()
+    except OSError:
+        return "?"
+
+
+def holders(root: str, *, state_dir: str, device: str | None = None) -> list[dict[str, Any]]:
+    """Processes with a discovered device's node open, and the container the ledger says they belong to."""
+    host = Host(root)
+    nodes: dict[str, str] = {}
+    for item in discover(host, load_profiles(host)):
+        names = [f"{item.profile.kind}={n}" for n in device_names(item, ())]
+        if device and not any(device in (n, n.partition("=")[2]) for n in names) and device != item.address:
+            continue
+        for device_node in item.nodes:
+            nodes.setdefault(f"{device_node.type or 'c'} {device_node.major}:{device_node.minor}", names[0])
+    allocations = _allocations(state_dir)
+    rows = []
+    for node, pids in sorted(holders_of(set(nodes)).items()):
+        for pid in sorted(pids):
+            container = next((cid for cid, entry in allocations.items() if node in entry.get("exclusive", [])
+                              + entry.get("shared", [])), None)
+            rows.append({"device": nodes[node], "node": node, "pid": pid, "command": _command(pid),
+                         "container": container})
     return rows

@@ -1,0 +1,214 @@
+"""Device health: `healthy`, `degraded` or `unhealthy`, each with reasons, from what the kernel shows.
+
+Sources (all under the host root): the PCI function's presence, driver binding, `enable`, PCIe link
+width/speed against the maximum, AER counters, NVIDIA's `GPU Excluded` flag and Xid events in the kernel
+log. Every probe runs with a deadline: a read that hangs (a driver file of a dead device) becomes
+`unhealthy: probe timed out`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field, replace
+
+from devinject.discover import FoundDevice, discover
+from devinject.gpuinfo import ProbeTimeout, call_with_timeout
+from devinject.host import Host
+from devinject.procfs import parse_key_values
+from devinject.profiles import Profile, select_profile
+from devinject.sysfs import PciDevice, scan_pci
+
+HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
+_RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
+FATAL_XIDS = frozenset({43, 48, 61, 62, 63, 64, 74, 79, 92, 94, 95})
+PROBE_TIMEOUT = 2.0
+DEFAULT_KERNEL_LOG = "/var/log/kern.log"
+_XID = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.\d)?\): (\d+)")
+_SPEED = re.compile(r"([\d.]+)\s*GT/s")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    key: str  # kind=pci-address: stable across renames and index shifts
+    kind: str
+    address: str
+    status: str
+    reasons: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()  # "c 195:2": what the ledger refuses while unhealthy
+
+    @property
+    def healthy(self) -> bool:
+        return self.status == HEALTHY
+
+
+@dataclass
+class AerBaseline:
+    """AER totals seen earlier, so `watch` reacts to counters increasing rather than to history."""
+
+    counts: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def device_key(kind: str, address: str) -> str:
+    return f"{kind}={address}"
+
+
+def parse_xids(text: str) -> dict[str, list[int]]:
+    """Xid numbers per PCI slot (`0000:18:00`) from kernel log text."""
+    out: dict[str, list[int]] = {}
+    for match in _XID.finditer(text):
+        out.setdefault(match.group(1).lower(), []).append(int(match.group(2)))
+    return out
+
+
+def _aer_total(text: str | None, label: str) -> int:
+    if not text:
+        return 0
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == label and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _speed(text: str | None) -> float | None:
+    match = _SPEED.search(text or "")
+    return float(match.group(1)) if match else None
+
+
+def probe_function(host: Host, found: FoundDevice, xids: dict[str, list[int]],
+                   baseline: AerBaseline | None) -> tuple[str, list[str]]:
+    """Status and reasons for one device (may block on a dead device's files: run it with a deadline)."""
+    status, reasons = HEALTHY, []
+
+    def worse(level: str, reason: str) -> None:
+        nonlocal status
+        reasons.append(reason)
+        if _RANK[level] > _RANK[status]:
+            status = level
+
+    for pci in found.functions:
+        path = pci.sys_path
+        if not host.exists(f"/sys/bus/pci/devices/{pci.address}"):
+            worse(UNHEALTHY, f"{pci.address}: gone from the PCI bus")
+            continue
+        if host.readlink(f"{path}/driver") is None:
+            worse(UNHEALTHY, f"{pci.address}: driver unbound")
+        if host.read_attr(f"{path}/enable") == "0":
+            worse(UNHEALTHY, f"{pci.address}: PCI function disabled (enable=0)")
+        width, max_width = host.read_attr(f"{path}/current_link_width"), host.read_attr(f"{path}/max_link_width")
+        if width and max_width and width.isdigit() and max_width.isdigit() and int(width) < int(max_width):
+            worse(DEGRADED, f"{pci.address}: PCIe link x{width} of x{max_width}")
+        speed, max_speed = (_speed(host.read_attr(f"{path}/current_link_speed")),
+                            _speed(host.read_attr(f"{path}/max_link_speed")))
+        if speed and max_speed and speed < max_speed:
+            worse(DEGRADED, f"{pci.address}: PCIe link {speed:g} of {max_speed:g} GT/s")
+        fatal = _aer_total(host.read_text(f"{path}/aer_dev_fatal"), "TOTAL_ERR_FATAL")
+        nonfatal = _aer_total(host.read_text(f"{path}/aer_dev_nonfatal"), "TOTAL_ERR_NONFATAL")
+        seen = (baseline.counts.get(pci.address, (fatal, nonfatal)) if baseline is not None else (0, 0))
+        if fatal > seen[0]:
+            worse(UNHEALTHY, f"{pci.address}: AER fatal errors {seen[0]} -> {fatal}")
+        if nonfatal > seen[1]:
+            worse(DEGRADED, f"{pci.address}: AER non-fatal errors {seen[1]} -> {nonfatal}")
+        if baseline is not None:
+            baseline.counts.setdefault(pci.address, (fatal, nonfatal))
+        for xid in xids.get(pci.address.rpartition(".")[0], []):
+            if xid in FATAL_XIDS:
+                worse(UNHEALTHY, f"{pci.address}: fatal Xid {xid}")
+    if found.profile.uuid_file:  # NVIDIA: the driver's own verdict
+        info = parse_key_values(host.read_text(found.profile.uuid_file.format(address=found.address)) or "")
+        if info.get("GPU Excluded", "").lower() == "yes" or info.get("Blacklisted", "").lower() == "yes":
+            worse(UNHEALTHY, f"{found.address}: excluded by the driver (GPU Excluded: Yes)")
+    return status, list(dict.fromkeys(reasons))
+
+
+class HealthChecker:
+    """Checks devices with a deadline each; a device whose last probe still hangs is not probed again."""
+
+    def __init__(self, host: Host, *, kernel_log: str = DEFAULT_KERNEL_LOG, timeout: float = PROBE_TIMEOUT,
+                 baseline: AerBaseline | None = None) -> None:
+        self.host = host
+        self.kernel_log = kernel_log
+        self.timeout = timeout
+        self.baseline = baseline
+        self._hung: dict[str, threading.Event] = {}
+        self._log_offset: int | None = None
+        self._recent: dict[str, list[int]] = {}
+
+    def _xids(self) -> dict[str, list[int]]:
+        """One-shot: every Xid in the log. Watch (with a baseline): only those logged since it started."""
+        path = self.host.real(self.host.resolve(self.kernel_log))
+        try:
+            with open(path, "rb") as handle:
+                size = handle.seek(0, 2)
+                if self.baseline is None:
+                    handle.seek(0)
+                    return parse_xids(handle.read().decode(errors="replace"))
+                if self._log_offset is None or size < self._log_offset:  # first look, or rotated
+                    self._log_offset = size if self._log_offset is None else 0
+                handle.seek(self._log_offset)
+                new = handle.read(size - self._log_offset)
+                self._log_offset = size
+        except OSError:
+            return self._recent
+        for slot, ids in parse_xids(new.decode(errors="replace")).items():
+            self._recent.setdefault(slot, []).extend(ids)
+        return self._recent
+
+    def check(self, devices: list[FoundDevice]) -> list[Verdict]:
+        xids = self._xids()
+        return [self._check_one(found, xids) for found in devices]
+
+    def clear_xids(self, address: str) -> None:
+        """Forget Xids for a device (after it was reset and came back)."""
+        self._recent.pop(address.rpartition(".")[0], None)
+
+    def _check_one(self, found: FoundDevice, xids: dict[str, list[int]]) -> Verdict:
+        key = device_key(found.profile.kind, found.address)
+        nodes = tuple(f"{n.type or 'c'} {n.major}:{n.minor}" for n in found.nodes)
+        pending = self._hung.get(key)
+        if pending is not None and not pending.is_set():
+            return Verdict(key, found.profile.kind, found.address, UNHEALTHY, ("probe timed out",), nodes)
+        finished = threading.Event()
+
+        def probe() -> tuple[str, list[str]]:
+            try:
+                return probe_function(self.host, found, xids, self.baseline)
+            finally:
+                finished.set()
+
+        try:
+            status, reasons = call_with_timeout(probe, self.timeout)
+        except ProbeTimeout:
+            self._hung[key] = finished
+            return Verdict(key, found.profile.kind, found.address, UNHEALTHY,
+                           (f"probe timed out after {self.timeout:g}s",), nodes)
+        return Verdict(key, found.profile.kind, found.address, status, tuple(reasons), nodes)
+
+
+def unbound_functions(host: Host, profiles: list[Profile]) -> list[tuple[Profile, PciDevice]]:
+    """PCI functions of a known family that no profile claims as they are: driver unbound (or foreign)."""
+    out = []
+    for pci in scan_pci(host):
+        if select_profile(profiles, pci) is not None:
+            continue
+        # only vendor families: a driver-only profile (vfio-pci) claims nothing it is not bound to
+        family = next((p for p in profiles if p.drivers and p.vendors and replace(p, drivers=()).matches(pci)), None)
+        if family is not None:
+            out.append((family, pci))
+    return out
+
+
+def unbound_verdict(profile: Profile, pci: PciDevice) -> Verdict:
+    reason = f"{pci.address}: driver unbound" if pci.driver is None else (
+        f"{pci.address}: bound to {pci.driver}, not {'/'.join(profile.drivers)}")
+    return Verdict(device_key(profile.kind, pci.address), profile.kind, pci.address, UNHEALTHY, (reason,))
+
+
+def check_host(host: Host, profiles: list[Profile], *, kernel_log: str = DEFAULT_KERNEL_LOG,
+               timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
+    """One-shot verdicts for every device of every profile, bound or not."""
+    checker = HealthChecker(host, kernel_log=kernel_log, timeout=timeout)
+    verdicts = checker.check(discover(host, profiles))
+    verdicts += [unbound_verdict(profile, pci) for profile, pci in unbound_functions(host, profiles)]
+    return sorted(verdicts, key=lambda v: (v.kind, v.address))

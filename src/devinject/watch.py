@@ -1,0 +1,222 @@
+"""`devinject watch`: keep the CDI specs true to the hardware.
+
+Rescans on kernel uevents (netlink, via pyroute2) and periodically as a safety net; polls health every
+`interval` seconds, re-checks a failing device every `recheck` seconds, and acts only after `threshold`
+consecutive failures (or passes, to put a device back), so one glitch does not flap.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from devinject import events
+from devinject.discover import FoundDevice, HostView, discover
+from devinject.generate import GenerateOptions, Rerooter, build_spec, common_edits, write_specs
+from devinject.health import (
+    DEFAULT_KERNEL_LOG,
+    HEALTHY,
+    UNHEALTHY,
+    AerBaseline,
+    HealthChecker,
+    Verdict,
+    device_key,
+    unbound_functions,
+    unbound_verdict,
+)
+from devinject.host import Host
+from devinject.ledger import HEALTH_FILE
+from devinject.libraries import read_ldcache
+from devinject.profiles import load_profiles
+
+log = logging.getLogger(__name__)
+
+UEVENT_SUBSYSTEMS = ("pci", "drm", "accel", "infiniband", "infiniband_verbs", "vfio", "misc", "kfd")
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    generate: GenerateOptions
+    output_dir: Path = Path("/var/run/cdi")
+    state_dir: str = "/run/devinject"
+    fmt: str = "yaml"
+    interval: float = 10.0
+    recheck: float = 1.5
+    threshold: int = 3
+    rescan: float = 60.0
+    kernel_log: str = DEFAULT_KERNEL_LOG
+    probe_timeout: float = 2.0
+    uevents: bool = True
+
+
+@dataclass
+class DeviceTrack:
+    published: str = HEALTHY  # what the specs reflect
+    fails: int = 0
+    passes: int = 0
+    last: Verdict | None = None
+
+
+@dataclass
+class Watcher:
+    opts: WatchOptions
+    tracks: dict[str, DeviceTrack] = field(default_factory=dict)
+    found: list[FoundDevice] = field(default_factory=list)
+    unbound: list[Verdict] = field(default_factory=list)
+    generation: int | None = None
+
+    def __post_init__(self) -> None:
+        self.host = Host(self.opts.generate.root)
+        self.profiles = load_profiles(self.host, self.opts.generate.profile_dirs)
+        if self.opts.generate.kinds:
+            self.profiles = [p for p in self.profiles if p.kind in self.opts.generate.kinds]
+        self.checker = HealthChecker(self.host, kernel_log=self.opts.kernel_log, timeout=self.opts.probe_timeout,
+                                     baseline=AerBaseline())
+        self.written_kinds: set[str] = set()
+        self.rescan_requested = threading.Event()
+
+    # --- one round -----------------------------------------------------------------------------------
+    def rescan(self) -> bool:
+        """Rediscover; returns True when the set of devices changed."""
+        found = discover(self.host, self.profiles)
+        before = {device_key(f.profile.kind, f.address) for f in self.found}
+        after = {device_key(f.profile.kind, f.address): f for f in found}
+        for key in sorted(set(after) - before):
+            if self.tracks:
+                events.record(self.opts.state_dir, "added", key)
+            self.checker.clear_xids(after[key].address)  # a device that came back was reset: forget its past
+            if self.checker.baseline is not None:
+                self.checker.baseline.counts.pop(after[key].address, None)
+        for key in sorted(before - set(after)):
+            events.record(self.opts.state_dir, "removed", key)
+        self.found = found
+        self.unbound = [unbound_verdict(p, pci) for p, pci in unbound_functions(self.host, self.profiles)]
+        return set(after) != before
+
+    def check(self) -> bool:
+        """Health round; returns True when the published state changed (specs must be rewritten)."""
+        verdicts = self.checker.check(self.found) + self.unbound
+        present = {v.key for v in verdicts}
+        verdicts += [Verdict(key, t.last.kind, t.last.address, UNHEALTHY, (f"{t.last.address}: no longer present",),
+                             t.last.nodes)
+                     for key, t in self.tracks.items() if key not in present and t.last is not None]
+        changed = False
+        for verdict in verdicts:
+            track = self.tracks.setdefault(verdict.key, DeviceTrack())
+            if verdict.nodes or track.last is None:
+                track.last = verdict
+            else:  # keep the nodes we knew, so the ledger can still refuse them
+                track.last = replace(verdict, nodes=track.last.nodes)
+            failing = verdict.status == UNHEALTHY
+            track.fails, track.passes = (track.fails + 1, 0) if failing else (0, track.passes + 1)
+            if track.published != UNHEALTHY and track.fails >= self.opts.threshold:
+                track.published = UNHEALTHY
+                changed = True
+                events.record(self.opts.state_dir, "unhealthy", verdict.key, reasons=list(verdict.reasons))
+            elif track.published == UNHEALTHY and track.passes >= self.opts.threshold:
+                track.published = HEALTHY
+                changed = True
+                events.record(self.opts.state_dir, "recovered", verdict.key, status=verdict.status)
+        return changed
+
+    def unhealthy(self) -> frozenset[str]:
+        return frozenset(k for k, t in self.tracks.items() if t.published == UNHEALTHY)
+
+    def write(self) -> int | None:
+        excluded = self.unhealthy()
+        view = HostView(self.host)
+        rerooter = Rerooter(self.host)
+        gen = replace(self.opts.generate, exclude=excluded)
+        hook_path = gen.hook_path or ""
+        ldcache = read_ldcache(self.host) if any(p.libraries for p in self.profiles) else []
+        specs = []
+        for profile in self.profiles:
+            devices = [f for f in self.found if f.profile.kind == profile.kind and
+                       device_key(f.profile.kind, f.address) not in excluded]
+            if not devices:
+                continue
+            spec = build_spec(profile, devices, common_edits(view, profile, rerooter, hook_path, ldcache), rerooter,
+                              gen)
+            if spec is not None:
+                specs.append(spec)
+        kinds = {s.kind for s in specs}
+        stale = tuple(sorted((self.written_kinds | {p.kind for p in self.profiles}) - kinds))
+        write_specs(specs, self.opts.output_dir, self.opts.fmt, state_dir=self.opts.state_dir, stale_kinds=stale)
+        self.written_kinds = kinds
+        self._write_health()
+        from devinject.generation import current
+
+        self.generation = current(self.opts.state_dir)
+        return self.generation
+
+    def _write_health(self) -> None:
+        unhealthy_nodes = sorted({n for k, t in self.tracks.items() if t.published == UNHEALTHY and t.last
+                                  for n in t.last.nodes})
+        state = {"time": time.time(), "unhealthy_nodes": unhealthy_nodes,
+                 "devices": {k: {"published": t.published, "status": t.last.status if t.last else None,
+                                 "reasons": list(t.last.reasons) if t.last else []} for k, t in self.tracks.items()}}
+        path = os.path.join(self.opts.state_dir, HEALTH_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(state, handle, sort_keys=True)
+        os.replace(tmp, path)
+
+    # --- the loop ------------------------------------------------------------------------------------
+    def _uevent_listener(self, stop: threading.Event) -> None:
+        try:
+            from pyroute2 import UeventSocket
+
+            sock = UeventSocket()
+            sock.bind()
+        except Exception as err:  # no netlink here (or no pyroute2): the periodic rescan still runs
+            log.warning("kernel uevents unavailable (%s); rescanning every %gs", err, self.opts.rescan)
+            return
+        try:
+            while not stop.is_set():
+                ready, _, _ = select.select([sock], [], [], 0.5)
+                if not ready:
+                    continue
+                for message in sock.get():
+                    subsystem = str(message.get("header", {}).get("SUBSYSTEM", "") if hasattr(message, "get") else "")
+                    if subsystem in UEVENT_SUBSYSTEMS or not subsystem:
+                        self.rescan_requested.set()
+        finally:
+            sock.close()
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        if self.opts.uevents:
+            threading.Thread(target=self._uevent_listener, args=(stop,), name="uevents", daemon=True).start()
+        self.rescan()
+        self.check()
+        self.write()
+        events.record(self.opts.state_dir, "watch-started", devices=len(self.found), generation=self.generation)
+        log.info("watching %d devices; specs in %s (generation %s)", len(self.found), self.opts.output_dir,
+                 self.generation)
+        next_rescan = time.monotonic() + self.opts.rescan
+        while not stop.is_set():
+            suspicious = any(t.fails or (t.published == UNHEALTHY and t.passes) for t in self.tracks.values())
+            wait = self.opts.recheck if suspicious else self.opts.interval
+            self.rescan_requested.wait(timeout=wait)
+            if stop.is_set():
+                break
+            inventory_changed = False
+            if self.rescan_requested.is_set() or time.monotonic() >= next_rescan:
+                self.rescan_requested.clear()
+                inventory_changed = self.rescan()
+                next_rescan = time.monotonic() + self.opts.rescan
+            if self.check() or inventory_changed:
+                self.write()
+                log.info("specs rewritten (generation %s); unhealthy: %s", self.generation,
+                         ", ".join(sorted(self.unhealthy())) or "none")
+
+
+def snapshot(watcher: Watcher) -> dict[str, Any]:
+    return {k: {"published": t.published, "fails": t.fails, "passes": t.passes} for k, t in watcher.tracks.items()}
