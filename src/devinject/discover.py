@@ -11,7 +11,7 @@ import os
 import posixpath
 import stat
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from devinject.host import Host
 from devinject.model import DeviceNode
@@ -112,6 +112,14 @@ def _rule_nodes(view: HostView, rule: NodeRule, functions: Iterable[PciDevice], 
     return nodes
 
 
+def family_of(profiles: list[Profile], pci: PciDevice) -> Profile | None:
+    """The vendor profile a function belongs to by identity, when its driver binding does not match."""
+    for profile in profiles:
+        if profile.drivers and profile.vendors and replace(profile, drivers=()).matches(pci):
+            return profile
+    return None
+
+
 def _uuid(view: HostView, profile: Profile, pci: PciDevice) -> str | None:
     if not (profile.uuid_file and profile.uuid_key):
         return None
@@ -135,13 +143,20 @@ def discover(host: Host, profiles: list[Profile], *, pci_devices: list[PciDevice
     view = view or HostView(host)
     functions = scan_pci(host) if pci_devices is None else pci_devices
     per_profile: dict[str, list[PciDevice]] = {p.name: [] for p in profiles}
+    placeholders: set[str] = set()
     for pci in functions:
-        profile = select_profile(profiles, pci)
+        profile = select_profile(profiles, pci) or family_of(profiles, pci)
         if profile is not None:
             per_profile[profile.name].append(pci)
+            if not profile.matches(pci):
+                placeholders.add(pci.address)
     found = []
     for profile in profiles:
-        for index, group in enumerate(_group(profile, per_profile[profile.name])):
+        for index, all_functions in enumerate(_group(profile, per_profile[profile.name])):
+            # A function of the family that is unbound keeps its index, so the others are not renamed.
+            group = tuple(f for f in all_functions if f.address not in placeholders)
+            if not group:
+                continue
             nodes: list[DeviceNode] = []
             complete = True
             for rule in profile.device_nodes:

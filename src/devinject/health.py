@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import re
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from devinject.discover import FoundDevice, discover
+from devinject.discover import FoundDevice, discover, family_of
 from devinject.gpuinfo import ProbeTimeout, call_with_timeout
 from devinject.host import Host
 from devinject.procfs import parse_key_values
@@ -192,8 +192,7 @@ def unbound_functions(host: Host, profiles: list[Profile]) -> list[tuple[Profile
     for pci in scan_pci(host):
         if select_profile(profiles, pci) is not None:
             continue
-        # only vendor families: a driver-only profile (vfio-pci) claims nothing it is not bound to
-        family = next((p for p in profiles if p.drivers and p.vendors and replace(p, drivers=()).matches(pci)), None)
+        family = family_of(profiles, pci)  # a driver-only profile (vfio-pci) claims nothing it is not bound to
         if family is not None:
             out.append((family, pci))
     return out

@@ -85,3 +85,11 @@ def test_missing_information_file_drops_only_that_gpu(host_copy, caplog):
     host = Host(str(root))
     gpus = [f for f in discover(host, load_profiles(host)) if f.profile.kind == "nvidia.com/gpu"]
     assert [f.index for f in gpus] == [0, 2, 3, 4, 5, 6, 7]  # indices do not shift
+
+
+def test_unbound_gpu_keeps_its_index_so_others_are_not_renamed(host_copy):
+    root = host_copy("hgx-h100")
+    (root / "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0/driver").unlink()
+    host = Host(str(root))
+    gpus = [f for f in discover(host, load_profiles(host)) if f.profile.kind == "nvidia.com/gpu"]
+    assert [(f.index, f.address) for f in gpus][:2] == [(1, "0000:2a:00.0"), (2, "0000:3a:00.0")]

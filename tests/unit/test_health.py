@@ -1,0 +1,88 @@
+"""Fault injection on fixture hosts: each fault ends in the right verdict."""
+
+import os
+import shutil
+
+import pytest
+
+from devinject.health import check_host, parse_xids
+from devinject.host import Host
+from devinject.profiles import load_profiles
+
+GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
+KEY = "nvidia.com/gpu=0000:18:00.0"
+
+
+def _verdicts(root, **kw):
+    host = Host(str(root))
+    return {v.key: v for v in check_host(host, load_profiles(host), **kw)}
+
+
+def _write(root, rel, text):
+    path = root / rel
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_all_healthy_on_pristine_fixture():
+    verdicts = _verdicts(__import__("tests.conftest", fromlist=["HOSTS"]).HOSTS / "hgx-h100")
+    assert len(verdicts) == 16 and all(v.healthy for v in verdicts.values())
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "reason"),
+    [
+        (lambda r: _write(r, f"{GPU}/current_link_width", "8\n"), "degraded", "PCIe link x8 of x16"),
+        (lambda r: _write(r, f"{GPU}/current_link_speed", "16.0 GT/s PCIe\n"), "degraded", "PCIe link 16 of 32"),
+        (lambda r: _write(r, f"{GPU}/enable", "0\n"), "unhealthy", "enable=0"),
+        (lambda r: _write(r, f"{GPU}/aer_dev_fatal", "Undefined 0\nTOTAL_ERR_FATAL 2\n"), "unhealthy", "AER fatal"),
+        (lambda r: _write(r, f"{GPU}/aer_dev_nonfatal", "TOTAL_ERR_NONFATAL 1\n"), "degraded", "AER non-fatal"),
+        (lambda r: _write(r, "proc/driver/nvidia/gpus/0000:18:00.0/information",
+                          "Device Minor: \t 2\nGPU Excluded:\t Yes\n"), "unhealthy", "GPU Excluded"),
+        (lambda r: _write(r, "var/log/kern.log",
+                          "kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus.\n"),
+         "unhealthy", "fatal Xid 79"),
+        (lambda r: (r / GPU / "driver").unlink(), "unhealthy", "driver unbound"),
+    ],
+    ids=["link-width", "link-speed", "disabled", "aer-fatal", "aer-nonfatal", "excluded", "xid-79", "unbound"],
+)
+def test_fault_gives_verdict(host_copy, fault, status, reason):
+    root = host_copy("hgx-h100")
+    fault(root)
+    verdict = _verdicts(root)[KEY]
+    assert verdict.status == status
+    assert any(reason in r for r in verdict.reasons), verdict.reasons
+    others = [v for k, v in _verdicts(root).items() if k != KEY]
+    assert all(v.healthy for v in others)
+
+
+def test_application_xids_are_ignored(host_copy):
+    root = host_copy("hgx-h100")
+    _write(root, "var/log/kern.log", "NVRM: Xid (PCI:0000:18:00): 13, Graphics SM Warp Exception\n"
+                                     "NVRM: Xid (PCI:0000:18:00): 31, Ch 00000010, intr 10000000\n")
+    assert _verdicts(root)[KEY].healthy
+
+
+def test_hanging_probe_becomes_unhealthy_probe_timed_out(host_copy):
+    root = host_copy("hgx-h100")
+    info = root / GPU / "current_link_width"
+    info.unlink()
+    os.mkfifo(info)  # opening a FIFO with no writer blocks, like config-space reads of a dead device
+    verdict = _verdicts(root, timeout=0.3)[KEY]
+    assert verdict.status == "unhealthy" and "probe timed out" in verdict.reasons[0]
+    with open(info, "w") as unblock:  # release the stuck probe thread
+        unblock.write("")
+
+
+def test_removed_function_is_reported_by_watch_not_one_shot(host_copy):
+    root = host_copy("hgx-h100")
+    shutil.rmtree(root / GPU)
+    (root / "sys/bus/pci/devices/0000:18:00.0").unlink()
+    assert KEY not in _verdicts(root)
+
+
+def test_parse_xids():
+    assert parse_xids("NVRM: Xid (PCI:0000:3B:00): 48, DBE\nNVRM: Xid (PCI:0000:3b:00): 94, x\n") == {
+        "0000:3b:00": [48, 94]}

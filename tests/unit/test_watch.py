@@ -1,0 +1,128 @@
+"""The watch agent's decisions, driven round by round on a fixture copy (no sleeping)."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from devinject.generate import GenerateOptions
+from devinject.generation import write_specs_generation
+from devinject.spec import load_file, read_generation
+from devinject.watch import Watcher, WatchOptions
+
+GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
+
+
+@pytest.fixture
+def watcher(host_copy, tmp_path):
+    root = host_copy("hgx-h100")
+    opts = WatchOptions(generate=GenerateOptions(root=str(root), hook_path="/usr/bin/devinject"),
+                        output_dir=tmp_path / "cdi", state_dir=str(tmp_path / "state"), threshold=3,
+                        kernel_log="/var/log/kern.log", probe_timeout=0.5, uevents=False)
+    w = Watcher(opts)
+    w.rescan()
+    w.check()
+    w.write()
+    return w, root, tmp_path
+
+
+def _gpu_names(tmp_path: Path) -> set[str]:
+    return {d.name for d in load_file(tmp_path / "cdi" / "nvidia.com-gpu.yaml").devices}
+
+
+def _round(w: Watcher) -> bool:
+    changed = w.check()
+    if changed:
+        w.write()
+    return changed
+
+
+def test_one_glitch_does_not_flap_three_failures_take_device_out_three_passes_put_it_back(watcher):
+    w, root, tmp_path = watcher
+    width = root / GPU / "enable"
+    assert "0" in _gpu_names(tmp_path)
+    width.write_text("0\n")
+    assert not _round(w)
+    width.write_text("1\n")  # a glitch: recovers before the threshold
+    assert not _round(w)
+    width.write_text("0\n")
+    assert [_round(w) for _ in range(3)] == [False, False, True]
+    names = _gpu_names(tmp_path)
+    assert "0" not in names and "GPU-5b3c0a1e-7c1d-4c1b-9a55-0e1f2a3b4c00" not in names and "1" in names
+    health = json.loads((tmp_path / "state" / "health.json").read_text())
+    assert health["unhealthy_nodes"] == ["c 195:2"]
+    width.write_text("1\n")
+    assert [_round(w) for _ in range(3)] == [False, False, True]
+    assert "0" in _gpu_names(tmp_path)
+    events = [json.loads(line)["event"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    assert events.count("unhealthy") == 1 and events.count("recovered") == 1
+
+
+def test_new_xid_counts_but_history_does_not(watcher):
+    w, root, tmp_path = watcher
+    log = root / "var/log/kern.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    w.check()  # the watcher notes where the log ends
+    with open(log, "a") as handle:
+        handle.write("NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus.\n")
+    assert [_round(w) for _ in range(3)][-1] is True
+    assert "0" not in _gpu_names(tmp_path)
+
+
+def test_generation_increases_only_when_content_changes(watcher):
+    w, root, tmp_path = watcher
+    spec = tmp_path / "cdi" / "nvidia.com-gpu.yaml"
+    first = read_generation(spec.read_text())
+    w.write()
+    assert read_generation(spec.read_text()) == first  # nothing changed: no rewrite
+    (root / GPU / "enable").write_text("0\n")
+    for _ in range(3):
+        _round(w)
+    assert read_generation(spec.read_text()) > first
+
+
+def test_older_generation_never_replaces_newer(tmp_path):
+    state = str(tmp_path / "state")
+    spec = tmp_path / "a.yaml"
+    write_specs_generation(state, {spec: "---\nkind: x\n"})
+    spec.write_text("---\n# devinject-generation: 99\nkind: newer\n")  # another writer got further
+    write_specs_generation(state, {spec: "---\nkind: older\n"})
+    assert "newer" in spec.read_text()
+
+
+def test_kind_with_no_devices_left_loses_its_spec(watcher):
+    w, root, tmp_path = watcher
+    for rdma in [f for f in w.found if f.profile.kind == "nvidia.com/rdma"]:
+        (root / rdma.pci.sys_path.lstrip("/") / "enable").write_text("0\n")
+    for _ in range(3):
+        _round(w)
+    assert not (tmp_path / "cdi" / "nvidia.com-rdma.yaml").exists()
+    assert (tmp_path / "cdi" / "nvidia.com-gpu.yaml").exists()
+
+
+def test_run_loop_removes_and_restores_within_detection_time(watcher):
+    w, root, tmp_path = watcher
+    fast = WatchOptions(**{**w.opts.__dict__, "interval": 0.1, "recheck": 0.05, "rescan": 0.2})
+    loop = Watcher(fast)
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.3)
+        (root / GPU / "current_link_width").write_text("4\n")  # degraded only: stays in the spec
+        (root / GPU / "driver").unlink()  # unbound: unhealthy
+        started = time.monotonic()
+        while "0" in _gpu_names(tmp_path) and time.monotonic() - started < 5:
+            time.sleep(0.02)
+        assert "0" not in _gpu_names(tmp_path)
+        (root / GPU / "driver").symlink_to("../../../../../../bus/pci/drivers/nvidia")
+        started = time.monotonic()
+        while "0" not in _gpu_names(tmp_path) and time.monotonic() - started < 5:
+            time.sleep(0.02)
+        assert "0" in _gpu_names(tmp_path)
+    finally:
+        stop.set()
+        thread.join(5)
