@@ -1,0 +1,138 @@
+"""The command line as users meet it: real subprocesses, one-line errors, exit codes, nothing half-written."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import HOSTS
+
+DEVINJECT = str(Path(sys.executable).parent / "devinject")
+
+
+def run(*args, stdin=None):
+    return subprocess.run([DEVINJECT, *args], capture_output=True, text=True, input=stdin, timeout=60)
+
+
+def one_error_line(done):
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0
+    assert lines and lines[0].startswith("devinject: error: "), done.stderr
+    assert "Traceback" not in done.stderr
+    return lines[0]
+
+
+def test_generate_to_stdout_and_list_json():
+    done = run("generate", "--root", str(HOSTS / "mi300x"), "--output", "-", "--hook-path", "/usr/bin/devinject")
+    assert done.returncode == 0 and done.stdout.startswith("---\ncdiVersion: 0.5.0\nkind: amd.com/gpu\n")
+    rows = json.loads(run("list", "--root", str(HOSTS / "mi300x"), "--json", "--state-dir", "/nonexistent").stdout)
+    assert rows[0]["names"] == ["amd.com/gpu=0", "amd.com/gpu=0000:05:00.0"] and rows[0]["health"] == "healthy"
+
+
+def test_generate_writes_spec_dir_with_generation(tmp_path):
+    out = tmp_path / "cdi"
+    args = ("generate", "--root", str(HOSTS / "gaudi2"), "--output-dir", str(out), "--state-dir",
+            str(tmp_path / "state"), "--hook-path", "/usr/bin/devinject")
+    assert run(*args).returncode == 0
+    first = (out / "habana.ai-gaudi.yaml").read_bytes()
+    assert b"# devinject-generation: 1\n" in first
+    assert run(*args).returncode == 0
+    assert (out / "habana.ai-gaudi.yaml").read_bytes() == first  # same host, same bytes
+    assert oct(os.stat(out / "habana.ai-gaudi.yaml").st_mode & 0o777) == "0o644"
+    assert run("validate", str(out)).returncode == 0
+
+
+def test_output_file_needs_one_kind(tmp_path):
+    line = one_error_line(run("generate", "--root", str(HOSTS / "hgx-h100"), "--output", str(tmp_path / "x.yaml")))
+    assert "2 kinds found" in line and not (tmp_path / "x.yaml").exists()
+
+
+def test_bad_root_and_bad_version():
+    assert "--root" in one_error_line(run("generate", "--root", "/nonexistent/root", "--output", "-"))
+    done = run("generate", "--cdi-version", "9.9.9")
+    assert done.returncode == 2 and "9.9.9" in done.stderr
+
+
+def test_validate_reports_field_path_and_exits_1(tmp_path):
+    (tmp_path / "bad.yaml").write_text("cdiVersion: 0.5.0\nkind: a.com/b\ndevices:\n- name: x\n  containerEdits:\n"
+                                       "    deviceNodes: [{path: /dev/x, permissions: rwz}]\n")
+    done = run("validate", str(tmp_path / "bad.yaml"))
+    assert done.returncode == 1
+    assert f"{tmp_path / 'bad.yaml'}: devices[0].containerEdits.deviceNodes[0].permissions:" in done.stderr
+
+
+def test_health_exit_codes(tmp_path):
+    assert run("health", "--root", str(HOSTS / "gaudi2")).returncode == 0
+    assert run("health", "--root", str(HOSTS / "empty-vm")).returncode == 0
+
+
+def test_hook_with_garbage_state_is_one_line_error():
+    line = one_error_line(run("hook", "--log-file", "/dev/null", "--no-ledger", stdin="{nope"))
+    assert "invalid JSON" in line
+
+
+def test_hook_with_missing_bundle(tmp_path):
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "creating", "pid": os.getpid(),
+                        "bundle": str(tmp_path / "gone")})
+    line = one_error_line(run("hook", "--log-file", "/dev/null", "--no-ledger", stdin=state))
+    assert str(tmp_path / "gone" / "config.json") in line
+
+
+def test_hook_with_no_request_exits_zero_quickly(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}, "process": {"env": []}}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "creating", "pid": os.getpid(),
+                        "bundle": str(tmp_path)})
+    done = run("hook", "--log-file", str(tmp_path / "log"), "--state-dir", str(tmp_path / "state"), stdin=state)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == ""
+    assert not (tmp_path / "log").exists() and not (tmp_path / "state").exists()
+
+
+def test_hook_with_dead_pid(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}, "annotations": {
+        "cdi.k8s.io/x": "a.com/b=c"}}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "creating", "pid": 999999999,
+                        "bundle": str(tmp_path)})
+    assert "process 999999999 is gone" in one_error_line(run("hook", "--log-file", "/dev/null", stdin=state))
+
+
+def test_hook_unknown_flag():
+    assert "unknown argument '--frobnicate'" in one_error_line(run("hook", "--frobnicate"))
+
+
+def test_poststop_for_unknown_container_is_quick_noop(tmp_path):
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "stopped", "bundle": str(tmp_path)})
+    done = run("hook", "--state-dir", str(tmp_path / "state"), "--log-file", str(tmp_path / "log"), stdin=state)
+    assert done.returncode == 0 and not (tmp_path / "state").exists()
+
+
+def test_hook_import_path_stays_lean(tmp_path):
+    """Everything a hook run imports, with a warm spec cache: no click, jsonschema, pynvml, pyroute2, yaml."""
+    spec_dir = tmp_path / "cdi"
+    assert run("generate", "--root", str(HOSTS / "gaudi2"), "--output-dir", str(spec_dir), "--state-dir",
+               str(tmp_path / "state")).returncode == 0
+    code = (
+        "import sys\n"
+        "import devinject.entry, devinject.hook.main, devinject.hook.request, devinject.hook.state\n"
+        "import devinject.hook.cgroup, devinject.hook.executor, devinject.hook.nsenter, devinject.hook.plan\n"
+        "import devinject.hook.bpf, devinject.ledger\n"
+        "from devinject.hook.registry import Registry\n"
+        f"r = Registry(({str(spec_dir)!r},), cache_file={str(tmp_path / 'cache.json')!r})\n"
+        "devinject.hook.plan.plan(r.resolve(('habana.ai/gaudi=0',)).edits)\n"
+        "print(','.join(m for m in ('click','jsonschema','pynvml','pyroute2','yaml') if m in sys.modules))\n"
+    )
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == "yaml"  # a cold cache parses the YAML spec once
+    warm = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert warm.stdout.strip() == ""
+
+
+def test_install_hook_writes_hooks_d_file(tmp_path):
+    done = run("install-hook", "--hooks-dir", str(tmp_path), "--executable", DEVINJECT)
+    assert done.returncode == 0
+    entry = json.loads((tmp_path / "10-devinject.json").read_text())
+    assert entry["hook"]["path"] == DEVINJECT and entry["stages"] == ["prestart", "poststop"]
+    assert entry["when"] == {"annotations": {r"^cdi\.k8s\.io/.+$": ".+"}}
+    assert "--executable" in one_error_line(run("install-hook", "--hooks-dir", str(tmp_path), "--executable",
+                                                "/nonexistent"))
