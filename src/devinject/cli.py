@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -167,8 +168,6 @@ def run(args: list[str]) -> int:
 @click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
 def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, runc_snippet: bool) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
-    import os
-
     from devinject.generate import default_hook_path
     from devinject.hooksd import DEFAULT_HOOKS_DIR, HOOK_FILE, hooks_d_entry, render, runc_hooks
     from devinject.spec import write_atomic
@@ -298,3 +297,24 @@ def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
         click.echo("no process holds a device node", err=True)
     for r in rows:
         click.echo(f"{r['device']:32} {r['node']:24} pid {r['pid']:<8} {r['command']:16} {r['container'] or '-'}")
+
+
+@cli.command("create-dev-char-links")
+@root_option
+@click.option("--dry-run", is_flag=True, help="Print the links instead of creating them.")
+def create_dev_char_links(root: str, dry_run: bool) -> None:
+    """Create /dev/char/MAJ:MIN links for discovered nodes that udev did not make (systemd reload caveat)."""
+    from devinject.devchar import missing_links
+
+    for link, target in missing_links(root):
+        if dry_run:
+            click.echo(f"{link} -> {target}")
+            continue
+        try:
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            os.symlink(target, link)
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise DevinjectError(f"{link}: cannot create: {err.strerror}") from None
+        click.echo(f"{link} -> {target}", err=True)

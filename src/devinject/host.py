@@ -22,6 +22,11 @@ def _norm(path: str) -> str:
 class Host:
     def __init__(self, root: str = "/") -> None:
         self.root = os.path.abspath(root)
+        self._links: dict[str, str | None] = {}  # readlink memo; `refresh()` forgets it
+
+    def refresh(self) -> None:
+        """Forget memoised links (a long-running reader calls this before each rescan)."""
+        self._links.clear()
 
     def real(self, path: str) -> str:
         """The path on this machine's filesystem for host path `path` (lexical, links not followed)."""
@@ -65,9 +70,15 @@ class Host:
 
     def readlink(self, path: str) -> str | None:
         try:
-            return os.readlink(self.real(path))
+            return self._links[path]
+        except KeyError:
+            pass
+        try:
+            target: str | None = os.readlink(self.real(path))
         except OSError:
-            return None
+            target = None
+        self._links[path] = target
+        return target
 
     def lstat(self, path: str) -> os.stat_result | None:
         try:

@@ -85,6 +85,7 @@ class Watcher:
     # --- one round -----------------------------------------------------------------------------------
     def rescan(self) -> bool:
         """Rediscover; returns True when the set of devices changed."""
+        self.host.refresh()
         found = discover(self.host, self.profiles)
         before = {device_key(f.profile.kind, f.address) for f in self.found}
         after = {device_key(f.profile.kind, f.address): f for f in found}
@@ -102,6 +103,7 @@ class Watcher:
 
     def check(self) -> bool:
         """Health round; returns True when the published state changed (specs must be rewritten)."""
+        self.host.refresh()
         verdicts = self.checker.check(self.found) + self.unbound
         present = {v.key for v in verdicts}
         verdicts += [Verdict(key, t.last.kind, t.last.address, UNHEALTHY, (f"{t.last.address}: no longer present",),

@@ -136,3 +136,13 @@ def test_install_hook_writes_hooks_d_file(tmp_path):
     assert entry["when"] == {"annotations": {r"^cdi\.k8s\.io/.+$": ".+"}}
     assert "--executable" in one_error_line(run("install-hook", "--hooks-dir", str(tmp_path), "--executable",
                                                 "/nonexistent"))
+
+
+def test_create_dev_char_links(host_copy):
+    root = host_copy("hgx-h100")
+    done = run("create-dev-char-links", "--root", str(root))
+    assert done.returncode == 0, done.stderr
+    link = root / "dev/char/195:2"
+    assert os.readlink(link) == "../nvidia2" and link.resolve() == (root / "dev/nvidia2").resolve()
+    assert os.readlink(root / "dev/char/231:192") == "../infiniband/uverbs0"
+    assert run("create-dev-char-links", "--root", str(root), "--dry-run").stdout == ""  # all present now
