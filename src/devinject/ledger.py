@@ -17,7 +17,6 @@ import os
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from devinject.errors import LedgerError
@@ -72,11 +71,11 @@ def holders_of(nodes: set[str], proc: str = "/proc") -> dict[str, list[int]]:
     return {k: v for k, v in found.items() if v}
 
 
-@dataclass
 class Booking:
-    ledger: Ledger
-    container_id: str
-    new: bool
+    def __init__(self, ledger: Ledger, container_id: str, new: bool) -> None:
+        self.ledger = ledger
+        self.container_id = container_id
+        self.new = new
 
     def cancel(self) -> None:
         """The hook failed after booking: free what this invocation booked (nothing if it was a re-run)."""
@@ -135,10 +134,10 @@ class Ledger:
     def _write(self, data: dict[str, Any]) -> None:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
+            # rename is atomic: a crash of any process leaves the old or the new ledger, never half of one.
+            # No fsync: the ledger lives on /run (tmpfs) and describes processes that a reboot ends anyway.
             with open(tmp, "w", encoding="utf-8") as handle:
                 json.dump(data, handle, sort_keys=True)
-                handle.flush()
-                os.fsync(handle.fileno())
             os.replace(tmp, self.path)
         except OSError as err:
             raise LedgerError(f"{self.path}: cannot write the ledger: {err.strerror}") from None

@@ -10,10 +10,8 @@ DEFAULT_SHARING = "exclusive"
 
 
 def _profile_files(root: str) -> list[str]:
-    from importlib import resources
-
-    files = [str(p) for p in resources.files("devinject").joinpath("data/profiles").iterdir()
-             if str(p).endswith(".yaml")]
+    shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles")
+    files = [os.path.join(shipped, n) for n in os.listdir(shipped) if n.endswith(".yaml")]
     admin = os.path.join(root, "etc/devinject/profiles.d")
     if os.path.isdir(admin):
         files += [os.path.join(admin, n) for n in sorted(os.listdir(admin)) if n.endswith((".yaml", ".yml"))]

@@ -10,11 +10,13 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from devinject.errors import SpecError
 from devinject.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
+
+if TYPE_CHECKING:  # pathlib costs the hook ~3 ms of imports
+    from pathlib import Path
 
 # CDI versions in order; what each adds is in docs/cdi-versions.md.
 KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0")
@@ -260,9 +262,9 @@ def read_generation(text: str) -> int | None:
 
 
 def load_file(path: str | Path) -> Spec:
-    path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
     except OSError as err:
         raise SpecError(f"{path}: cannot read: {err.strerror}") from None
     try:
@@ -276,15 +278,16 @@ def load_file(path: str | Path) -> Spec:
 def write_atomic(path: Path, content: str, *, mode: int = 0o644) -> bool:
     """Write via a temp file in the same directory, fsync, rename. Returns False when already identical."""
     try:
-        if path.read_text() == content:
-            return False
+        with open(path, encoding="utf-8") as handle:
+            if handle.read() == content:
+                return False
     except (OSError, UnicodeDecodeError):
         pass
     import tempfile
 
-    directory = path.parent
+    directory = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     except OSError as err:
         raise SpecError(f"{directory}: cannot write spec: {err.strerror}") from None
     try:

@@ -12,7 +12,7 @@ import os
 import platform
 import resource
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from devinject.errors import HookError
 from devinject.hook.plan import AllowDevice
@@ -176,8 +176,7 @@ def _replace(cgroup_fd: int, new_fd: int, old_fd: int, flags: int) -> None:
                                     ("<I", 12, flags)))
 
 
-@dataclass
-class Swap:
+class Swap(NamedTuple):
     cgroup_fd: int
     old_fd: int
     new_fd: int

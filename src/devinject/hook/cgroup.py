@@ -11,7 +11,7 @@ reset them (docs/hook.md explains the `/dev/char` links that avoid this).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from devinject.errors import HookError
 from devinject.hook.plan import AllowDevice
@@ -19,16 +19,14 @@ from devinject.hook.plan import AllowDevice
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
-@dataclass(frozen=True, slots=True)
-class MountEntry:
+class MountEntry(NamedTuple):
     root: str
     mount_point: str
     fstype: str
     super_options: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceCgroup:
+class DeviceCgroup(NamedTuple):
     version: int
     path: str  # directory of the container's cgroup on this host's view
 

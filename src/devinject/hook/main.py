@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 from devinject.errors import DevinjectError, HookError
 
@@ -23,15 +22,14 @@ USAGE = """usage: devinject hook [--spec-dir DIR]... [--log-file FILE] [--state-
        devinject cdi-hook update-ldcache --folder DIR... < state.json"""
 
 
-@dataclass
 class HookOptions:
-    spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
-    log_file: str | None = DEFAULT_LOG
-    state_dir: str = DEFAULT_STATE_DIR
-    env_requests: bool = True
-    ledger: bool = True
-    stage: str | None = None
-    extra: dict[str, object] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self.spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
+        self.log_file: str | None = DEFAULT_LOG
+        self.state_dir: str = DEFAULT_STATE_DIR
+        self.env_requests: bool = True
+        self.ledger: bool = True
+        self.stage: str | None = None
 
 
 _CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -149,23 +147,38 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0) -> dict[str, object]:
     from devinject.hook.plan import plan
     from devinject.hook.registry import Registry
 
+    timings: dict[str, float] = {}
+    record["ms"] = timings
+    mark = time.monotonic()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        timings[name] = round((now - mark) * 1000, 2)
+        mark = now
+
     registry = Registry(opts.spec_dirs, cache_file=os.path.join(opts.state_dir, "spec-cache.json"))
     resolved = registry.resolve(request.names)
+    lap("resolve")
     user = bundle.raw.get("process", {}).get("user", {}) if isinstance(bundle.raw.get("process"), dict) else {}
     steps = plan(resolved.edits, uid=int(user.get("uid", 0) or 0), gid=int(user.get("gid", 0) or 0))
     record["warnings"] = list(steps.warnings)
+    lap("plan")
     booking = None
     if opts.ledger:
         from devinject.ledger import Ledger
 
         booking = Ledger(opts.state_dir).book(state.id, state.pid, request.names, resolved)
+        lap("ledger")
     cgroup = device_cgroup_of(state.pid)
     grant = CgroupGrant(cgroup) if cgroup is not None else None
     try:
         if grant is not None:
             grant.allow(steps.allow)
             record["cgroup"] = f"v{cgroup.version} {cgroup.path}" if cgroup else None
+        lap("cgroup")
         record["steps"] = run_in_mount_ns(state.pid, lambda: Executor(bundle.rootfs).apply(steps))
+        lap("container")
     except BaseException:
         if grant is not None:
             grant.revert()

@@ -7,7 +7,7 @@ import os
 import posixpath
 import stat as statmod
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from devinject.errors import HookError
 from devinject.model import ContainerEdits, DeviceNode, Hook
@@ -18,8 +18,7 @@ _IGNORED_OPTIONS = {"bind", "rbind", "rprivate", "private", "rslave", "slave", "
                     "rshared", "shared"}
 
 
-@dataclass(frozen=True, slots=True)
-class MakeNode:
+class MakeNode(NamedTuple):
     path: str
     type: str
     major: int
@@ -30,8 +29,7 @@ class MakeNode:
     host_path: str
 
 
-@dataclass(frozen=True, slots=True)
-class BindMount:
+class BindMount(NamedTuple):
     host_path: str
     container_path: str
     readonly: bool = True
@@ -41,14 +39,12 @@ class BindMount:
     recursive: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Symlink:
+class Symlink(NamedTuple):
     target: str
     link: str
 
 
-@dataclass(frozen=True, slots=True)
-class AllowDevice:
+class AllowDevice(NamedTuple):
     type: str
     major: int
     minor: int
@@ -59,8 +55,7 @@ class AllowDevice:
         return f"{self.type} {self.major}:{self.minor} {self.access}"
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(NamedTuple):
     nodes: tuple[MakeNode, ...] = ()
     mounts: tuple[BindMount, ...] = ()
     links: tuple[Symlink, ...] = ()

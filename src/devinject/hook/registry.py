@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from devinject.errors import ResolveError, SpecError
 from devinject.model import ContainerEdits, Spec
@@ -19,8 +19,7 @@ DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 MAX_SPEC_BYTES = 16 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class Resolved:
+class Resolved(NamedTuple):
     names: tuple[str, ...]
     edits: ContainerEdits
     specs: tuple[Spec, ...]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from devinject.errors import HookError
 from devinject.names import parse_qualified_name
@@ -20,8 +20,7 @@ NO_DEVICES = ("", "none", "void")
 MAX_REQUESTED = 256
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
     names: tuple[str, ...]  # qualified names, in request order, deduplicated
     source: str  # where they came from: annotation, env, or a vendor variable
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass, field
 
 from devinject.errors import UnsafePathError
 
@@ -18,11 +17,11 @@ MAX_HOPS = 40
 _O_PATH = getattr(os, "O_PATH", 0o10000000)
 
 
-@dataclass
 class Created:
     """What a walk created, so a failed hook can remove it again (deepest first)."""
 
-    dirs: list[tuple[int, str]] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.dirs: list[tuple[int, str]] = []
 
 
 class Root:

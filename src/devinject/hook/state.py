@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from devinject.errors import HookError
 
@@ -15,18 +14,16 @@ MAX_CONFIG_BYTES = 16 << 20
 STDIN_TIMEOUT = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerState:
+class ContainerState(NamedTuple):
     id: str
     status: str
     pid: int
     bundle: str
-    annotations: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = {}
     root: str | None = None  # crun's extension: the rootfs
 
 
-@dataclass(frozen=True, slots=True)
-class BundleConfig:
+class BundleConfig(NamedTuple):
     rootfs: str
     env: tuple[str, ...]
     annotations: dict[str, str]

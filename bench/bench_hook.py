@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Benchmark `devinject hook`: `runc run` of a trivial container without the hook, and with it injecting
+8 GPUs plus the driver libraries (nvidia.com/gpu=all on the HGX H100 host, real mknod nodes), with the
+ledger off and on. Medians and the added latency from one run; prints figures, asserts nothing. Root only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.e2e.conftest import make_rootfs  # noqa: E402
+from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100  # noqa: E402
+
+DEVINJECT = str(Path(sys.executable).parent / "devinject")
+
+
+def main() -> int:
+    if os.geteuid() != 0 or shutil.which("runc") is None:
+        print("bench_hook: needs root and runc (make system-deps)")
+        return 0
+    runs = int(os.environ.get("BENCH_RUNS", "25"))
+    # /run is tmpfs, as the hook's state dir is in production
+    work = Path(tempfile.mkdtemp(prefix="devinject-bench-hook-", dir="/run" if os.path.isdir("/run") else None))
+    try:
+        builder = LibBuilder()
+        build_hgx_h100(builder, FakeHost(work / "host", real_nodes=True))
+        shutil.rmtree(builder.tmp, ignore_errors=True)
+        subprocess.run([DEVINJECT, "generate", "--root", str(work / "host"), "--output-dir", str(work / "cdi"),
+                        "--state-dir", str(work / "gen-state"), "--hook-path", DEVINJECT],
+                       check=True, capture_output=True)
+        bundle = work / "bundle"
+        bundle.mkdir()
+        make_rootfs(bundle / "rootfs")
+        subprocess.run(["runc", "spec"], cwd=bundle, check=True)
+        base = json.loads((bundle / "config.json").read_text())
+        base["process"].update(terminal=False, args=["true"])
+
+        def configure(hook_args: list[str] | None) -> None:
+            config = json.loads(json.dumps(base))
+            if hook_args is not None:
+                hook = {"path": DEVINJECT, "args": ["devinject", "hook", "--spec-dir", str(work / "cdi"),
+                                                    "--state-dir", str(work / "state"), "--log-file",
+                                                    str(work / "hook.log"), *hook_args]}
+                config["hooks"] = {"prestart": [hook], "poststop": [hook]}
+                config["annotations"] = {"cdi.k8s.io/bench": "nvidia.com/gpu=all"}
+            (bundle / "config.json").write_text(json.dumps(config))
+
+        def runc(*args: str) -> float:
+            start = time.perf_counter()
+            subprocess.run(["runc", *args], cwd=bundle, check=True, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            return (time.perf_counter() - start) * 1000
+
+        def one_run() -> tuple[float, float]:
+            """(create + start: the container-start path with prestart, delete: teardown with poststop)."""
+            name = f"bench-{uuid.uuid4().hex[:8]}"
+            started = runc("create", name) + runc("start", name)
+            while json.loads(subprocess.run(["runc", "state", name], capture_output=True, text=True).stdout
+                             or "{}").get("status") not in ("stopped", None):
+                time.sleep(0.001)
+            return started, runc("delete", name)
+
+        labels = {"without hook": None, "hook, ledger off": ["--no-ledger"], "hook, ledger on": []}
+        starts: dict[str, list[float]] = {label: [] for label in labels}
+        stops: dict[str, list[float]] = {label: [] for label in labels}
+        for args in labels.values():  # warm-up: caches, page cache
+            configure(args)
+            one_run()
+        for _ in range(runs):  # interleaved, so drift hits all three alike
+            for label, args in labels.items():
+                configure(args)
+                begin, end = one_run()
+                starts[label].append(begin)
+                stops[label].append(end)
+        spec = (work / "cdi" / "nvidia.com-gpu.yaml").read_text()
+        print(f"runc, {runs} runs each, medians (8 GPUs, {spec.count('containerPath:')} driver file mounts):")
+        base_start, base_stop = statistics.median(starts["without hook"]), statistics.median(stops["without hook"])
+        for label in labels:
+            start_ms, stop_ms = statistics.median(starts[label]), statistics.median(stops[label])
+            extra = "" if label == "without hook" else (
+                f"   added to start {start_ms - base_start:5.1f} ms (target <= 25 ms),"
+                f" to delete {stop_ms - base_stop:5.1f} ms")
+            print(f"  {label:18} create+start {start_ms:6.1f} ms  delete {stop_ms:6.1f} ms{extra}")
+        log = [json.loads(line) for line in (work / "hook.log").read_text().splitlines()]
+        own = [r["duration_ms"] for r in log if r.get("stage") == "prestart"]
+        print(f"  hook's own duration (its log, median of {len(own)}): {statistics.median(own):.1f} ms")
+    finally:
+        subprocess.run("runc list -q | grep '^bench-' | xargs -r -n1 runc delete -f", shell=True,
+                       capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
