@@ -38,7 +38,16 @@ from devinject.profiles import load_profiles
 
 log = logging.getLogger(__name__)
 
+RESCAN_DEBOUNCE = 0.2
 UEVENT_SUBSYSTEMS = ("pci", "drm", "accel", "infiniband", "infiniband_verbs", "vfio", "misc", "kfd")
+
+
+def wants_rescan(message: Any) -> bool:
+    """A kernel uevent about a subsystem whose devices we offer (add/remove/bind/unbind/change)."""
+    try:
+        return str(message.get("SUBSYSTEM", "")) in UEVENT_SUBSYSTEMS
+    except AttributeError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -185,10 +194,8 @@ class Watcher:
                 ready, _, _ = select.select([sock], [], [], 0.5)
                 if not ready:
                     continue
-                for message in sock.get():
-                    subsystem = str(message.get("header", {}).get("SUBSYSTEM", "") if hasattr(message, "get") else "")
-                    if subsystem in UEVENT_SUBSYSTEMS or not subsystem:
-                        self.rescan_requested.set()
+                if any(wants_rescan(message) for message in sock.get()):
+                    self.rescan_requested.set()
         finally:
             sock.close()
 
@@ -209,6 +216,8 @@ class Watcher:
             self.rescan_requested.wait(timeout=wait)
             if stop.is_set():
                 break
+            if self.rescan_requested.is_set():
+                time.sleep(RESCAN_DEBOUNCE)  # let a burst of uevents (a card's functions) settle first
             inventory_changed = False
             if self.rescan_requested.is_set() or time.monotonic() >= next_rescan:
                 self.rescan_requested.clear()

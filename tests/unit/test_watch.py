@@ -126,3 +126,45 @@ def test_run_loop_removes_and_restores_within_detection_time(watcher):
     finally:
         stop.set()
         thread.join(5)
+
+
+def test_uevents_trigger_a_rescan(watcher):
+    """A real kernel uevent (synthetic `change` on a misc device) makes the agent rediscover at once."""
+    import os
+
+    from devinject.watch import wants_rescan
+
+    assert wants_rescan({"SUBSYSTEM": "pci", "ACTION": "add"}) and not wants_rescan({"SUBSYSTEM": "net"})
+    from tests.e2e.conftest import require
+
+    require(os.geteuid() == 0 and os.path.exists("/sys/devices/virtual/misc/tun/uevent"),
+            "needs root and a misc device (tun) to send a synthetic uevent")
+    w, root, tmp_path = watcher
+    slow = WatchOptions(**{**w.opts.__dict__, "interval": 3600, "recheck": 3600, "rescan": 3600, "uevents": True})
+    loop = Watcher(slow)
+    stop = threading.Event()
+    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert "8" not in _gpu_names(tmp_path)
+        new = root / "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:17:00.0"
+        gpu = root / GPU
+        import shutil
+
+        shutil.copytree(gpu, new, symlinks=True)  # hot-plug a ninth GPU (same minor file reused below)
+        (new / "drm").mkdir(exist_ok=True)
+        info = root / "proc/driver/nvidia/gpus/0000:17:00.0/information"
+        info.parent.mkdir(parents=True)
+        info.write_text("Device Minor: \t 8\n")
+        (root / "sys/bus/pci/devices/0000:17:00.0").symlink_to("../../../devices/pci0000:12/0000:12:01.0/"
+                                                               "0000:15:00.0/0000:16:00.0/0000:17:00.0")
+        with open("/sys/devices/virtual/misc/tun/uevent", "w") as handle:
+            handle.write("change")
+        started = time.monotonic()
+        while "8" not in _gpu_names(tmp_path) and time.monotonic() - started < 5:
+            time.sleep(0.05)
+        assert "8" in _gpu_names(tmp_path)
+    finally:
+        stop.set()
+        thread.join(5)
