@@ -22,19 +22,18 @@ class QualifiedName(NamedTuple):
         return f"{self.vendor}/{self.device_class}={self.name}"
 
 
-def vendor_problem(vendor: str) -> str | None:
-    if not _VENDOR_OR_CLASS.match(vendor):
-        return f"invalid vendor {vendor!r}: letters, digits, '_', '-', '.'; start with a letter, end alphanumeric"
+def _segment_problem(what: str, value: str) -> str | None:
+    if not _VENDOR_OR_CLASS.match(value):
+        return f"invalid {what} {value!r}: letters, digits, '_', '-', '.'; start with a letter, end alphanumeric"
     return None
+
+
+def vendor_problem(vendor: str) -> str | None:
+    return _segment_problem("vendor", vendor)
 
 
 def class_problem(device_class: str) -> str | None:
-    if not _VENDOR_OR_CLASS.match(device_class):
-        return (
-            f"invalid class {device_class!r}: letters, digits, '_', '-', '.'; "
-            "start with a letter, end alphanumeric"
-        )
-    return None
+    return _segment_problem("class", device_class)
 
 
 def kind_problem(kind: str) -> str | None:

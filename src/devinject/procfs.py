@@ -24,14 +24,18 @@ def parse_proc_devices(text: str) -> dict[str, int]:
     return majors
 
 
-def parse_key_values(text: str) -> dict[str, str]:
-    """`Key: value` lines split on the first colon (NVIDIA's `information` file, tab-padded)."""
+def _pairs(text: str, separator: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for line in text.splitlines():
-        key, sep, value = line.partition(":")
+        key, sep, value = line.partition(separator)
         if sep:
             out[key.strip()] = value.strip()
     return out
+
+
+def parse_key_values(text: str) -> dict[str, str]:
+    """`Key: value` lines split on the first colon (NVIDIA's `information` file, tab-padded)."""
+    return _pairs(text, ":")
 
 
 _NVRM_VERSION = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)")
@@ -44,12 +48,8 @@ def parse_nvidia_version(text: str) -> str | None:
 
 
 def parse_uevent(text: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            out[key.strip()] = value.strip()
-    return out
+    """A sysfs `uevent` file: `KEY=value` lines."""
+    return _pairs(text, "=")
 
 
 def parse_dev_numbers(text: str) -> tuple[int, int] | None:
