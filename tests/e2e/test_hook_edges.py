@@ -1,0 +1,86 @@
+"""The hook's edges without a runtime: user namespaces, and many hooks racing for the same devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import DEVINJECT, require
+
+pytestmark = pytest.mark.live
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_mknod_not_permitted_falls_back_to_binding_the_host_node(tmp_path: Path) -> None:
+    """In a user namespace mknod fails with EPERM: the host node is bind-mounted instead."""
+    require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare")
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "dev").mkdir(parents=True)
+    code = (
+        "import os, sys\n"
+        "from devinject.hook.executor import Executor\n"
+        "from devinject.hook.plan import MakeNode, Plan\n"
+        f"rootfs = {str(rootfs)!r}\n"
+        "node = MakeNode('/dev/fake-null', 'c', 1, 3, 0o666, 0, 0, '/dev/null')\n"
+        "steps = Executor(rootfs).apply(Plan(nodes=(node,)))\n"
+        "st = os.stat(rootfs + '/dev/fake-null')\n"
+        "print(steps[0]); print(os.major(st.st_rdev), os.minor(st.st_rdev))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", sys.executable, "-c", code],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "mknod not permitted" in done.stdout
+    assert done.stdout.split()[-2:] == ["1", "3"]  # the host's /dev/null, bind-mounted
+
+
+def test_fifty_hooks_racing_for_eight_devices_never_double_allocate(tmp_path: Path) -> None:
+    require(os.geteuid() == 0, "needs root")
+    spec_dir = tmp_path / "cdi"
+    spec_dir.mkdir()
+    devices = "".join(f"- name: '{i}'\n  containerEdits:\n    deviceNodes: [{{path: /dev/race{i}, type: c, "
+                      f"major: 1, minor: {200 + i}}}]\n" for i in range(8))
+    (spec_dir / "race.yaml").write_text(f"cdiVersion: 0.5.0\nkind: race.example/dev\ndevices:\n{devices}")
+    state_dir = tmp_path / "state"
+    sleepers = [subprocess.Popen(["sleep", "120"]) for _ in range(50)]
+    try:
+        for round_number in range(3):
+            def one(index: int, round_number: int = round_number) -> subprocess.CompletedProcess[str]:
+                bundle = tmp_path / f"b{round_number}-{index}"
+                (bundle / "rootfs" / "dev").mkdir(parents=True)
+                (bundle / "config.json").write_text(json.dumps({
+                    "root": {"path": "rootfs"},
+                    "annotations": {"cdi.k8s.io/race": f"race.example/dev={index % 8}"}}))
+                state = json.dumps({"ociVersion": "1.0.2", "id": f"r{round_number}-{index}", "status": "creating",
+                                    "pid": sleepers[index].pid, "bundle": str(bundle)})
+                return subprocess.run([DEVINJECT, "hook", "--spec-dir", str(spec_dir), "--state-dir", str(state_dir),
+                                       "--log-file", str(tmp_path / "hook.log")], input=state, capture_output=True,
+                                      text=True, timeout=120)
+
+            with ThreadPoolExecutor(max_workers=50) as pool:
+                results = list(pool.map(one, range(50)))
+            winners = [r for r in results if r.returncode == 0]
+            losers = [r for r in results if r.returncode != 0]
+            assert len(winners) == 8, [r.stderr for r in losers][:3]
+            assert all("is held by container" in r.stderr for r in losers), [r.stderr for r in losers][:3]
+            ledger = json.loads((state_dir / "ledger.json").read_text())["allocations"]
+            held = [node for entry in ledger.values() for node in entry["exclusive"]]
+            assert len(held) == len(set(held)) == 8
+            for container in list(ledger):  # poststop for everyone, then the next round
+                state = json.dumps({"ociVersion": "1.0.2", "id": container, "status": "stopped",
+                                    "bundle": str(tmp_path)})
+                done = subprocess.run([DEVINJECT, "hook", "--state-dir", str(state_dir), "--log-file", "/dev/null"],
+                                      input=state, capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, done.stderr
+            assert json.loads((state_dir / "ledger.json").read_text())["allocations"] == {}
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
