@@ -75,15 +75,19 @@ def test_failure_midway_rolls_back_nodes_mounts_and_dirs(bundle: Bundle, tmp_pat
     assert not (bundle.rootfs / "opt").exists()
 
 
-def test_prestart_and_create_runtime_both_configured_stack_nothing(bundle: Bundle) -> None:
-    """The same hook in two pre-pivot stages: the second run finds everything in place."""
+@pytest.mark.parametrize("v2", [False, True], ids=["cgroup-v1", "cgroup-v2-ebpf"])
+def test_prestart_and_create_runtime_both_configured_stack_nothing(bundle: Bundle, v2: bool) -> None:
+    """The same hook in two pre-pivot stages: the second run finds everything in place (and on cgroup v2
+    replaces its own eBPF prefix instead of stacking a second one: the device still opens)."""
     bundle.config["hooks"]["createRuntime"] = [bundle.config["hooks"]["prestart"][0]]
-    count = "grep -c libcuda.so.550.54.14 /proc/self/mountinfo; grep -c nvidia0 /proc/self/mountinfo; true"
+    count = ("grep -c libcuda.so.550.54.14 /proc/self/mountinfo; grep -c nvidia0 /proc/self/mountinfo; "
+             "cat /dev/nvidia0; true")
     bundle.save(["sh", "-c", count],
                 annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
-    done = bundle.run(container_name())
+    done = bundle.run(container_name(), v2=v2)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "0"]  # one mount, and the node was made, not mounted
+    assert "No such device or address" in done.stderr
     runs = [r for r in bundle.log_records() if r.get("stage") == "prestart"]
     assert len(runs) == 2 and all(r["result"] == "ok" for r in runs)
     assert any("present" in step for step in runs[1]["steps"])
