@@ -94,7 +94,11 @@ def main() -> int:
             print(f"  {label:18} create+start {start_ms:6.1f} ms  delete {stop_ms:6.1f} ms{extra}")
         log = [json.loads(line) for line in (work / "hook.log").read_text().splitlines()]
         own = [r["duration_ms"] for r in log if r.get("stage") == "prestart"]
-        print(f"  hook's own duration (its log, median of {len(own)}): {statistics.median(own):.1f} ms")
+        print(f"  hook's own duration (its log, median of {len(own)}): {statistics.median(own):.1f} ms; phases:")
+        phases = [r["ms"] for r in log if r.get("stage") == "prestart" and "ms" in r]
+        for phase in phases[0]:
+            values = [p[phase] for p in phases if phase in p]
+            print(f"    {phase:10} {statistics.median(values):5.1f} ms")
     finally:
         subprocess.run("runc list -q | grep '^bench-' | xargs -r -n1 runc delete -f", shell=True,
                        capture_output=True)

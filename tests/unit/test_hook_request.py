@@ -77,3 +77,23 @@ def test_state_parsing_including_crun_root():
 def test_bad_state(data, message):
     with pytest.raises(HookError, match=message):
         parse_state(data)
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ("vendor.com/gpu=0", True), ("foo.bar.baz/foo-bar123.B_az=a:b", True), ("a/b=c", True),
+        ("v/c=GPU-5b3c0a1e-7c1d", True), ("vendor.com/gpu=0000:18:00.0", True),
+        ("foo/bar", False), ("vendor.com/foo/=x", False), ("vendor.com/foo/bar=x", False), ("1v/c=x", False),
+        ("v/c=-x", False), ("v/c=x-", False), ("v/c-=x", False), ("v/c=", False), ("v/c=a b", False),
+        ("v/c=é", False), ("/c=x", False),
+    ],
+)
+def test_qualified_name_rules_match_cdi_parser(text, ok):
+    from devinject.names import parse_qualified_name
+
+    if ok:
+        assert str(parse_qualified_name(text)) == text
+    else:
+        with pytest.raises(ValueError):
+            parse_qualified_name(text)

@@ -115,7 +115,7 @@ def _log(opts: HookOptions, record: dict[str, object]) -> None:
         pass  # the runtime may not give us a writable /var/log; never fail a container for a log line
 
 
-def run_hook(opts: HookOptions, stdin_fd: int = 0) -> dict[str, object]:
+def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None) -> dict[str, object]:
     from devinject.hook.request import requested_devices
     from devinject.hook.state import load_bundle, parse_state, read_stdin
 
@@ -149,7 +149,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0) -> dict[str, object]:
 
     timings: dict[str, float] = {}
     record["ms"] = timings
-    mark = time.monotonic()
+    mark = started if started is not None else time.monotonic()
 
     def lap(name: str) -> None:
         nonlocal mark
@@ -157,6 +157,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0) -> dict[str, object]:
         timings[name] = round((now - mark) * 1000, 2)
         mark = now
 
+    lap("prepare")  # arguments, state, bundle, request, imports
     registry = Registry(opts.spec_dirs, cache_file=os.path.join(opts.state_dir, "spec-cache.json"))
     resolved = registry.resolve(request.names)
     lap("resolve")
@@ -220,7 +221,7 @@ def main(argv: list[str]) -> int:
             run_cdi_hook(args)
             return 0
         opts = parse_hook_args(args)
-        record.update(run_hook(opts))
+        record.update(run_hook(opts, started=started))
         return 0
     except DevinjectError as err:
         record["error"] = err.message

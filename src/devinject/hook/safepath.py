@@ -29,12 +29,18 @@ class Root:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        # Resolved directories by the components asked for: a hook puts many files in the same few
+        # directories, and nothing else changes the rootfs while it runs (the container has not started).
+        self._dirs: dict[tuple[str, ...], int] = {}
         try:
             self.fd = os.open(path, _O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as err:
             raise UnsafePathError(f"rootfs {path}: {err.strerror}") from None
 
     def close(self) -> None:
+        for fd in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
         os.close(self.fd)
 
     def __enter__(self) -> Root:
@@ -52,7 +58,11 @@ class Root:
         if not parts or parts[-1] == "..":
             raise UnsafePathError(f"{path}: not a file path inside the container")
         last = parts.pop()
-        return self._walk(parts, create=create, created=created, path=path), last
+        key = tuple(parts)
+        cached = self._dirs.get(key)
+        if cached is None:
+            cached = self._dirs[key] = self._walk(parts, create=create, created=created, path=path)
+        return os.dup(cached), last
 
     def resolve(self, path: str, *, create_dirs: bool = False, created: Created | None = None) -> tuple[int, str]:
         """Like walk_parent, but the last component's symlinks are followed too (in-root)."""
