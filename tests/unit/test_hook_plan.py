@@ -71,11 +71,12 @@ def test_spec_cache_is_used_and_invalidated(registry, tmp_path):
     assert fresh.resolve(("vendor.com/gpu=0",)).devices[0][1].device_nodes[0].minor == 5
 
 
-def test_broken_spec_names_the_file(registry, tmp_path):
+def test_broken_spec_blocks_only_its_own_kind_and_is_named(registry, tmp_path):
     (tmp_path / "run" / "broken.yaml").write_text("cdiVersion: 0.5.0\nkind: a.com/b\ndevices: [{name: x}]\n")
     registry._specs = None
-    with pytest.raises(Exception, match=r"broken\.yaml: devices\[0\]\.containerEdits: required"):
-        registry.resolve(("vendor.com/gpu=0",))
+    assert registry.resolve(("vendor.com/gpu=0",)).names == ("vendor.com/gpu=0",)  # other kinds still work
+    with pytest.raises(ResolveError, match=r"broken\.yaml: devices\[0\]\.containerEdits: required"):
+        registry.resolve(("a.com/b=x",))
 
 
 def test_plan_orders_parents_before_children_and_parses_devinject_hooks(registry):

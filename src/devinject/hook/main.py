@@ -115,6 +115,18 @@ def _log(opts: HookOptions, record: dict[str, object]) -> None:
         pass  # the runtime may not give us a writable /var/log; never fail a container for a log line
 
 
+def _process_ids(config: dict[str, object]) -> tuple[int, int]:
+    """process.user uid/gid from config.json: the owner CDI gives nodes that do not name one."""
+    process = config.get("process")
+    user = process.get("user") if isinstance(process, dict) else None
+    if not isinstance(user, dict):
+        return 0, 0
+    uid, gid = user.get("uid", 0), user.get("gid", 0)
+    if not isinstance(uid, int) or not isinstance(gid, int) or isinstance(uid, bool) or isinstance(gid, bool):
+        raise HookError("config.json: process.user uid/gid must be integers")
+    return uid, gid
+
+
 def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None) -> dict[str, object]:
     from devinject.hook.request import requested_devices
     from devinject.hook.state import load_bundle, parse_state, read_stdin
@@ -161,8 +173,8 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
     registry = Registry(opts.spec_dirs, cache_file=os.path.join(opts.state_dir, "spec-cache.json"))
     resolved = registry.resolve(request.names)
     lap("resolve")
-    user = bundle.raw.get("process", {}).get("user", {}) if isinstance(bundle.raw.get("process"), dict) else {}
-    steps = plan(resolved.edits, uid=int(user.get("uid", 0) or 0), gid=int(user.get("gid", 0) or 0))
+    uid, gid = _process_ids(bundle.raw)
+    steps = plan(resolved.edits, uid=uid, gid=gid)
     record["warnings"] = list(steps.warnings)
     lap("plan")
     booking = None
@@ -171,12 +183,13 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
 
         booking = Ledger(opts.state_dir).book(state.id, state.pid, request.names, resolved)
         lap("ledger")
-    cgroup = device_cgroup_of(state.pid)
-    grant = CgroupGrant(cgroup) if cgroup is not None else None
+    grant = None
     try:
-        if grant is not None:
+        cgroup = device_cgroup_of(state.pid)
+        if cgroup is not None:
+            grant = CgroupGrant(cgroup)
             grant.allow(steps.allow)
-            record["cgroup"] = f"v{cgroup.version} {cgroup.path}" if cgroup else None
+            record["cgroup"] = f"v{cgroup.version} {cgroup.path}"
         lap("cgroup")
         record["steps"] = run_in_mount_ns(state.pid, lambda: Executor(bundle.rootfs).apply(steps))
         lap("container")

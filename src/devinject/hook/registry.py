@@ -74,6 +74,7 @@ class Registry:
         self.spec_dirs = spec_dirs
         self.cache_file = cache_file
         self._specs: dict[str, Spec] | None = None
+        self.problems: list[str] = []  # spec files that could not be loaded (they block nobody else)
 
     def _read_cache(self) -> dict[str, object] | None:
         if self.cache_file is None:
@@ -106,7 +107,11 @@ class Registry:
             specs: dict[str, Spec] = {}
             used = set()
             for path in _spec_files(self.spec_dirs):
-                spec = _load(path, cache)
+                try:
+                    spec = _load(path, cache)
+                except SpecError as err:
+                    self.problems.append(err.message)
+                    continue
                 if cache is not None:
                     used |= {k for k in cache if k.startswith(path + ":")}
                 specs[spec.kind] = spec
@@ -126,8 +131,9 @@ class Registry:
             spec = specs.get(name.kind)
             if spec is None:
                 known = ", ".join(sorted(specs)) or "none"
+                broken = f"; unreadable spec: {self.problems[0]}" if self.problems else ""
                 raise ResolveError(f"unresolvable CDI device {text}: no spec for kind {name.kind} "
-                                   f"(kinds: {known}; spec dirs: {', '.join(self.spec_dirs)})")
+                                   f"(kinds: {known}; spec dirs: {', '.join(self.spec_dirs)}{broken})")
             device = spec.device(name.name)
             if device is None:
                 offered = ", ".join(d.name for d in spec.devices)
