@@ -56,9 +56,20 @@ def test_unknown_device_lists_what_the_kind_offers(registry):
 
 def test_later_spec_dir_wins(registry, tmp_path):
     (tmp_path / "run" / "vendor.yaml").write_text(SPEC.replace("minor: 0}", "minor: 9}"))
-    registry._specs = None
+    registry._devices = None
     resolved = registry.resolve(("vendor.com/gpu=0",))
     assert resolved.devices[0][1].device_nodes[0].minor == 9
+
+
+def test_two_files_of_one_kind_both_offer_devices_and_same_dir_duplicates_conflict(registry, tmp_path):
+    (tmp_path / "etc" / "extra.yaml").write_text(SPEC.replace("name: '0'", "name: extra").replace(
+        "name: '1'", "name: '2'"))
+    assert registry.resolve(("vendor.com/gpu=extra", "vendor.com/gpu=0")).names
+    (tmp_path / "etc" / "dup.yaml").write_text(SPEC)
+    fresh = Registry(registry.spec_dirs)
+    with pytest.raises(ResolveError, match=r"vendor.com/gpu=0: defined in both .*vendor.yaml"):
+        fresh.resolve(("vendor.com/gpu=0",))
+    assert fresh.resolve(("vendor.com/gpu=extra",)).names  # the rest of the kind is unaffected
 
 
 def test_spec_cache_is_used_and_invalidated(registry, tmp_path):
@@ -73,7 +84,7 @@ def test_spec_cache_is_used_and_invalidated(registry, tmp_path):
 
 def test_broken_spec_blocks_only_its_own_kind_and_is_named(registry, tmp_path):
     (tmp_path / "run" / "broken.yaml").write_text("cdiVersion: 0.5.0\nkind: a.com/b\ndevices: [{name: x}]\n")
-    registry._specs = None
+    registry._devices = None
     assert registry.resolve(("vendor.com/gpu=0",)).names == ("vendor.com/gpu=0",)  # other kinds still work
     with pytest.raises(ResolveError, match=r"broken\.yaml: devices\[0\]\.containerEdits: required"):
         registry.resolve(("a.com/b=x",))

@@ -69,12 +69,20 @@ def _load(path: str, cache: dict[str, object] | None) -> Spec:
     return spec
 
 
+class _Entry(NamedTuple):
+    spec: Spec
+    edits: ContainerEdits
+    priority: int
+    path: str
+
+
 class Registry:
     def __init__(self, spec_dirs: tuple[str, ...] = DEFAULT_SPEC_DIRS, cache_file: str | None = None) -> None:
         self.spec_dirs = spec_dirs
         self.cache_file = cache_file
-        self._specs: dict[str, Spec] | None = None
+        self._devices: dict[str, _Entry] | None = None
         self.problems: list[str] = []  # spec files that could not be loaded (they block nobody else)
+        self.conflicts: dict[str, str] = {}
 
     def _read_cache(self) -> dict[str, object] | None:
         if self.cache_file is None:
@@ -99,14 +107,16 @@ class Registry:
         except OSError:
             pass  # a cache is an optimisation only
 
-    def specs_by_kind(self) -> dict[str, Spec]:
-        """Kind -> spec; when two files define a kind, the later dir (or later file name) wins, as in CDI."""
-        if self._specs is None:
+    def _index(self) -> dict[str, _Entry]:
+        """Every device by qualified name. As in CDI, a device in a later spec dir wins over the same
+        device in an earlier one; the same device twice within one dir is a conflict and is not offered."""
+        if self._devices is None:
             cache = self._read_cache()
             before = dict(cache) if cache is not None else None
-            specs: dict[str, Spec] = {}
-            used = set()
+            devices: dict[str, _Entry] = {}
+            used: set[str] = set()
             for path in _spec_files(self.spec_dirs):
+                priority = self._priority(path)
                 try:
                     spec = _load(path, cache)
                 except SpecError as err:
@@ -114,38 +124,54 @@ class Registry:
                     continue
                 if cache is not None:
                     used |= {k for k in cache if k.startswith(path + ":")}
-                specs[spec.kind] = spec
+                for device in spec.devices:
+                    qualified = f"{spec.kind}={device.name}"
+                    previous = devices.get(qualified)
+                    if previous is not None and previous.priority == priority:
+                        self.conflicts[qualified] = f"defined in both {previous.path} and {path}"
+                    elif previous is None or previous.priority < priority:
+                        devices[qualified] = _Entry(spec, device.edits, priority, path)
+            for qualified in self.conflicts:
+                devices.pop(qualified, None)
             if cache is not None and (cache != before or set(cache) != used):
                 self._write_cache(cache, used)
-            self._specs = specs
-        return self._specs
+            self._devices = devices
+        return self._devices
+
+    def _priority(self, path: str) -> int:
+        directory = os.path.dirname(path)
+        return max(i for i, d in enumerate(self.spec_dirs) if os.path.normpath(d) == os.path.normpath(directory))
 
     def resolve(self, names: tuple[str, ...]) -> Resolved:
         """Spec-level edits once per spec, then each device's edits; any unknown name fails before anything."""
-        specs = self.specs_by_kind()
+        devices = self._index()
         edits = ContainerEdits()
         used: list[Spec] = []
         device_edits: list[tuple[str, ContainerEdits]] = []
         for text in names:
             name = parse_qualified_name(text)
-            spec = specs.get(name.kind)
-            if spec is None:
-                known = ", ".join(sorted(specs)) or "none"
-                broken = f"; unreadable spec: {self.problems[0]}" if self.problems else ""
-                raise ResolveError(f"unresolvable CDI device {text}: no spec for kind {name.kind} "
-                                   f"(kinds: {known}; spec dirs: {', '.join(self.spec_dirs)}{broken})")
-            device = spec.device(name.name)
-            if device is None:
-                offered = ", ".join(d.name for d in spec.devices)
-                raise ResolveError(f"unresolvable CDI device {text}: {name.kind} offers {offered}")
-            if spec not in used:
-                used.append(spec)
-            device_edits.append((text, device.edits))
+            entry = devices.get(str(name))
+            if entry is None:
+                raise ResolveError(self._unresolvable(text, name.kind))
+            if entry.spec not in used:
+                used.append(entry.spec)
+            device_edits.append((text, entry.edits))
         for spec in used:
             edits = edits.merge(spec.edits)
         for _, item in device_edits:
             edits = edits.merge(item)
         return Resolved(names, edits, tuple(used), tuple(device_edits))
+
+    def _unresolvable(self, text: str, kind: str) -> str:
+        if text in self.conflicts:
+            return f"unresolvable CDI device {text}: {self.conflicts[text]} (same priority)"
+        offered = [q.partition("=")[2] for q in (self._devices or {}) if q.partition("=")[0] == kind]
+        if offered:
+            return f"unresolvable CDI device {text}: {kind} offers {', '.join(offered)}"
+        kinds = ", ".join(sorted({q.partition("=")[0] for q in self._devices or {}})) or "none"
+        broken = f"; unreadable spec: {self.problems[0]}" if self.problems else ""
+        return (f"unresolvable CDI device {text}: no spec for kind {kind} "
+                f"(kinds: {kinds}; spec dirs: {', '.join(self.spec_dirs)}{broken})")
 
 
 def edits_json(edits: ContainerEdits) -> str:
