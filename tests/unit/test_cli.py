@@ -158,3 +158,14 @@ def test_hook_start_path_avoids_slow_stdlib_modules():
     done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+def test_who_lists_processes_holding_a_device_node(host_copy, tmp_path):
+    root = host_copy("workstation")
+    card = next(root.glob("sys/devices/pci0000:00/0000:00:02.0/drm/card0"))
+    (card / "dev").write_text("1:3\n")  # make the iGPU's card node /dev/null's numbers, which we can hold open
+    with open("/dev/null") as held:  # noqa: F841 - held open for the scan
+        done = run("who", "--root", str(root), "--state-dir", str(tmp_path / "state"), "--json")
+    assert done.returncode == 0, done.stderr
+    rows = [r for r in json.loads(done.stdout) if r["device"] == "intel.com/gpu=0"]
+    assert any(r["pid"] == os.getpid() and r["node"] == "c 1:3" for r in rows)

@@ -70,3 +70,15 @@ def test_prefix_is_recognised_and_stripped_on_a_second_run():
     assert decoded == rules
     assert rest == original
     assert decode_rules(original) == ((), original)
+
+
+def test_cgroup_discovery_from_fixture_proc_trees():
+    from pathlib import Path
+
+    from devinject.hook.cgroup import device_cgroup_of
+
+    proc = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
+    hybrid = device_cgroup_of(4242, proc=str(proc / "hybrid"))
+    assert (hybrid.version, hybrid.path) == (1, "/sys/fs/cgroup/devices/runc/c1")
+    unified = device_cgroup_of(4242, proc=str(proc / "unified"))
+    assert (unified.version, unified.path) == (2, "/sys/fs/cgroup/di-test")
