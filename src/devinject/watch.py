@@ -71,6 +71,7 @@ class DeviceTrack:
     fails: int = 0
     passes: int = 0
     last: Verdict | None = None
+    observed: str = HEALTHY  # the latest verdict's status, published or not
 
 
 @dataclass
@@ -125,16 +126,20 @@ class Watcher:
                 track.last = verdict
             else:  # keep the nodes we knew, so the ledger can still refuse them
                 track.last = replace(verdict, nodes=track.last.nodes)
+            if verdict.status != track.observed:  # every observed change is an event, debounced or not
+                events.record(self.opts.state_dir, verdict.status, verdict.key, reasons=list(verdict.reasons),
+                              previous=track.observed)
+                track.observed = verdict.status
             failing = verdict.status == UNHEALTHY
             track.fails, track.passes = (track.fails + 1, 0) if failing else (0, track.passes + 1)
             if track.published != UNHEALTHY and track.fails >= self.opts.threshold:
                 track.published = UNHEALTHY
                 changed = True
-                events.record(self.opts.state_dir, "unhealthy", verdict.key, reasons=list(verdict.reasons))
+                events.record(self.opts.state_dir, "taken-out", verdict.key, reasons=list(verdict.reasons))
             elif track.published == UNHEALTHY and track.passes >= self.opts.threshold:
                 track.published = HEALTHY
                 changed = True
-                events.record(self.opts.state_dir, "recovered", verdict.key, status=verdict.status)
+                events.record(self.opts.state_dir, "put-back", verdict.key, status=verdict.status)
         return changed
 
     def unhealthy(self) -> frozenset[str]:

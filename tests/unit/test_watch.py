@@ -57,7 +57,12 @@ def test_one_glitch_does_not_flap_three_failures_take_device_out_three_passes_pu
     assert [_round(w) for _ in range(3)] == [False, False, True]
     assert "0" in _gpu_names(tmp_path)
     events = [json.loads(line)["event"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
-    assert events.count("unhealthy") == 1 and events.count("recovered") == 1
+    assert events.count("taken-out") == 1 and events.count("put-back") == 1
+    assert events.count("unhealthy") == 2 and events.count("healthy") == 2  # the glitch was seen, not acted on
+    from devinject.events import device_history
+
+    ring = device_history(str(tmp_path / "state"), "nvidia.com/gpu=0000:18:00.0")["nvidia.com/gpu=0000:18:00.0"]
+    assert [e["event"] for e in ring][-2:] == ["healthy", "put-back"]
 
 
 def test_new_xid_counts_but_history_does_not(watcher):
