@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from devinject.spec import read_generation, write_atomic
 
 COUNTER = "generation"
 LOCK = "generation.lock"
+LOCK_TIMEOUT = 30.0
 
 
 @contextlib.contextmanager
@@ -25,7 +27,16 @@ def _locked(state_dir: str) -> Iterator[None]:
     except OSError as err:
         raise DevinjectError(f"{state_dir}: cannot use the state dir: {err.strerror}") from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LOCK_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DevinjectError(f"{state_dir}/{LOCK}: another writer holds it for over "
+                                         f"{LOCK_TIMEOUT:g}s") from None
+                time.sleep(0.01)
         yield
     finally:
         os.close(fd)
