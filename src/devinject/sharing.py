@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+from devinject import jsonlite
 
 CACHE_NAME = "sharing-cache.json"
 DEFAULT_SHARING = "exclusive"
@@ -35,7 +36,7 @@ def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
     cache = os.path.join(state_dir, CACHE_NAME)
     try:
         with open(cache, encoding="utf-8") as handle:
-            data = json.load(handle)
+            data = jsonlite.loads(handle.read())
         if data.get("fingerprint") == fingerprint:
             return dict(data["policy"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -50,7 +51,7 @@ def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
         os.makedirs(state_dir, exist_ok=True)
         tmp = f"{cache}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump({"fingerprint": fingerprint, "policy": policy}, handle)
+            handle.write(jsonlite.dumps({"fingerprint": fingerprint, "policy": policy}))
         os.replace(tmp, cache)
     except OSError:
         pass

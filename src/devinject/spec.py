@@ -7,10 +7,10 @@ error that names the field's path (`devices[3].containerEdits.deviceNodes[0].maj
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Mapping
 
+from devinject import jsonlite
 from devinject.errors import SpecError
 from devinject.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
 
@@ -224,6 +224,8 @@ def dump(spec: Spec, fmt: str = "yaml", *, generation: int | None = None) -> str
     """Serialise deterministically: same spec, same bytes."""
     data = spec_to_dict(spec)
     if fmt == "json":
+        import json  # pretty-printing needs the full module; generate only
+
         return json.dumps(data, indent=2) + "\n"
     import yaml
 
@@ -237,7 +239,7 @@ def parse_text(text: str, source: str) -> object:
     stripped = text.lstrip()
     if stripped.startswith("{"):
         try:
-            return json.loads(text)
+            return jsonlite.loads(text)
         except ValueError as err:
             raise SpecError(f"{source}: invalid JSON: {err}") from None
     import yaml

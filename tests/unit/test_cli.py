@@ -149,12 +149,14 @@ def test_create_dev_char_links(host_copy):
 
 
 def test_hook_start_path_avoids_slow_stdlib_modules():
-    """typing, dataclasses, pathlib, subprocess and inspect cost the hook milliseconds on every start."""
+    """typing, dataclasses, pathlib, subprocess, inspect, json (with re and enum) and signal each cost the hook
+    milliseconds on every container start."""
     code = ("import sys\n"
             "import devinject.entry, devinject.hook.main, devinject.hook.request, devinject.hook.state\n"
             "import devinject.hook.cgroup, devinject.hook.executor, devinject.hook.nsenter, devinject.hook.plan\n"
             "import devinject.hook.registry, devinject.ledger, devinject.sharing\n"
-            "print(','.join(m for m in ('typing','dataclasses','pathlib','subprocess','inspect') if m in sys.modules))")
+            "slow = ('typing', 'dataclasses', 'pathlib', 'subprocess', 'inspect', 'json', 're', 'enum', 'signal')\n"
+            "print(','.join(m for m in slow if m in sys.modules))")
     done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""

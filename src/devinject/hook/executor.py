@@ -25,8 +25,9 @@ def run_bounded(argv: list[str], env: dict[str, str], timeout: float) -> tuple[i
     Not subprocess: its imports alone cost the hook ~3 ms per container start.
     """
     import select
-    import signal
     import time
+
+    from devinject.hook.nsenter import SIGKILL
 
     read_end, write_end = os.pipe()
     null = os.open(os.devnull, os.O_RDWR)
@@ -43,7 +44,7 @@ def run_bounded(argv: list[str], env: dict[str, str], timeout: float) -> tuple[i
             remaining = deadline - time.monotonic()
             ready = select.select([read_end], [], [], max(remaining, 0))[0]
             if not ready:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, SIGKILL)
                 os.waitpid(pid, 0)
                 return None, b"".join(chunks).decode(errors="replace")
             chunk = os.read(read_end, 65536)

@@ -6,11 +6,11 @@ Errors are one line on stderr starting `devinject: error:` and a non-zero exit; 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
+from devinject import jsonlite
 from devinject.errors import DevinjectError, HookError
 
 CONFIG_FILE = "/etc/devinject/hook.json"
@@ -40,7 +40,7 @@ _CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
 def _load_config(path: str, opts: HookOptions, *, required: bool) -> None:
     try:
         with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+            data = jsonlite.loads(handle.read())
     except FileNotFoundError:
         if required:
             raise HookError(f"{path}: no such config file") from None
@@ -110,7 +110,7 @@ def _log(opts: HookOptions, record: dict[str, object]) -> None:
     try:
         os.makedirs(os.path.dirname(opts.log_file) or ".", exist_ok=True)
         with open(opts.log_file, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.write(jsonlite.dumps(record, sort_keys=True) + "\n")
     except OSError:
         pass  # the runtime may not give us a writable /var/log; never fail a container for a log line
 

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import select
-import signal
 import time
 from collections.abc import Callable
 
+from devinject import jsonlite
 from devinject.errors import DevinjectError, HookError
 from devinject.hook import syscalls
 
@@ -18,6 +17,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 CHILD_TIMEOUT = 30.0
+SIGKILL = 9  # `signal` imports `enum`: a millisecond on every container start
 
 
 def same_mount_ns(pid: int) -> bool:
@@ -47,7 +47,7 @@ def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_T
         except BaseException as err:  # report, never raise across fork
             payload = {"ok": False, "error": f"{type(err).__name__}: {err}"}
         try:
-            os.write(write_end, json.dumps(payload).encode())
+            os.write(write_end, jsonlite.dumps(payload).encode())
         finally:
             os._exit(status)
     os.close(ns_fd)
@@ -59,7 +59,7 @@ def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_T
             remaining = deadline - time.monotonic()
             ready, _, _ = select.select([read_end], [], [], max(remaining, 0))
             if not ready:
-                os.kill(child, signal.SIGKILL)
+                os.kill(child, SIGKILL)
                 raise HookError(f"work in the container's mount namespace did not finish in {timeout:g}s")
             chunk = os.read(read_end, 65536)
             if not chunk:
@@ -69,7 +69,7 @@ def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_T
         os.close(read_end)
         os.waitpid(child, 0)
     try:
-        payload = json.loads(b"".join(chunks) or b"{}")
+        payload = jsonlite.loads(b"".join(chunks) or b"{}")
     except ValueError:
         payload = {}
     if not payload.get("ok"):

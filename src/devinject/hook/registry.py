@@ -6,13 +6,13 @@ start does not pay for a YAML parser.
 
 from __future__ import annotations
 
-import json
 import os
 
+from devinject import jsonlite
 from devinject.errors import ResolveError, SpecError
 from devinject.model import ContainerEdits, Spec
 from devinject.names import parse_qualified_name
-from devinject.spec import edits_to_dict, parse_text, spec_from_dict, spec_to_dict
+from devinject.spec import parse_text, spec_from_dict, spec_to_dict
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class Registry:
             return None
         try:
             with open(self.cache_file, encoding="utf-8") as handle:
-                data = json.load(handle)
+                data = jsonlite.loads(handle.read())
             return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
@@ -102,7 +102,7 @@ class Registry:
         try:
             os.makedirs(os.path.dirname(self.cache_file), mode=0o700, exist_ok=True)
             with open(tmp, "w", encoding="utf-8") as handle:
-                json.dump(kept, handle)
+                handle.write(jsonlite.dumps(kept))
             os.replace(tmp, self.cache_file)
         except OSError:
             pass  # a cache is an optimisation only
@@ -173,6 +173,3 @@ class Registry:
         return (f"unresolvable CDI device {text}: no spec for kind {kind} "
                 f"(kinds: {kinds}; spec dirs: {', '.join(self.spec_dirs)}{broken})")
 
-
-def edits_json(edits: ContainerEdits) -> str:
-    return json.dumps(edits_to_dict(edits), sort_keys=True)

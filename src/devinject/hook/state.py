@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import select
 
+from devinject import jsonlite
 from devinject.errors import HookError
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
@@ -62,7 +62,7 @@ def _strings(value: object, where: str) -> dict[str, str]:
 
 def parse_state(data: bytes) -> ContainerState:
     try:
-        raw = json.loads(data)
+        raw = jsonlite.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
         raise HookError(f"OCI state on stdin: invalid JSON: {err}") from None
     if not isinstance(raw, dict):
@@ -94,7 +94,7 @@ def load_bundle(state: ContainerState) -> BundleConfig:
     if len(data) > MAX_CONFIG_BYTES:
         raise HookError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        raw = json.loads(data)
+        raw = jsonlite.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
         raise HookError(f"{path}: invalid JSON: {err}") from None
     if not isinstance(raw, dict):
