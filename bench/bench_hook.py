@@ -96,9 +96,10 @@ def main() -> int:
         own = [r["duration_ms"] for r in log if r.get("stage") == "prestart"]
         print(f"  hook's own duration (its log, median of {len(own)}): {statistics.median(own):.1f} ms; phases:")
         phases = [r["ms"] for r in log if r.get("stage") == "prestart" and "ms" in r]
-        for phase in phases[0]:
-            values = [p[phase] for p in phases if phase in p]
-            print(f"    {phase:10} {statistics.median(values):5.1f} ms")
+        for ledger in (False, True):
+            chosen = [p for p in phases if ("ledger" in p) == ledger]
+            shown = "  ".join(f"{name} {statistics.median(p[name] for p in chosen):.1f}" for name in chosen[0])
+            print(f"    ledger {'on ' if ledger else 'off'}: {shown} (ms)")
     finally:
         subprocess.run("runc list -q | grep '^bench-' | xargs -r -n1 runc delete -f", shell=True,
                        capture_output=True)

@@ -115,6 +115,14 @@ def _link_target(library: LocatedFile) -> str:
     return posixpath.basename(library.real) if same_dir else library.real
 
 
+def _cdi_hook(hook_path: str, command: str, flag: str, values: list[str]) -> Hook:
+    """A createContainer hook running one of devinject's own `cdi-hook` subcommands."""
+    args = ["devinject", "cdi-hook", command]
+    for value in values:
+        args += [flag, value]
+    return Hook("createContainer", hook_path, tuple(args), HOOK_ENV, HOOK_TIMEOUT)
+
+
 def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path: str,
                  ldcache: list[LdCacheEntry] | None) -> ContainerEdits:
     host = view.host
@@ -128,20 +136,11 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
             mounts.setdefault(directory, rerooter.mount(LocatedFile(directory, host.resolve(directory)), directory))
     for located in locate_binaries(host, profile.binaries) + locate_files(host, profile.files, driver_version=version):
         mounts.setdefault(located.path, rerooter.mount(located, located.path))
-    hooks = []
     links = [f"{_link_target(lib)}::{lib.path}" for lib in libraries if lib.real != lib.path]
-    if links:
-        args = ["devinject", "cdi-hook", "create-symlinks"]
-        for link in links:
-            args += ["--link", link]
-        hooks.append(Hook("createContainer", hook_path, tuple(args), HOOK_ENV, HOOK_TIMEOUT))
     folders = sorted({posixpath.dirname(lib.real) for lib in libraries} | {
         d for d in profile.library_dirs if d in mounts})
-    if folders:
-        args = ["devinject", "cdi-hook", "update-ldcache"]
-        for folder in folders:
-            args += ["--folder", folder]
-        hooks.append(Hook("createContainer", hook_path, tuple(args), HOOK_ENV, HOOK_TIMEOUT))
+    hooks = [_cdi_hook(hook_path, command, flag, values) for command, flag, values in (
+        ("create-symlinks", "--link", links), ("update-ldcache", "--folder", folders)) if values]
     ordered_mounts = sorted(_without_nested(list(mounts.values())),
                             key=lambda m: (m.container_path.count("/"), m.container_path))
     return ContainerEdits(
