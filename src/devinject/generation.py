@@ -5,13 +5,10 @@ writer never replaces a spec that carries a newer number. Two agents, or an agen
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from devinject.errors import DevinjectError
+from devinject.filelock import exclusive
 from devinject.spec import read_generation, write_atomic
 
 COUNTER = "generation"
@@ -19,27 +16,8 @@ LOCK = "generation.lock"
 LOCK_TIMEOUT = 30.0
 
 
-@contextlib.contextmanager
-def _locked(state_dir: str) -> Iterator[None]:
-    try:
-        os.makedirs(state_dir, exist_ok=True)
-        fd = os.open(os.path.join(state_dir, LOCK), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    except OSError as err:
-        raise DevinjectError(f"{state_dir}: cannot use the state dir: {err.strerror}") from None
-    try:
-        deadline = time.monotonic() + LOCK_TIMEOUT
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise DevinjectError(f"{state_dir}/{LOCK}: another writer holds it for over "
-                                         f"{LOCK_TIMEOUT:g}s") from None
-                time.sleep(0.01)
-        yield
-    finally:
-        os.close(fd)
+def _locked(state_dir: str) -> contextlib.AbstractContextManager[None]:
+    return exclusive(os.path.join(state_dir, LOCK), timeout=LOCK_TIMEOUT, what="spec generation")
 
 
 def current(state_dir: str) -> int:

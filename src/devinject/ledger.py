@@ -10,8 +10,6 @@ one of its nodes open.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import stat
 import time
@@ -19,6 +17,7 @@ from collections.abc import Iterator
 
 from devinject import jsonlite
 from devinject.errors import LedgerError
+from devinject.filelock import exclusive
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -100,28 +99,13 @@ class Ledger:
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, Any]]:
         """The ledger's contents under an exclusive lock; written back (atomically) on a clean exit."""
-        try:
-            os.makedirs(self.state_dir, mode=0o755, exist_ok=True)
-            lock_fd = os.open(os.path.join(self.state_dir, LOCK_FILE), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        except OSError as err:
-            raise LedgerError(f"{self.state_dir}: cannot open the ledger: {err.strerror}") from None
-        try:
-            deadline = time.monotonic() + LOCK_TIMEOUT
-            while True:
-                try:
-                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as err:
-                    if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
-                        raise LedgerError(f"{self.path}: ledger lock not obtained in {LOCK_TIMEOUT:g}s") from None
-                    time.sleep(0.005)
+        with exclusive(os.path.join(self.state_dir, LOCK_FILE), timeout=LOCK_TIMEOUT, what="ledger",
+                       error=LedgerError):
             data = self._read()
             before = jsonlite.dumps(data, sort_keys=True)
             yield data
             if jsonlite.dumps(data, sort_keys=True) != before:
                 self._write(data)
-        finally:
-            os.close(lock_fd)
 
     def _read(self) -> dict[str, Any]:
         try:
