@@ -9,11 +9,9 @@ one of its nodes open.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import time
-from collections.abc import Iterator
 
 from devinject import jsonlite
 from devinject.errors import LedgerError
@@ -74,6 +72,34 @@ def holders_of(nodes: set[str], proc: str = "/proc") -> dict[str, list[int]]:
     return {k: v for k, v in found.items() if v}
 
 
+class _Locked:
+    """`with ledger.locked() as data:` (a class, not contextlib: see filelock)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.lock = exclusive(os.path.join(ledger.state_dir, LOCK_FILE), timeout=LOCK_TIMEOUT, what="ledger",
+                              error=LedgerError)
+        self.data: dict[str, Any] = {}
+        self.before = ""
+
+    def __enter__(self) -> dict[str, Any]:
+        self.lock.__enter__()
+        try:
+            self.data = self.ledger._read()
+        except BaseException:
+            self.lock.__exit__()
+            raise
+        self.before = jsonlite.dumps(self.data, sort_keys=True)
+        return self.data
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        try:
+            if kind is None and jsonlite.dumps(self.data, sort_keys=True) != self.before:
+                self.ledger._write(self.data)
+        finally:
+            self.lock.__exit__()
+
+
 class Booking:
     def __init__(self, ledger: Ledger, container_id: str, new: bool) -> None:
         self.ledger = ledger
@@ -96,16 +122,9 @@ class Ledger:
         self.path = os.path.join(state_dir, LEDGER_FILE)
 
     # --- storage -------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[dict[str, Any]]:
+    def locked(self) -> _Locked:
         """The ledger's contents under an exclusive lock; written back (atomically) on a clean exit."""
-        with exclusive(os.path.join(self.state_dir, LOCK_FILE), timeout=LOCK_TIMEOUT, what="ledger",
-                       error=LedgerError):
-            data = self._read()
-            before = jsonlite.dumps(data, sort_keys=True)
-            yield data
-            if jsonlite.dumps(data, sort_keys=True) != before:
-                self._write(data)
+        return _Locked(self)
 
     def _read(self) -> dict[str, Any]:
         try:

@@ -6,7 +6,6 @@ error that names the field's path (`devices[3].containerEdits.deviceNodes[0].maj
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Mapping
 
@@ -306,7 +305,9 @@ def write_atomic(path: Path, content: str, *, mode: int = 0o644) -> bool:
         finally:
             os.close(dir_fd)
     except OSError as err:
-        with contextlib.suppress(OSError):
+        try:
             os.unlink(tmp)
+        except OSError:
+            pass
         raise SpecError(f"{path}: cannot write spec: {err.strerror}") from None
     return True

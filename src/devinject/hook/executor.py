@@ -3,7 +3,6 @@ resolve), recording an undo step for everything it changes. Every container path
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 from collections.abc import Callable
@@ -74,14 +73,18 @@ class Undo:
 
     def rollback(self) -> None:
         for step in reversed(self.steps):
-            with contextlib.suppress(OSError, HookError):
+            try:
                 step()
+            except (OSError, HookError):
+                pass
         self.steps.clear()
 
     def close(self) -> None:
         for fd in self.fds:
-            with contextlib.suppress(OSError):
+            try:
                 os.close(fd)
+            except OSError:
+                pass
         self.fds.clear()
 
 
@@ -291,9 +294,13 @@ class Executor:
     def rollback(self) -> None:
         self.undo.rollback()
         for dir_fd, name in reversed(self.created.dirs):
-            with contextlib.suppress(OSError):
+            try:
                 os.rmdir(name, dir_fd=dir_fd)
+            except OSError:
+                pass
         for dir_fd, _ in self.created.dirs:
-            with contextlib.suppress(OSError):
+            try:
                 os.close(dir_fd)
+            except OSError:
+                pass
         self.created.dirs.clear()
