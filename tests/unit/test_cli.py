@@ -172,3 +172,13 @@ def test_who_lists_processes_holding_a_device_node(host_copy, tmp_path):
     assert done.returncode == 0, done.stderr
     rows = [r for r in json.loads(done.stdout) if r["device"] == "intel.com/gpu=0"]
     assert any(r["pid"] == os.getpid() and r["node"] == "c 1:3" for r in rows)
+
+
+def test_shipped_hook_files_match_what_install_hook_writes():
+    from devinject.hooksd import hooks_d_entry, render, runc_hooks
+
+    hooks = Path(__file__).resolve().parents[2] / "hooks"
+    exe = "/usr/local/bin/devinject"
+    assert (hooks / "10-devinject.json").read_text() == render(hooks_d_entry(exe))
+    assert (hooks / "10-devinject-env.json").read_text() == render(hooks_d_entry(exe, env_requests=True))
+    assert (hooks / "runc-config-snippet.json").read_text() == render(runc_hooks(exe))
