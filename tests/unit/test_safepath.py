@@ -87,3 +87,24 @@ def test_missing_without_create(rootfs):
     root_dir, _ = rootfs
     with Root(str(root_dir)) as root, pytest.raises(UnsafePathError, match="does not exist"):
         root.walk_parent("/opt/x/y")
+
+
+def test_symlinks_replace_image_files_atomically_and_refuse_directories(tmp_path):
+    from devinject.errors import HookError
+    from devinject.hook.executor import Executor
+    from devinject.hook.plan import Plan, Symlink
+
+    rootfs = tmp_path / "rootfs"
+    lib = rootfs / "usr" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcuda.so.1").write_text("an image's own file")
+    Executor(str(rootfs)).apply(Plan(links=(Symlink("libcuda.so.550", "/usr/lib/libcuda.so.1"),
+                                            Symlink("libml.so.550", "/usr/lib/new/libml.so.1"))))
+    assert os.readlink(lib / "libcuda.so.1") == "libcuda.so.550"
+    assert os.readlink(lib / "new" / "libml.so.1") == "libml.so.550"
+    assert sorted(p.name for p in lib.iterdir()) == ["libcuda.so.1", "new"]  # no temp files left
+    (lib / "dir.so.1").mkdir()
+    with pytest.raises(HookError, match="a directory is in the way"):
+        Executor(str(rootfs)).apply(Plan(links=(Symlink("y", "/usr/lib/made/y.so.1"),
+                                                Symlink("x", "/usr/lib/dir.so.1"))))
+    assert not (lib / "made").exists()  # rolled back: the link and the directory made for it are gone

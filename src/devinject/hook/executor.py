@@ -205,9 +205,12 @@ class Executor:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 raise HookError(f"link {link.link}: a directory is in the way in the container") from None
-        tmp = f".{name}.devinject-{os.getpid()}"
-        os.symlink(link.target, tmp, dir_fd=dir_fd)
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        try:
+            os.symlink(link.target, name, dir_fd=dir_fd)  # the usual case: nothing there yet
+        except FileExistsError:  # an image file in the way: replace it atomically, never write through it
+            tmp = f".{name}.devinject-{os.getpid()}"
+            os.symlink(link.target, tmp, dir_fd=dir_fd)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
         self.log.append(f"symlink {link.link} -> {link.target}")
 
