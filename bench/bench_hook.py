@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -25,7 +26,17 @@ from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100  # n
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 
 
+def compile_bytecode() -> None:
+    """As an install does: with PYTHONDONTWRITEBYTECODE set, every run would otherwise recompile edited modules."""
+    import compileall
+
+    import devinject
+
+    compileall.compile_dir(os.path.dirname(devinject.__file__), quiet=1)
+
+
 def main() -> int:
+    compile_bytecode()
     if os.geteuid() != 0 or shutil.which("runc") is None:
         print("bench_hook: needs root and runc (make system-deps)")
         return 0
@@ -77,8 +88,10 @@ def main() -> int:
         for args in labels.values():  # warm-up: caches, page cache
             configure(args)
             one_run()
-        for _ in range(runs):  # interleaved, so drift hits all three alike
-            for label, args in labels.items():
+        order = list(labels.items())
+        for _ in range(runs):  # interleaved in a fresh random order, so drift and position hit all three alike
+            random.shuffle(order)
+            for label, args in order:
                 configure(args)
                 begin, end = one_run()
                 starts[label].append(begin)
@@ -91,7 +104,9 @@ def main() -> int:
             extra = "" if label == "without hook" else (
                 f"   added to start {start_ms - base_start:5.1f} ms (target <= 25 ms),"
                 f" to delete {stop_ms - base_stop:5.1f} ms")
-            print(f"  {label:18} create+start {start_ms:6.1f} ms  delete {stop_ms:6.1f} ms{extra}")
+            quartiles = statistics.quantiles(starts[label], n=4)
+            print(f"  {label:18} create+start {start_ms:6.1f} ms (IQR {quartiles[0]:.1f}-{quartiles[2]:.1f})"
+                  f"  delete {stop_ms:6.1f} ms{extra}")
         log = [json.loads(line) for line in (work / "hook.log").read_text().splitlines()]
         own = [r["duration_ms"] for r in log if r.get("stage") == "prestart"]
         print(f"  hook's own duration (its log, median of {len(own)}): {statistics.median(own):.1f} ms; phases:")
