@@ -1,6 +1,9 @@
 """The watch agent's decisions, driven round by round on a fixture copy (no sleeping)."""
 
+import contextlib
 import json
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -10,7 +13,8 @@ import pytest
 from devinject.generate import GenerateOptions
 from devinject.generation import write_specs_generation
 from devinject.spec import load_file, read_generation
-from devinject.watch import Watcher, WatchOptions
+from devinject.watch import Watcher, WatchOptions, wants_rescan
+from tests.e2e.conftest import require
 
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
 
@@ -30,6 +34,26 @@ def watcher(host_copy, tmp_path):
 
 def _gpu_names(tmp_path: Path) -> set[str]:
     return {d.name for d in load_file(tmp_path / "cdi" / "nvidia.com-gpu.yaml").devices}
+
+
+def _wait_for(condition, timeout: float = 5.0) -> bool:
+    started = time.monotonic()
+    while not condition() and time.monotonic() - started < timeout:
+        time.sleep(0.02)
+    return condition()
+
+
+@contextlib.contextmanager
+def _running(opts: WatchOptions):
+    """The agent's real loop in a thread, stopped (and joined) however the test ends."""
+    stop = threading.Event()
+    thread = threading.Thread(target=Watcher(opts).run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(5)
 
 
 def _round(w: Watcher) -> bool:
@@ -111,53 +135,27 @@ def test_kind_with_no_devices_left_loses_its_spec(watcher):
 def test_run_loop_removes_and_restores_within_detection_time(watcher):
     w, root, tmp_path = watcher
     fast = WatchOptions(**{**w.opts.__dict__, "interval": 0.1, "recheck": 0.05, "rescan": 0.2})
-    loop = Watcher(fast)
-    stop = threading.Event()
-    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with _running(fast):
         time.sleep(0.3)
         (root / GPU / "current_link_width").write_text("4\n")  # degraded only: stays in the spec
         (root / GPU / "driver").unlink()  # unbound: unhealthy
-        started = time.monotonic()
-        while "0" in _gpu_names(tmp_path) and time.monotonic() - started < 5:
-            time.sleep(0.02)
-        assert "0" not in _gpu_names(tmp_path)
+        assert _wait_for(lambda: "0" not in _gpu_names(tmp_path))
         (root / GPU / "driver").symlink_to("../../../../../../bus/pci/drivers/nvidia")
-        started = time.monotonic()
-        while "0" not in _gpu_names(tmp_path) and time.monotonic() - started < 5:
-            time.sleep(0.02)
-        assert "0" in _gpu_names(tmp_path)
-    finally:
-        stop.set()
-        thread.join(5)
+        assert _wait_for(lambda: "0" in _gpu_names(tmp_path))
 
 
 def test_uevents_trigger_a_rescan(watcher):
     """A real kernel uevent (synthetic `change` on a misc device) makes the agent rediscover at once."""
-    import os
-
-    from devinject.watch import wants_rescan
-
     assert wants_rescan({"SUBSYSTEM": "pci", "ACTION": "add"}) and not wants_rescan({"SUBSYSTEM": "net"})
-    from tests.e2e.conftest import require
-
     require(os.geteuid() == 0 and os.path.exists("/sys/devices/virtual/misc/tun/uevent"),
             "needs root and a misc device (tun) to send a synthetic uevent")
     w, root, tmp_path = watcher
     slow = WatchOptions(**{**w.opts.__dict__, "interval": 3600, "recheck": 3600, "rescan": 3600, "uevents": True})
-    loop = Watcher(slow)
-    stop = threading.Event()
-    thread = threading.Thread(target=loop.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with _running(slow):
         time.sleep(0.5)
         assert "8" not in _gpu_names(tmp_path)
         new = root / "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:17:00.0"
-        gpu = root / GPU
-        import shutil
-
-        shutil.copytree(gpu, new, symlinks=True)  # hot-plug a ninth GPU (same minor file reused below)
+        shutil.copytree(root / GPU, new, symlinks=True)  # hot-plug a ninth GPU (same minor file reused below)
         (new / "drm").mkdir(exist_ok=True)
         info = root / "proc/driver/nvidia/gpus/0000:17:00.0/information"
         info.parent.mkdir(parents=True)
@@ -166,10 +164,4 @@ def test_uevents_trigger_a_rescan(watcher):
                                                                "0000:15:00.0/0000:16:00.0/0000:17:00.0")
         with open("/sys/devices/virtual/misc/tun/uevent", "w") as handle:
             handle.write("change")
-        started = time.monotonic()
-        while "8" not in _gpu_names(tmp_path) and time.monotonic() - started < 5:
-            time.sleep(0.05)
-        assert "8" in _gpu_names(tmp_path)
-    finally:
-        stop.set()
-        thread.join(5)
+        assert _wait_for(lambda: "8" in _gpu_names(tmp_path))
