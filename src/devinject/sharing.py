@@ -7,7 +7,6 @@ import os
 from devinject import jsonlite
 
 CACHE_NAME = "sharing-cache.json"
-DEFAULT_SHARING = "exclusive"
 
 
 def _profile_files(root: str) -> list[str]:

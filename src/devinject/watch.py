@@ -233,6 +233,3 @@ class Watcher:
                 log.info("specs rewritten (generation %s); unhealthy: %s", self.generation,
                          ", ".join(sorted(self.unhealthy())) or "none")
 
-
-def snapshot(watcher: Watcher) -> dict[str, Any]:
-    return {k: {"published": t.published, "fails": t.fails, "passes": t.passes} for k, t in watcher.tracks.items()}

@@ -26,7 +26,6 @@ else:
 # bpf(2) commands, program and attach types, flags (include/uapi/linux/bpf.h)
 BPF_PROG_LOAD = 5
 BPF_PROG_ATTACH = 8
-BPF_PROG_DETACH = 9
 BPF_PROG_GET_FD_BY_ID = 13
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_PROG_QUERY = 16

@@ -15,7 +15,6 @@ from devinject.hook.safepath import _O_PATH, Created, Root
 LDCONFIG_CANDIDATES = ("/sbin/ldconfig", "/usr/sbin/ldconfig")
 LDCONFIG_TIMEOUT = 10
 CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
-MUSL_ARCH = {"x86_64": "x86_64", "aarch64": "aarch64", "ppc64le": "powerpc64le"}
 
 
 def run_bounded(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:

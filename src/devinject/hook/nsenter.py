@@ -20,13 +20,6 @@ CHILD_TIMEOUT = 30.0
 SIGKILL = 9  # `signal` imports `enum`: a millisecond on every container start
 
 
-def same_mount_ns(pid: int) -> bool:
-    try:
-        return os.stat(f"/proc/{pid}/ns/mnt").st_ino == os.stat("/proc/self/ns/mnt").st_ino
-    except OSError:
-        return False
-
-
 def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_TIMEOUT) -> Any:
     try:
         ns_fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
