@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from typing import Any
+
+from devinject import jsonlite
+
+TYPE_CHECKING = False  # the hook records ledger events: `typing` stays off its start path
+if TYPE_CHECKING:
+    from typing import Any
 
 EVENTS_FILE = "events.jsonl"
 RING_FILE = "device-events.json"
@@ -16,26 +20,23 @@ def record(state_dir: str, event: str, device: str | None = None, **fields: Any)
     entry = {"time": round(time.time(), 3), "event": event, **({"device": device} if device else {}), **fields}
     os.makedirs(state_dir, exist_ok=True)
     with open(os.path.join(state_dir, EVENTS_FILE), "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(entry, sort_keys=True) + "\n")
+        handle.write(jsonlite.dumps(entry, sort_keys=True) + "\n")
     if device:
         ring_path = os.path.join(state_dir, RING_FILE)
         try:
             with open(ring_path, encoding="utf-8") as handle:
-                rings = json.load(handle)
+                rings = jsonlite.loads(handle.read())
         except (OSError, ValueError):
             rings = {}
         rings[device] = ([*rings.get(device, []), entry])[-RING_SIZE:]
-        tmp = f"{ring_path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(rings, handle, sort_keys=True)
-        os.replace(tmp, ring_path)
+        jsonlite.replace_file(ring_path, rings, sort_keys=True)
     return entry
 
 
 def device_history(state_dir: str, device: str | None = None) -> dict[str, list[dict[str, Any]]]:
     try:
         with open(os.path.join(state_dir, RING_FILE), encoding="utf-8") as handle:
-            rings: dict[str, list[dict[str, Any]]] = json.load(handle)
+            rings: dict[str, list[dict[str, Any]]] = jsonlite.loads(handle.read())
     except (OSError, ValueError):
         return {}
     if device is None:

@@ -71,6 +71,19 @@ def loads(data: str | bytes) -> Any:
     return value
 
 
+def replace_file(path: str, obj: object, *, sort_keys: bool = False) -> None:
+    """Write `obj` to `path` through a temp file and a rename: readers see the old or the new file, never half.
+
+    OSError is the caller's to handle.
+    """
+    import os
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(dumps(obj, sort_keys=sort_keys))
+    os.replace(tmp, path)
+
+
 def dumps(obj: object, *, sort_keys: bool = False) -> str:
     if _json is None:
         import json

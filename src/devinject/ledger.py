@@ -13,7 +13,7 @@ import os
 import stat
 import time
 
-from devinject import jsonlite
+from devinject import events, jsonlite
 from devinject.errors import LedgerError
 from devinject.filelock import exclusive
 
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 LEDGER_FILE = "ledger.json"
 LOCK_FILE = "ledger.lock"
 HEALTH_FILE = "health.json"
-EVENTS_FILE = "events.jsonl"
 LOCK_TIMEOUT = 10.0
 RECLAIM_TIMEOUT = 30.0
 
@@ -139,22 +138,18 @@ class Ledger:
         return data
 
     def _write(self, data: dict[str, Any]) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             # rename is atomic: a crash of any process leaves the old or the new ledger, never half of one.
             # No fsync: the ledger lives on /run (tmpfs) and describes processes that a reboot ends anyway.
-            with open(tmp, "w", encoding="utf-8") as handle:
-                handle.write(jsonlite.dumps(data, sort_keys=True))
-            os.replace(tmp, self.path)
+            jsonlite.replace_file(self.path, data, sort_keys=True)
         except OSError as err:
             raise LedgerError(f"{self.path}: cannot write the ledger: {err.strerror}") from None
 
-    def event(self, kind: str, **fields: object) -> None:
+    def event(self, kind: str, **fields: Any) -> None:
         try:
-            with open(os.path.join(self.state_dir, EVENTS_FILE), "a", encoding="utf-8") as handle:
-                handle.write(jsonlite.dumps({"time": time.time(), "event": kind, **fields}, sort_keys=True) + "\n")
+            events.record(self.state_dir, kind, **fields)
         except OSError:
-            pass
+            pass  # the event log is a record, not a reason to fail a container
 
     # --- housekeeping --------------------------------------------------------------------------------
     def _alive(self, entry: dict[str, Any]) -> bool:

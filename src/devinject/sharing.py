@@ -48,10 +48,7 @@ def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
         policy[profile.kind] = profile.sharing
     try:
         os.makedirs(state_dir, exist_ok=True)
-        tmp = f"{cache}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(jsonlite.dumps({"fingerprint": fingerprint, "policy": policy}))
-        os.replace(tmp, cache)
+        jsonlite.replace_file(cache, {"fingerprint": fingerprint, "policy": policy})
     except OSError:
         pass
     return policy

@@ -7,7 +7,6 @@ consecutive failures (or passes, to put a device back), so one glitch does not f
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from devinject import events
+from devinject import events, jsonlite
 from devinject.discover import FoundDevice, HostView, discover
 from devinject.generate import GenerateOptions, Rerooter, build_spec, common_edits, write_specs
 from devinject.health import (
@@ -178,11 +177,7 @@ class Watcher:
         state = {"time": time.time(), "unhealthy_nodes": unhealthy_nodes,
                  "devices": {k: {"published": t.published, "status": t.last.status if t.last else None,
                                  "reasons": list(t.last.reasons) if t.last else []} for k, t in self.tracks.items()}}
-        path = os.path.join(self.opts.state_dir, HEALTH_FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(state, handle, sort_keys=True)
-        os.replace(tmp, path)
+        jsonlite.replace_file(os.path.join(self.opts.state_dir, HEALTH_FILE), state, sort_keys=True)
 
     # --- the loop ------------------------------------------------------------------------------------
     def _uevent_listener(self, stop: threading.Event) -> None:

@@ -25,8 +25,6 @@ def run_bounded(argv: list[str], env: dict[str, str], timeout: float) -> tuple[i
     import select
     import time
 
-    from devinject.hook.nsenter import SIGKILL
-
     read_end, write_end = os.pipe()
     null = os.open(os.devnull, os.O_RDWR)
     try:
@@ -42,7 +40,7 @@ def run_bounded(argv: list[str], env: dict[str, str], timeout: float) -> tuple[i
             remaining = deadline - time.monotonic()
             ready = select.select([read_end], [], [], max(remaining, 0))[0]
             if not ready:
-                os.kill(pid, SIGKILL)
+                os.kill(pid, syscalls.SIGKILL)
                 os.waitpid(pid, 0)
                 return None, b"".join(chunks).decode(errors="replace")
             chunk = os.read(read_end, 65536)
@@ -87,6 +85,9 @@ class Undo:
         self.fds.clear()
 
 
+_NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _proc_fd(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
@@ -127,8 +128,7 @@ class Executor:
         self.log.append(f"mknod {node.path} {node.type} {node.major}:{node.minor}")
 
     def _bind_node(self, node: MakeNode, dir_fd: int, name: str) -> None:
-        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-        os.close(fd)
+        os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd))
         self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
         self._mount_on(node.host_path, dir_fd, name, syscalls.MS_NOSUID | syscalls.MS_NOEXEC, node.path)
         self.log.append(f"bind {node.host_path} -> {node.path} (mknod not permitted)")
@@ -150,9 +150,7 @@ class Executor:
                 os.mkdir(name, 0o755, dir_fd=dir_fd)
                 self.undo.add(lambda: os.rmdir(name, dir_fd=dir_fd))
             else:
-                fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                             dir_fd=dir_fd)
-                os.close(fd)
+                os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd))
                 self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
         elif (target.st_dev, target.st_ino) == (source.st_dev, source.st_ino):
             self.log.append(f"mount {mount.container_path} present")
@@ -264,7 +262,7 @@ class Executor:
                 existing = ["/lib", "/usr/local/lib", "/usr/lib"]  # musl's built-in default
             wanted = list(dict.fromkeys([*existing, *folders]))
             tmp = f".{name}.devinject-{os.getpid()}"
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+            fd = os.open(tmp, _NEW_FILE, 0o644, dir_fd=dir_fd)
             with os.fdopen(fd, "w") as handle:
                 handle.write("\n".join(wanted) + "\n")
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

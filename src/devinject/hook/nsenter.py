@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from typing import Any
 
 CHILD_TIMEOUT = 30.0
-SIGKILL = 9  # `signal` imports `enum`: a millisecond on every container start
 
 
 def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_TIMEOUT) -> Any:
@@ -52,7 +51,7 @@ def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_T
             remaining = deadline - time.monotonic()
             ready, _, _ = select.select([read_end], [], [], max(remaining, 0))
             if not ready:
-                os.kill(child, SIGKILL)
+                os.kill(child, syscalls.SIGKILL)
                 raise HookError(f"work in the container's mount namespace did not finish in {timeout:g}s")
             chunk = os.read(read_end, 65536)
             if not chunk:

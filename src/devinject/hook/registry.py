@@ -98,12 +98,9 @@ class Registry:
         if self.cache_file is None:
             return
         kept = {k: v for k, v in cache.items() if k in used}
-        tmp = f"{self.cache_file}.{os.getpid()}.tmp"
         try:
             os.makedirs(os.path.dirname(self.cache_file), mode=0o700, exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as handle:
-                handle.write(jsonlite.dumps(kept))
-            os.replace(tmp, self.cache_file)
+            jsonlite.replace_file(self.cache_file, kept)
         except OSError:
             pass  # a cache is an optimisation only
 
