@@ -118,3 +118,32 @@ def bundle(live_host: Path, spec_dir: Path, tmp_path: Path) -> Iterator[Bundle]:
 
 def container_name() -> str:
     return f"di-{uuid.uuid4().hex[:10]}"
+
+
+PODMAN = ["podman", "run", "--rm", "--runtime", "runc", "--ulimit", "nofile=1024:1024", "--ulimit",
+          "nproc=1024:1024", "--network", "none"]
+CDI_DIR = Path("/var/run/cdi")
+
+
+@pytest.fixture(scope="session")
+def image(live_root: None, tmp_path_factory: pytest.TempPathFactory) -> str:
+    require(shutil.which("podman") is not None, "podman not installed (make system-deps)")
+    rootfs = make_rootfs(tmp_path_factory.mktemp("image") / "rootfs")
+    tarball = rootfs.parent / "rootfs.tar"
+    subprocess.run(["tar", "-C", str(rootfs), "-cf", str(tarball), "."], check=True)
+    subprocess.run(["podman", "import", "-q", str(tarball), IMAGE], check=True, capture_output=True)
+    return IMAGE
+
+
+@pytest.fixture
+def cdi_spec(spec_dir: Path) -> Iterator[Path]:
+    """Put the generated nvidia.com/gpu spec where podman 4 looks (it has no spec-dir flag)."""
+    CDI_DIR.mkdir(parents=True, exist_ok=True)
+    target = CDI_DIR / "nvidia.com-gpu.yaml"
+    backup = target.read_bytes() if target.exists() else None
+    shutil.copy(spec_dir / "nvidia.com-gpu.yaml", target)
+    yield target
+    if backup is None:
+        target.unlink()
+    else:
+        target.write_bytes(backup)

@@ -3,44 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from devinject.hooksd import hooks_d_entry
-from tests.e2e.conftest import DEVINJECT, IMAGE, make_rootfs, require
+from tests.e2e.conftest import DEVINJECT, PODMAN
 
 pytestmark = pytest.mark.live
-PODMAN = ["podman", "run", "--rm", "--runtime", "runc", "--ulimit", "nofile=1024:1024", "--ulimit",
-          "nproc=1024:1024", "--network", "none"]
-CDI_DIR = Path("/var/run/cdi")
-
-
-@pytest.fixture(scope="session")
-def image(live_root: None, tmp_path_factory: pytest.TempPathFactory) -> str:
-    require(shutil.which("podman") is not None, "podman not installed (make system-deps)")
-    rootfs = make_rootfs(tmp_path_factory.mktemp("image") / "rootfs")
-    tarball = rootfs.parent / "rootfs.tar"
-    subprocess.run(["tar", "-C", str(rootfs), "-cf", str(tarball), "."], check=True)
-    subprocess.run(["podman", "import", "-q", str(tarball), IMAGE], check=True, capture_output=True)
-    return IMAGE
-
-
-@pytest.fixture
-def cdi_spec(spec_dir: Path) -> Iterator[Path]:
-    """Put the generated nvidia.com/gpu spec where podman 4 looks (it has no spec-dir flag)."""
-    CDI_DIR.mkdir(parents=True, exist_ok=True)
-    target = CDI_DIR / "nvidia.com-gpu.yaml"
-    backup = target.read_bytes() if target.exists() else None
-    shutil.copy(spec_dir / "nvidia.com-gpu.yaml", target)
-    yield target
-    if backup is None:
-        target.unlink()
-    else:
-        target.write_bytes(backup)
 
 
 def test_podman_consumes_generated_cdi_spec(image: str, cdi_spec: Path) -> None:

@@ -8,50 +8,9 @@ import stat
 from collections.abc import Callable
 
 from devinject.errors import HookError, UnsafePathError
-from devinject.hook import syscalls
+from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, MakeNode, Plan, Symlink
 from devinject.hook.safepath import _O_PATH, Created, Root
-
-LDCONFIG_CANDIDATES = ("/sbin/ldconfig", "/usr/sbin/ldconfig")
-LDCONFIG_TIMEOUT = 10
-CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
-
-
-def run_bounded(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str]:
-    """posix_spawn `argv` (stdin/stdout /dev/null, stderr captured); (exit status or None on timeout, stderr).
-
-    Not subprocess: its imports alone cost the hook ~3 ms per container start.
-    """
-    import select
-    import time
-
-    read_end, write_end = os.pipe()
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        pid = os.posix_spawn(argv[0], argv, env, file_actions=[
-            (os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, null, 1), (os.POSIX_SPAWN_DUP2, write_end, 2)])
-    finally:
-        os.close(write_end)
-        os.close(null)
-    deadline = time.monotonic() + timeout
-    chunks: list[bytes] = []
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            ready = select.select([read_end], [], [], max(remaining, 0))[0]
-            if not ready:
-                os.kill(pid, syscalls.SIGKILL)
-                os.waitpid(pid, 0)
-                return None, b"".join(chunks).decode(errors="replace")
-            chunk = os.read(read_end, 65536)
-            if not chunk:
-                break
-            if sum(map(len, chunks)) < 1 << 20:
-                chunks.append(chunk)
-    finally:
-        os.close(read_end)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
 
 
 class Undo:
@@ -236,36 +195,25 @@ class Executor:
         if musl_arch:
             self._write_musl_path(musl_arch, folders)
             return
-        ldconfig = next((p for p in LDCONFIG_CANDIDATES if os.access(p, os.X_OK)), None)
-        if ldconfig is None:
-            raise HookError("update-ldcache: no ldconfig on the host (" + ", ".join(LDCONFIG_CANDIDATES) + ")")
-        etc_fd = self.root.walk_parent("/etc/ld.so.cache", create=True, created=self.created)[0]
-        os.close(etc_fd)
-        # The host's ldconfig (never the image's) chroots into the rootfs (-r); clean env, bounded time.
-        command = [ldconfig, "-r", self.rootfs, "-C", "/etc/ld.so.cache", *folders]
-        status, detail = run_bounded(command, CLEAN_ENV, LDCONFIG_TIMEOUT)
-        if status is None:
-            raise HookError(f"update-ldcache: ldconfig did not finish in {LDCONFIG_TIMEOUT}s")
-        if status != 0:
-            lines = detail.strip().splitlines()
-            raise HookError(f"update-ldcache: ldconfig exited {status}: {lines[-1] if lines else ''}")
-        self.log.append(f"ldconfig {' '.join(folders)}")
+        etc_fd, name, previous = linkercache.update(self.root, folders, self.created)
+        self.undo.keep(etc_fd)
+        if previous is None:
+            self.undo.add(lambda: os.unlink(name, dir_fd=etc_fd))
+        else:
+            self.undo.add(lambda: linkercache.replace_file(etc_fd, name, previous))
+        self.log.append(f"ld.so.cache {' '.join(folders)}")
 
     def _write_musl_path(self, arch: str, folders: tuple[str, ...]) -> None:
         dir_fd, name = self.root.walk_parent(f"/etc/ld-musl-{arch}.path", create=True, created=self.created)
         try:
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = linkercache.open_regular(dir_fd, name)
+            if fd is None:
+                existing = ["/lib", "/usr/local/lib", "/usr/lib"]  # musl's built-in default
+            else:
                 with os.fdopen(fd) as handle:
                     existing = [line.strip() for line in handle.read(65536).splitlines() if line.strip()]
-            except FileNotFoundError:
-                existing = ["/lib", "/usr/local/lib", "/usr/lib"]  # musl's built-in default
             wanted = list(dict.fromkeys([*existing, *folders]))
-            tmp = f".{name}.devinject-{os.getpid()}"
-            fd = os.open(tmp, _NEW_FILE, 0o644, dir_fd=dir_fd)
-            with os.fdopen(fd, "w") as handle:
-                handle.write("\n".join(wanted) + "\n")
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            linkercache.replace_file(dir_fd, name, ("\n".join(wanted) + "\n").encode())
         finally:
             os.close(dir_fd)
         self.log.append(f"musl path {' '.join(folders)}")
