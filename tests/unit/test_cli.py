@@ -154,7 +154,7 @@ def test_hook_start_path_avoids_slow_stdlib_modules():
     code = ("import sys\n"
             "import devinject.entry, devinject.hook.main, devinject.hook.request, devinject.hook.state\n"
             "import devinject.hook.cgroup, devinject.hook.executor, devinject.hook.nsenter, devinject.hook.plan\n"
-            "import devinject.hook.registry, devinject.ledger, devinject.sharing\n"
+            "import devinject.hook.registry, devinject.hook.linkercache, devinject.ledger, devinject.sharing\n"
             "slow = ('typing', 'dataclasses', 'pathlib', 'subprocess', 'inspect', 'json', 're', 'enum', 'signal',\n"
             "        'contextlib', 'functools')\n"
             "print(','.join(m for m in slow if m in sys.modules))")

@@ -3,6 +3,7 @@ resolve), recording an undo step for everything it changes. Every container path
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
@@ -44,6 +45,8 @@ class Undo:
         self.fds.clear()
 
 
+# MS_RDONLY, MS_NOSUID, MS_NODEV and MS_NOEXEC have the same bits as MOUNT_ATTR_RDONLY ... _NOEXEC.
+_MOUNT_ATTRS = syscalls.MS_RDONLY | syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOEXEC
 _NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -58,6 +61,8 @@ class Executor:
         self.undo = Undo()
         self.created = Created()
         self.log: list[str] = []
+        self.mount_api = True  # open_tree/mount_setattr/move_mount; cleared when the kernel lacks them
+        self._mountinfo: dict[str, str] | None = None
 
     # --- device nodes --------------------------------------------------------------------------------
     def make_node(self, node: MakeNode) -> None:
@@ -76,15 +81,31 @@ class Executor:
             if stat.S_ISDIR(existing.st_mode):
                 raise HookError(f"device node {node.path}: a directory is in the way in the container")
             os.unlink(name, dir_fd=dir_fd)  # an image file or link where the node belongs: never followed
+        previous_umask = os.umask(0)  # the node gets exactly its mode: no chmod through a name later
         try:
             os.mknod(name, kind | node.mode, rdev, dir_fd=dir_fd)
         except PermissionError:
             self._bind_node(node, dir_fd, name)  # user namespace: mknod is not permitted
             return
+        finally:
+            os.umask(previous_umask)
         self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
-        os.chown(name, node.uid, node.gid, dir_fd=dir_fd, follow_symlinks=False)
-        os.chmod(name, node.mode, dir_fd=dir_fd)
+        self._chown_node(node, dir_fd, name, kind, rdev)
         self.log.append(f"mknod {node.path} {node.type} {node.major}:{node.minor}")
+
+    @staticmethod
+    def _chown_node(node: MakeNode, dir_fd: int, name: str, kind: int, rdev: int) -> None:
+        """chown the node just made, through an fd checked to be that node (a name swapped for a link or
+        another file in between is refused, never followed)."""
+        fd = os.open(name, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            st = os.fstat(fd)
+            if stat.S_IFMT(st.st_mode) != kind or st.st_rdev != rdev:
+                raise HookError(f"device node {node.path}: replaced while it was being created")
+            if (st.st_uid, st.st_gid) != (node.uid, node.gid):
+                os.chown(_proc_fd(fd), node.uid, node.gid)
+        finally:
+            os.close(fd)
 
     def _bind_node(self, node: MakeNode, dir_fd: int, name: str) -> None:
         os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd))
@@ -123,15 +144,30 @@ class Executor:
 
     def _mount_on(self, source: str, dir_fd: int, name: str, flags: int, shown: str, *,
                   recursive: bool = False) -> None:
-        fd = os.open(name, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        target = os.open(name, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
-            syscalls.mount(source, _proc_fd(fd), syscalls.MS_BIND | syscalls.MS_REC * recursive)
-        except OSError as err:
-            raise HookError(f"mount {source} on {shown}: {os.strerror(err.errno or 0)}") from None
+            if self._in_shared_mount(target):
+                raise HookError(f"mount {shown}: the target is inside a shared mount, so the mount would "
+                                "propagate to the host; give that volume private or slave propagation")
+            if self.mount_api:
+                try:
+                    self._attach_sealed(source, target, flags, recursive)
+                except OSError as err:
+                    if err.errno != errno.ENOSYS:
+                        raise HookError(f"mount {source} on {shown}: {os.strerror(err.errno or 0)}") from None
+                    self.mount_api = False
+                    self.log.append("kernel lacks open_tree/mount_setattr: bind, then remount read-only")
+                else:
+                    self.undo.add(lambda: self._unmount(dir_fd, name))
+                    return
+            try:
+                syscalls.mount(source, _proc_fd(target), syscalls.MS_BIND | syscalls.MS_REC * recursive)
+            except OSError as err:
+                raise HookError(f"mount {source} on {shown}: {os.strerror(err.errno or 0)}") from None
         finally:
-            os.close(fd)
+            os.close(target)
         self.undo.add(lambda: self._unmount(dir_fd, name))
-        # A bind mount ignores MS_RDONLY & co.: remount the new mount (reopened by name) with the flags.
+        # Old kernels only: a bind mount ignores MS_RDONLY & co., so remount the new mount (reopened by name).
         fd = os.open(name, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
             syscalls.mount(None, _proc_fd(fd), syscalls.MS_REMOUNT | syscalls.MS_BIND | flags)
@@ -139,6 +175,36 @@ class Executor:
             raise HookError(f"remount {shown} read-only: {os.strerror(err.errno or 0)}") from None
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _attach_sealed(source: str, target: int, flags: int, recursive: bool) -> None:
+        """A detached clone of `source`, made read-only (nosuid, nodev...) and private while nobody can see
+        it, then attached on the verified target fd: no window with a writable mount, no name looked up
+        again."""
+        tree = syscalls.open_tree_clone(source, recursive=recursive)
+        try:
+            syscalls.mount_setattr(tree, flags & _MOUNT_ATTRS, recursive=recursive)
+            syscalls.move_mount(tree, target)
+        finally:
+            os.close(tree)
+
+    def _in_shared_mount(self, fd: int) -> bool:
+        """Whether the mount holding `fd` propagates to peers (`shared:N` in mountinfo): a mount attached
+        there would appear on the host too. Mounts devinject attached itself are private."""
+        try:
+            with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as handle:
+                mount_id = next(line.split()[1] for line in handle if line.startswith("mnt_id:"))
+        except (OSError, StopIteration, IndexError):
+            return False  # no fdinfo (not Linux or no /proc): nothing to go on
+        for attempt in (0, 1):
+            if self._mountinfo is None or attempt:
+                with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
+                    self._mountinfo = {line.split(" ", 1)[0]: line for line in handle}
+            line = self._mountinfo.get(mount_id)
+            if line is not None:
+                optional = line.split(" - ", 1)[0].split()[6:]
+                return any(field.startswith("shared:") for field in optional)
+        return False
 
     @staticmethod
     def _unmount(dir_fd: int, name: str) -> None:
