@@ -47,6 +47,7 @@ live: system-deps venv
 bench: venv
 	$(BIN)/python bench/bench_generate.py
 	$(BIN)/python bench/bench_hook.py
+	$(BIN)/python bench/bench_specs.py
 	$(BIN)/python bench/bench_watch.py
 
 # Rebuild the fixture hosts (needs gcc and ldconfig) and then their golden specs.

@@ -8,15 +8,19 @@ from typing import Any
 DEFAULT_HOOKS_DIR = "/etc/containers/oci/hooks.d"
 HOOK_FILE = "10-devinject.json"
 HOOK_TIMEOUT = 30
+ANNOTATION_KEY = r"^cdi\.k8s\.io/.+$"
+ANNOTATION_VALUE = r"[^\s,]"  # Go regexp, unanchored: some character that is not blank or a comma
 
 
 def hooks_d_entry(executable: str, *, env_requests: bool = False) -> dict[str, Any]:
-    """hooks.d cannot match environment variables: the env variant runs for every container (and exits at
-    once when nothing is requested); the default runs only when a `cdi.k8s.io/` annotation is present."""
-    when: dict[str, Any] = {"always": True} if env_requests else {"annotations": {r"^cdi\.k8s\.io/.+$": ".+"}}
+    """hooks.d cannot match environment variables: the env variant turns env requests on and runs for every
+    container (exiting at once when nothing is requested); the default runs only when a `cdi.k8s.io/`
+    annotation names something (a blank or comma-only value is no request)."""
+    when: dict[str, Any] = {"always": True} if env_requests else {"annotations": {ANNOTATION_KEY: ANNOTATION_VALUE}}
+    args = ["devinject", "hook", *(["--env-requests"] if env_requests else [])]
     return {
         "version": "1.0.0",
-        "hook": {"path": executable, "args": ["devinject", "hook"], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+        "hook": {"path": executable, "args": args, "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
                  "timeout": HOOK_TIMEOUT},
         "when": when,
         "stages": ["prestart", "poststop"],

@@ -263,18 +263,123 @@ def read_generation(text: str) -> int | None:
     return None
 
 
-def load_file(path: str | Path) -> Spec:
+MAX_SPEC_BYTES = 16 << 20
+MAX_SPEC_NODES = 1_000_000  # mappings, lists and scalars after YAML aliases are expanded
+SPEC_SUFFIXES = (".yaml", ".json")
+
+
+def trust_problem(st: os.stat_result, *, directory: bool = False) -> str | None:
+    """Why a spec file (or its directory) cannot be trusted: specs are code that runs as root, so only root
+    (or the user running devinject, for a non-root `validate`) may be able to change them."""
+    if st.st_uid not in (0, os.geteuid()):
+        return f"owned by uid {st.st_uid}, not root"
+    # A sticky directory (like /tmp) lets others add files, which fail the owner check, but not replace ours.
+    if st.st_mode & 0o022 and not (directory and st.st_mode & 0o1000):
+        return "writable by group or others"
+    return None
+
+
+def spec_dir_problem(directory: str) -> str | None:
+    """trust_problem for a spec directory, as a message naming it; None when it is trusted or absent."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        st = os.stat(directory)
+    except OSError:
+        return None
+    problem = trust_problem(st, directory=True)
+    return f"{directory}: spec directory {problem}; its spec files are refused" if problem else None
+
+
+def list_spec_files(directory: str) -> list[str]:
+    """`*.yaml`/`*.json` regular files in a spec dir, sorted (not recursive, as CDI scans). Anything else —
+    a FIFO, a socket, a directory — is skipped, never opened."""
+    out = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.endswith(SPEC_SUFFIXES) and entry.is_file():
+                out.append(os.path.join(directory, entry.name))
+    return sorted(out)
+
+
+def read_spec_text(path: str | Path, st: os.stat_result | None = None) -> str:
+    """A spec file's text, only if it can be trusted. Opened non-blocking (a FIFO swapped in cannot hang
+    the caller) and checked on the open fd (a name swapped after a check is caught)."""
+    text_path = str(path)
+    try:
+        fd = os.open(text_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
-        raise SpecError(f"{path}: cannot read: {err.strerror}") from None
+        raise SpecError(f"{text_path}: cannot read: {err.strerror}") from None
     try:
-        return spec_from_dict(parse_text(text, str(path)))
+        opened = os.fstat(fd)
+        if st is not None and (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+            raise SpecError(f"{text_path}: replaced while it was being read; refused")
+        if not (opened.st_mode & 0o170000) == 0o100000:
+            raise SpecError(f"{text_path}: not a regular file; refused")
+        problem = trust_problem(opened)
+        if problem:
+            raise SpecError(f"{text_path}: spec file {problem}; refused (specs run as root)")
+        if opened.st_size > MAX_SPEC_BYTES:
+            raise SpecError(f"{text_path}: larger than {MAX_SPEC_BYTES} bytes")
+        data = os.read(fd, MAX_SPEC_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SPEC_BYTES:
+        raise SpecError(f"{text_path}: larger than {MAX_SPEC_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{text_path}: cannot read: not UTF-8 ({err.reason} at byte {err.start})") from None
+
+
+def expanded_size(data: object, limit: int = MAX_SPEC_NODES) -> int:
+    """Nodes in `data` once YAML aliases are expanded (shared objects counted each time they appear),
+    computed in one pass over the distinct objects; stops counting past `limit`."""
+    sizes: dict[int, int] = {}
+
+    def size(node: object) -> int:
+        if isinstance(node, dict):
+            children: object = [*node.keys(), *node.values()]
+        elif isinstance(node, list):
+            children = node
+        else:
+            return 1
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        sizes[id(node)] = limit + 1  # a cycle (an alias to its own ancestor) is unbounded
+        total = 1
+        for child in children:  # type: ignore[attr-defined]
+            total = min(total + size(child), limit + 1)
+        sizes[id(node)] = total
+        return total
+
+    return size(data)
+
+
+def parse_spec_document(text: str, source: str) -> object:
+    """parse_text, refusing documents that alias their way to more than MAX_SPEC_NODES nodes."""
+    data = parse_text(text, source)
+    try:
+        too_big = expanded_size(data) > MAX_SPEC_NODES
+    except RecursionError:
+        raise SpecError(f"{source}: nested too deeply; refused") from None
+    if too_big:
+        raise SpecError(f"{source}: expands to more than {MAX_SPEC_NODES} nodes (YAML aliases); refused")
+    return data
+
+
+def load_text(text: str, source: str) -> Spec:
+    """Parse and check one spec file's text; errors name `source`."""
+    data = parse_spec_document(text, source)
+    try:
+        return spec_from_dict(data)
     except SpecError as err:
-        if str(err).startswith(str(path)):
+        if err.message.startswith(source):
             raise
-        raise SpecError(f"{path}: {err}") from None
+        raise SpecError(f"{source}: {err.message}") from None
+
+
+def load_file(path: str | Path) -> Spec:
+    return load_text(read_spec_text(path), str(path))
 
 
 def write_atomic(path: Path, content: str, *, mode: int = 0o644) -> bool:

@@ -15,7 +15,16 @@ from typing import Any
 from devinject.errors import SpecError, SpecValidationError
 from devinject.model import ContainerEdits, Spec
 from devinject.names import device_name_problem, kind_problem
-from devinject.spec import parse_text, required_version, spec_from_dict, spec_to_dict, version_key
+from devinject.spec import (
+    list_spec_files,
+    parse_spec_document,
+    read_spec_text,
+    required_version,
+    spec_dir_problem,
+    spec_from_dict,
+    spec_to_dict,
+    version_key,
+)
 
 DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 
@@ -115,33 +124,39 @@ def validate_spec(spec: Spec, *, source: str) -> None:
         raise SpecValidationError([f"{source}: {p}" for p in problems])
 
 
-def spec_files(paths: Iterable[str]) -> list[Path]:
-    """Files named, plus `*.yaml`/`*.json` in directories named (not recursive, as CDI scans)."""
-    files = []
+def spec_files(paths: Iterable[str]) -> tuple[list[Path], list[str]]:
+    """Files named, plus `*.yaml`/`*.json` regular files in directories named (not recursive, as CDI
+    scans); and the problems of untrusted directories, whose files are refused."""
+    files: list[Path] = []
+    problems: list[str] = []
     for name in paths:
         path = Path(name)
         if path.is_dir():
-            files += sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".json") and p.is_file())
+            problem = spec_dir_problem(name)
+            if problem:
+                problems.append(problem)
+                continue
+            files += [Path(p) for p in list_spec_files(name)]
         elif path.exists():
+            problem = spec_dir_problem(str(path.parent))
+            if problem:
+                problems.append(problem)
+                continue
             files.append(path)
         else:
             raise SpecError(f"{path}: no such file or directory")
-    return files
+    return files, problems
 
 
 def validate_paths(paths: Iterable[str]) -> tuple[list[Path], list[str]]:
     """Validate files and spec dirs; also flags one device defined twice at the same priority (same dir)."""
-    files = spec_files(paths)
-    problems: list[str] = []
+    files, problems = spec_files(paths)
     owners: dict[tuple[Path, str], Path] = {}
     for file in files:
         try:
-            data = parse_text(file.read_text(), str(file))
+            data = parse_spec_document(read_spec_text(file), str(file))
         except SpecError as err:
             problems.append(str(err))
-            continue
-        except (OSError, UnicodeDecodeError) as err:
-            problems.append(f"{file}: cannot read: {getattr(err, 'strerror', None) or err}")
             continue
         file_problems = document_problems(data)
         problems += [f"{file}: {p}" for p in file_problems]

@@ -45,3 +45,22 @@ def test_podman_with_hooks_d_file_runs_devinject_hook(image: str, spec_dir: Path
     without = subprocess.run([*PODMAN, "--hooks-dir", str(hooks_dir), image, "sh", "-c", "ls /dev/nvidia0 || echo no"],
                              capture_output=True, text=True, timeout=180)
     assert "no" in without.stdout  # the `when` condition keeps the hook off unannotated containers
+
+
+@pytest.mark.parametrize(("value", "fires"), [("nvidia.com/gpu=0", True), ("", False), (" ", False), ("\t", False)])
+def test_hooks_d_filter_fires_only_on_an_annotation_that_names_something(image: str, tmp_path: Path, value: str,
+                                                                         fires: bool) -> None:
+    """The shipped `when` clause, evaluated by podman itself, with a marker hook in devinject's place."""
+    marker = tmp_path / "fired"
+    script = tmp_path / "marker.sh"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    script.chmod(0o755)
+    hooks_dir = tmp_path / "hooks.d"
+    hooks_dir.mkdir()
+    entry = hooks_d_entry(str(script))
+    entry["hook"]["args"] = ["marker.sh"]
+    (hooks_dir / "10-devinject.json").write_text(json.dumps(entry))
+    done = subprocess.run([*PODMAN, "--hooks-dir", str(hooks_dir), "--annotation", f"cdi.k8s.io/test={value}",
+                           image, "true"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert marker.exists() == fires

@@ -31,11 +31,21 @@ def test_requested_device_reaches_driver_unrequested_stays_denied(bundle: Bundle
     assert record["result"] == "ok" and str(record["cgroup"]).startswith("v2" if v2 else "v1")
 
 
-def test_env_request_through_nvidia_visible_devices(bundle: Bundle) -> None:
+def test_env_request_through_nvidia_visible_devices_when_the_admin_allows_it(bundle: Bundle) -> None:
+    bundle.config["hooks"]["prestart"][0]["args"].append("--env-requests")
     bundle.save(["sh", "-c", "stat -c %t:%T /dev/nvidia0"], env=["NVIDIA_VISIBLE_DEVICES=all"])
     done = bundle.run(container_name())
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "c3:0"
+
+
+@pytest.mark.parametrize("env", ["NVIDIA_VISIBLE_DEVICES=all", "DEVINJECT_DEVICES=nvidia.com/gpu=0"])
+def test_env_requests_from_the_image_are_ignored_by_default(bundle: Bundle, env: str) -> None:
+    bundle.save(["sh", "-c", "ls /dev/nvidia0 || echo absent"], env=[env])
+    done = bundle.run(container_name())
+    assert done.returncode == 0, done.stderr
+    assert "absent" in done.stdout
+    assert not (bundle.rootfs / "usr").exists()
 
 
 def test_no_request_touches_nothing(bundle: Bundle) -> None:

@@ -133,7 +133,7 @@ def test_install_hook_writes_hooks_d_file(tmp_path):
     assert done.returncode == 0
     entry = json.loads((tmp_path / "10-devinject.json").read_text())
     assert entry["hook"]["path"] == DEVINJECT and entry["stages"] == ["prestart", "poststop"]
-    assert entry["when"] == {"annotations": {r"^cdi\.k8s\.io/.+$": ".+"}}
+    assert entry["when"] == {"annotations": {r"^cdi\.k8s\.io/.+$": r"[^\s,]"}}
     assert "--executable" in one_error_line(run("install-hook", "--hooks-dir", str(tmp_path), "--executable",
                                                 "/nonexistent"))
 

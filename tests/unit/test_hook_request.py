@@ -15,7 +15,8 @@ def test_annotations_win_over_env():
 
 
 def test_devinject_devices_env_and_dedup():
-    request = requested_devices({}, ("PATH=/bin", "DEVINJECT_DEVICES=amd.com/gpu=0,amd.com/gpu=0,amd.com/gpu=1"))
+    request = requested_devices({}, ("PATH=/bin", "DEVINJECT_DEVICES=amd.com/gpu=0,amd.com/gpu=0,amd.com/gpu=1"),
+                                allow_env=True)
     assert request.names == ("amd.com/gpu=0", "amd.com/gpu=1")
 
 
@@ -34,23 +35,45 @@ def test_devinject_devices_env_and_dedup():
     ],
 )
 def test_vendor_variables(env, names):
-    assert requested_devices({}, (env,)).names == names
+    assert requested_devices({}, (env,), allow_env=True).names == names
 
 
-def test_env_requests_can_be_turned_off():
-    assert requested_devices({}, ("NVIDIA_VISIBLE_DEVICES=all",), allow_env=False).names == ()
-    assert requested_devices({"cdi.k8s.io/x": "a.com/b=c"}, (), allow_env=False).names == ("a.com/b=c",)
+def test_env_requests_are_off_unless_the_admin_turns_them_on():
+    for env in ("NVIDIA_VISIBLE_DEVICES=all", "DEVINJECT_DEVICES=a.com/b=c", "AMD_VISIBLE_DEVICES=0"):
+        assert requested_devices({}, (env,)).names == ()
+        assert requested_devices({}, (env,), allow_env=False).names == ()
+    assert requested_devices({"cdi.k8s.io/x": "a.com/b=c"}, ()).names == ("a.com/b=c",)
+
+
+@pytest.mark.parametrize("blank", ["", " ", " , ,", "\t"])
+def test_a_blank_annotation_is_no_request(blank):
+    request = requested_devices({"cdi.k8s.io/x": blank}, ("DEVINJECT_DEVICES=a.com/b=c",), allow_env=True)
+    assert (request.names, request.source) == (("a.com/b=c",), "DEVINJECT_DEVICES")  # env decides, if on
+    assert requested_devices({"cdi.k8s.io/x": blank}, ()) == ((), "")
+
+
+def test_hook_options_default_to_no_env_requests(tmp_path):
+    from devinject.hook.main import parse_hook_args
+
+    config = tmp_path / "hook.json"
+    config.write_text('{"env_requests": true}')
+    assert parse_hook_args(["--config", str(config)]).env_requests is True
+    assert parse_hook_args(["--config", str(config), "--no-env-requests"]).env_requests is False
+    config.write_text("{}")
+    assert parse_hook_args(["--config", str(config)]).env_requests is False
+    assert parse_hook_args(["--config", str(config), "--env-requests"]).env_requests is True
 
 
 def test_last_env_definition_wins():
-    assert requested_devices({}, ("AMD_VISIBLE_DEVICES=0", "AMD_VISIBLE_DEVICES=1")).names == ("amd.com/gpu=1",)
+    assert requested_devices({}, ("AMD_VISIBLE_DEVICES=0", "AMD_VISIBLE_DEVICES=1"), allow_env=True).names == (
+        "amd.com/gpu=1",)
 
 
 def test_bad_names_are_errors_naming_the_source():
     with pytest.raises(HookError, match="annotation cdi.k8s.io/x: invalid device 'nogood'"):
         requested_devices({"cdi.k8s.io/x": "nogood"}, ())
     with pytest.raises(HookError, match="DEVINJECT_DEVICES"):
-        requested_devices({}, ("DEVINJECT_DEVICES=a.com/b",))
+        requested_devices({}, ("DEVINJECT_DEVICES=a.com/b",), allow_env=True)
 
 
 def test_too_many_devices():

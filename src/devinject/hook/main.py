@@ -17,7 +17,8 @@ CONFIG_FILE = "/etc/devinject/hook.json"
 DEFAULT_LOG = "/var/log/devinject/hook.log"
 DEFAULT_STATE_DIR = "/run/devinject"
 USAGE = """usage: devinject hook [--spec-dir DIR]... [--log-file FILE] [--state-dir DIR] [--config FILE]
-                      [--no-env-requests] [--no-ledger] [--stage prestart|createRuntime|poststop] < state.json
+                      [--env-requests | --no-env-requests] [--no-ledger]
+                      [--stage prestart|createRuntime|poststop] < state.json
        devinject cdi-hook create-symlinks --link TARGET::LINK... < state.json
        devinject cdi-hook update-ldcache --folder DIR... < state.json"""
 
@@ -27,7 +28,7 @@ class HookOptions:
         self.spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
         self.log_file: str | None = DEFAULT_LOG
         self.state_dir: str = DEFAULT_STATE_DIR
-        self.env_requests: bool = True
+        self.env_requests: bool = False  # the image and the pod user set env: trusted only when the admin says
         self.ledger: bool = True
         self.stage: str | None = None
 
@@ -86,8 +87,8 @@ def parse_hook_args(args: list[str]) -> HookOptions:
                 overrides["stage"] = value
             else:
                 overrides[name[2:].replace("-", "_")] = str(value)
-        elif arg == "--no-env-requests":
-            overrides["env_requests"] = False
+        elif arg in ("--env-requests", "--no-env-requests"):
+            overrides["env_requests"] = arg == "--env-requests"
         elif arg == "--no-ledger":
             overrides["ledger"] = False
         elif arg in ("-h", "--help"):

@@ -1,7 +1,8 @@
 """CDI specs as the hook sees them: every spec dir scanned, later dirs win, names resolved all-or-nothing.
 
-Parsed specs are cached as JSON under the state dir, keyed by each file's size and mtime, so a container
-start does not pay for a YAML parser.
+Parsed specs are cached as JSON under the state dir, keyed by each file's size, mtime and inode, so a
+container start does not pay for a YAML parser; the index reads only kinds and device names from it, and a
+spec becomes a `Spec` only when one of its devices is asked for. Every file's trust is checked on every start.
 """
 
 from __future__ import annotations
@@ -12,17 +13,24 @@ from devinject import jsonlite
 from devinject.errors import ResolveError, SpecError
 from devinject.model import ContainerEdits, Spec
 from devinject.names import parse_qualified_name
-from devinject.spec import parse_text, spec_from_dict, spec_to_dict
+from devinject.spec import (
+    list_spec_files,
+    load_text,
+    read_spec_text,
+    spec_dir_problem,
+    spec_from_dict,
+    spec_to_dict,
+    trust_problem,
+)
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
-    from typing import NamedTuple
+    from typing import Any, NamedTuple
 else:
     from devinject.records import NamedTuple
 
 
 DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
-MAX_SPEC_BYTES = 16 << 20
 
 
 class Resolved(NamedTuple):
@@ -32,46 +40,38 @@ class Resolved(NamedTuple):
     devices: tuple[tuple[str, ContainerEdits], ...] = ()  # each requested name with its own edits
 
 
-def _spec_files(spec_dirs: tuple[str, ...]) -> list[str]:
-    files = []
-    for directory in spec_dirs:
-        try:
-            names = sorted(os.listdir(directory))
-        except FileNotFoundError:
-            continue
-        except OSError as err:
-            raise SpecError(f"{directory}: cannot list spec dir: {err.strerror}") from None
-        files += [os.path.join(directory, n) for n in names if n.endswith((".yaml", ".json"))]
-    return files
+def _indexable(raw: object) -> bool:
+    """A cached spec dict with the kind and device names the index reads (anything else is re-parsed)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("kind"), str):
+        return False
+    devices = raw.get("devices")
+    return isinstance(devices, list) and all(isinstance(d, dict) and isinstance(d.get("name"), str)
+                                             for d in devices)
 
 
-def _load(path: str, cache: dict[str, object] | None) -> Spec:
+def _load(path: str, cache: dict[str, object] | None) -> tuple[dict[str, Any], str, bool]:
+    """One spec file as a checked spec dict, its cache key, and whether it had to be parsed. The file's trust
+    is checked on every load; its parse comes from the cache while its identity is unchanged."""
     try:
         st = os.stat(path)
     except OSError as err:
         raise SpecError(f"{path}: cannot read: {err.strerror}") from None
+    problem = trust_problem(st)
+    if problem:
+        raise SpecError(f"{path}: spec file {problem}; refused (specs run as root)")
     key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    if cache is not None and key in cache:
-        return spec_from_dict(cache[key])
-    if st.st_size > MAX_SPEC_BYTES:
-        raise SpecError(f"{path}: larger than {MAX_SPEC_BYTES} bytes")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecError(f"{path}: cannot read: {getattr(err, 'strerror', None) or err}") from None
-    try:
-        spec = spec_from_dict(parse_text(text, path))
-    except SpecError as err:
-        raise SpecError(err.message if err.message.startswith(path) else f"{path}: {err.message}") from None
+    cached = cache.get(key) if cache is not None else None
+    if _indexable(cached):
+        return cached, key, False  # type: ignore[return-value]
+    raw = spec_to_dict(load_text(read_spec_text(path, st), path))
     if cache is not None:
-        cache[key] = spec_to_dict(spec)
-    return spec
+        cache[key] = raw
+    return raw, key, True
 
 
 class _Entry(NamedTuple):
-    spec: Spec
-    edits: ContainerEdits
+    raw: dict[str, Any]  # the spec, as a dict: turned into a Spec only when one of its devices is asked for
+    position: int  # the device's place in the spec
     priority: int
     path: str
 
@@ -109,31 +109,48 @@ class Registry:
         device in an earlier one; the same device twice within one dir is a conflict and is not offered."""
         if self._devices is None:
             cache = self._read_cache()
-            before = dict(cache) if cache is not None else None
             devices: dict[str, _Entry] = {}
             used: set[str] = set()
-            for path in _spec_files(self.spec_dirs):
+            parsed = False
+            for path in self._spec_files():
                 priority = self._priority(path)
                 try:
-                    spec = _load(path, cache)
+                    raw, key, fresh = _load(path, cache)
                 except SpecError as err:
                     self.problems.append(err.message)
                     continue
-                if cache is not None:
-                    used |= {k for k in cache if k.startswith(path + ":")}
-                for device in spec.devices:
-                    qualified = f"{spec.kind}={device.name}"
+                used.add(key)
+                parsed |= fresh
+                kind = raw["kind"]
+                for index, device in enumerate(raw["devices"]):
+                    qualified = f"{kind}={device['name']}"
                     previous = devices.get(qualified)
                     if previous is not None and previous.priority == priority:
                         self.conflicts[qualified] = f"defined in both {previous.path} and {path}"
                     elif previous is None or previous.priority < priority:
-                        devices[qualified] = _Entry(spec, device.edits, priority, path)
+                        devices[qualified] = _Entry(raw, index, priority, path)
             for qualified in self.conflicts:
                 devices.pop(qualified, None)
-            if cache is not None and (cache != before or set(cache) != used):
+            if cache is not None and (parsed or len(cache) != len(used)):
                 self._write_cache(cache, used)
             self._devices = devices
         return self._devices
+
+    def _spec_files(self) -> list[str]:
+        files = []
+        for directory in self.spec_dirs:
+            try:
+                names = list_spec_files(directory)
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                raise SpecError(f"{directory}: cannot list spec dir: {err.strerror}") from None
+            problem = spec_dir_problem(directory)
+            if problem:
+                self.problems.append(problem)
+                continue
+            files += names
+        return files
 
     def _priority(self, path: str) -> int:
         directory = os.path.dirname(path)
@@ -143,16 +160,18 @@ class Registry:
         """Spec-level edits once per spec, then each device's edits; any unknown name fails before anything."""
         devices = self._index()
         edits = ContainerEdits()
-        used: list[Spec] = []
+        specs: dict[str, Spec] = {}  # by file: each spec built once, and only when asked for
         device_edits: list[tuple[str, ContainerEdits]] = []
         for text in names:
             name = parse_qualified_name(text)
             entry = devices.get(str(name))
             if entry is None:
                 raise ResolveError(self._unresolvable(text, name.kind))
-            if entry.spec not in used:
-                used.append(entry.spec)
-            device_edits.append((text, entry.edits))
+            spec = specs.get(entry.path)
+            if spec is None:
+                spec = specs[entry.path] = spec_from_dict(entry.raw)
+            device_edits.append((text, spec.devices[entry.position].edits))
+        used = list(specs.values())
         for spec in used:
             edits = edits.merge(spec.edits)
         for _, item in device_edits:

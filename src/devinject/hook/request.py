@@ -52,17 +52,21 @@ def _env_map(env: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def requested_devices(annotations: dict[str, str], env: tuple[str, ...], *, allow_env: bool = True) -> Request:
+def requested_devices(annotations: dict[str, str], env: tuple[str, ...], *, allow_env: bool = False) -> Request:
+    """Annotations (set by kubelet device plugins and admins) always count; env variables, which the image
+    and the pod user control, only with `allow_env`. A blank value is no request."""
     names: list[str] = []
     sources: list[str] = []
     for key in sorted(annotations):
-        if key.startswith(ANNOTATION_PREFIX):
-            names += _checked(_split(annotations[key]), f"annotation {key}")
+        found = _split(annotations[key]) if key.startswith(ANNOTATION_PREFIX) else []
+        if found:
+            names += _checked(found, f"annotation {key}")
             sources.append("annotation")
     if not names and allow_env:
         variables = _env_map(env)
-        if DEVICES_ENV in variables:
-            names += _checked(_split(variables[DEVICES_ENV]), DEVICES_ENV)
+        found = _split(variables.get(DEVICES_ENV, ""))
+        if found:
+            names += _checked(found, DEVICES_ENV)
             sources.append(DEVICES_ENV)
         for variable, kind in VENDOR_ENV.items():
             value = variables.get(variable)
