@@ -14,13 +14,22 @@ if TYPE_CHECKING:
 EVENTS_FILE = "events.jsonl"
 RING_FILE = "device-events.json"
 RING_SIZE = 20
+MAX_EVENTS_BYTES = 1 << 20  # then events.jsonl becomes events.jsonl.1 (replacing the older one): /run is RAM
 
 
 def record(state_dir: str, event: str, device: str | None = None, **fields: Any) -> dict[str, Any]:
     entry = {"time": round(time.time(), 3), "event": event, **({"device": device} if device else {}), **fields}
     os.makedirs(state_dir, exist_ok=True)
-    with open(os.path.join(state_dir, EVENTS_FILE), "a", encoding="utf-8") as handle:
-        handle.write(jsonlite.dumps(entry, sort_keys=True) + "\n")
+    path = os.path.join(state_dir, EVENTS_FILE)
+    line = jsonlite.dumps(entry, sort_keys=True) + "\n"
+    with open(path, "a", encoding="utf-8") as handle:
+        full = handle.tell() + len(line) > MAX_EVENTS_BYTES
+        if not full:
+            handle.write(line)
+    if full:
+        os.replace(path, path + ".1")
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(line)
     if device:
         ring_path = os.path.join(state_dir, RING_FILE)
         try:

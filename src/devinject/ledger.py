@@ -1,25 +1,30 @@
 """The node-local ledger: which container holds which device, so an exclusive device is never handed out
 twice. One JSON file under the state dir, rewritten atomically under an exclusive file lock.
 
-A device's identity is its own char nodes (`c 195:2`), so `gpu=0`, `gpu=GPU-…` and `gpu=all` that share a
-node conflict with each other. Allocations of dead containers (pid + start time, so pid reuse cannot fool
-it) are reclaimed on every access; a released device stays `reclaiming` while a host process still holds
-one of its nodes open.
+A device's identity is its own char nodes (`c 195:2`, taken from the host node when a spec leaves the
+numbers out), so `gpu=0`, `gpu=GPU-…` and `gpu=all` that share a node conflict with each other. Allocations
+of dead containers (pid + start time, so pid reuse cannot fool it; a zombie is dead) are reclaimed on every
+access; a released device stays `reclaiming` while a host process still holds one of its nodes open.
+
+A ledger file that cannot be read or fails validation never wedges the node: it is moved aside (kept for
+forensics, with an event) and the bookings are rebuilt from live evidence (see evidence.py).
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import time
 
 from devinject import events, jsonlite
 from devinject.errors import LedgerError
+from devinject.evidence import open_device_nodes
 from devinject.filelock import exclusive
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, NamedTuple
+else:
+    from devinject.records import NamedTuple
 
 
 LEDGER_FILE = "ledger.json"
@@ -30,14 +35,46 @@ RECLAIM_TIMEOUT = 30.0
 
 
 def process_start_time(pid: int, proc: str = "/proc") -> int | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks since boot); None when the process is gone."""
+    """Field 22 of /proc/<pid>/stat (clock ticks since boot); None when the process is gone — or a zombie
+    (killed, not yet reaped: it holds nothing any more and will never run again)."""
     try:
         with open(f"{proc}/{pid}/stat", "rb") as handle:
             data = handle.read()
     except OSError:
         return None
     fields = data[data.rfind(b")") + 2:].split()
-    return int(fields[19]) if len(fields) > 19 else None
+    if len(fields) <= 19 or fields[0] in (b"Z", b"X", b"x"):
+        return None
+    return int(fields[19])
+
+
+class Claim(NamedTuple):
+    """One requested device and the identities of its nodes (`c 195:0`)."""
+    name: str
+    nodes: tuple[str, ...]
+
+
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def ledger_problem(data: object) -> str | None:
+    """Why `data` is not a ledger devinject can rely on (a string where a list belongs would silently
+    disable the clash check), or None."""
+    if not isinstance(data, dict) or not isinstance(data.get("allocations"), dict):
+        return "not a devinject ledger"
+    for cid, entry in data["allocations"].items():
+        if not isinstance(entry, dict):
+            return f"allocation {cid}: not an object"
+        for key in ("devices", "exclusive", "shared"):
+            if not _strings(entry.get(key, [])):
+                return f"allocation {cid}: {key} is not a list of strings"
+        for key in ("pid", "start_time"):
+            if not isinstance(entry.get(key), int) or isinstance(entry.get(key), bool):
+                return f"allocation {cid}: {key} is not an integer"
+        if entry.get("state") not in ("active", "reclaiming"):
+            return f"allocation {cid}: state is not active or reclaiming"
+    return None
 
 
 def node_key(kind: str, major: int, minor: int) -> str:
@@ -54,21 +91,10 @@ def holders_of(nodes: set[str], proc: str = "/proc") -> dict[str, list[int]]:
     except OSError:
         return found
     for pid in pids:
-        fd_dir = f"{proc}/{pid}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                st = os.stat(f"{fd_dir}/{fd}")
-            except OSError:
-                continue
-            if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-                key = node_key("c" if stat.S_ISCHR(st.st_mode) else "b", os.major(st.st_rdev), os.minor(st.st_rdev))
-                if key in nodes and pid not in found.setdefault(key, []):
-                    found[key].append(pid)
-    return {k: v for k, v in found.items() if v}
+        for key in open_device_nodes(pid, proc):
+            if key in nodes:
+                found.setdefault(key, []).append(pid)
+    return found
 
 
 class _Locked:
@@ -88,7 +114,9 @@ class _Locked:
         except BaseException:
             self.lock.__exit__()
             raise
-        self.before = jsonlite.dumps(self.data, sort_keys=True)
+        # A rebuilt ledger is written back even when nothing else changes.
+        self.before = "" if self.ledger.rebuilt else jsonlite.dumps(self.data, sort_keys=True)
+        self.ledger.rebuilt = False
         return self.data
 
     def __exit__(self, kind: object, *rest: object) -> None:
@@ -119,6 +147,7 @@ class Ledger:
         self.proc = proc
         self.reclaim_timeout = reclaim_timeout
         self.path = os.path.join(state_dir, LEDGER_FILE)
+        self.rebuilt = False
 
     # --- storage -------------------------------------------------------------------------------------
     def locked(self) -> _Locked:
@@ -131,11 +160,34 @@ class Ledger:
                 data = jsonlite.loads(handle.read())
         except FileNotFoundError:
             return {"allocations": {}}
-        except (OSError, ValueError) as err:
-            raise LedgerError(f"{self.path}: unreadable ledger: {err}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("allocations"), dict):
-            raise LedgerError(f"{self.path}: not a devinject ledger")
-        return data
+        except (OSError, ValueError, UnicodeDecodeError) as err:
+            return self._rebuild(f"unreadable: {err}")
+        problem = ledger_problem(data)
+        if problem:
+            return self._rebuild(problem)
+        return data  # type: ignore[no-any-return]
+
+    def _rebuild(self, reason: str) -> dict[str, Any]:
+        """Move the broken ledger aside and book what live evidence on the node shows in use."""
+        from devinject import evidence
+
+        aside = f"{self.path}.broken-{time.time_ns()}"
+        try:
+            os.replace(self.path, aside)
+        except OSError as err:
+            raise LedgerError(f"{self.path}: broken ledger ({reason}) and cannot move it aside: "
+                              f"{err.strerror}") from None
+        allocations: dict[str, Any] = {}
+        now = time.time()
+        for holding in evidence.collect(self.proc):
+            started = process_start_time(holding.pid, self.proc)
+            if started is not None:
+                allocations[f"recovered: {holding.source}"] = {
+                    "devices": [], "exclusive": list(holding.nodes), "shared": [], "pid": holding.pid,
+                    "start_time": started, "time": now, "state": "active", "recovered": True}
+        self.rebuilt = True
+        self.event("ledger-rebuilt", reason=reason, moved_to=aside, bookings=len(allocations))
+        return {"allocations": allocations}
 
     def _write(self, data: dict[str, Any]) -> None:
         try:
@@ -188,19 +240,19 @@ class Ledger:
             return set()
 
     # --- the operations ------------------------------------------------------------------------------
-    def book(self, container_id: str, pid: int, names: tuple[str, ...], resolved: Any,
+    def book(self, container_id: str, pid: int, claims: tuple[Claim, ...],
              policy: dict[str, str] | None = None) -> Booking:
         """Record `container_id`'s devices; refuse an exclusive device another live container holds."""
         if policy is None:
             from devinject.sharing import sharing_policy
 
             policy = sharing_policy(self.state_dir)
+        names = tuple(claim.name for claim in claims)
         exclusive: list[str] = []
         shared: list[str] = []
-        for name, edits in resolved.devices:
-            kind = name.partition("=")[0]
-            keys = [node_key(n.type or "c", n.major, n.minor) for n in edits.device_nodes if n.major is not None]
-            (exclusive if policy.get(kind, "exclusive") == "exclusive" else shared).extend(keys)
+        for claim in claims:
+            kind = claim.name.partition("=")[0]
+            (exclusive if policy.get(kind, "exclusive") == "exclusive" else shared).extend(claim.nodes)
         exclusive = sorted(set(exclusive))
         unhealthy = self._unhealthy_nodes() & set(exclusive + shared)
         if unhealthy:
@@ -212,10 +264,19 @@ class Ledger:
         with self.locked() as data:
             self.reclaim(data)
             allocations = data["allocations"]
-            if container_id in allocations:
-                return Booking(self, container_id, new=False)  # the hook ran again for this container
+            existing = allocations.get(container_id)
+            if existing is not None:
+                if (existing["pid"], existing["start_time"]) == (pid, start_time):
+                    return Booking(self, container_id, new=False)  # the hook ran again for this container
+                if existing["state"] != "reclaiming":
+                    raise LedgerError(f"container {container_id}: the id is booked for another live process "
+                                      f"(pid {existing['pid']}); refusing a second container with the same id")
+                # A new container reusing a dead one's id: the old booking stays until its nodes are free.
+                allocations[f"{container_id}@{existing['start_time']}"] = allocations.pop(container_id)
             for other_id, entry in allocations.items():
-                clash = set(exclusive) & set(entry.get("exclusive", []))
+                if entry.get("recovered") and entry["pid"] == pid:
+                    continue  # evidence of this very container from an earlier run of its hook
+                clash = set(exclusive) & set(entry["exclusive"])
                 if clash:
                     state = entry.get("state", "active")
                     raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "

@@ -84,3 +84,35 @@ def test_fifty_hooks_racing_for_eight_devices_never_double_allocate(tmp_path: Pa
         for sleeper in sleepers:
             sleeper.kill()
             sleeper.wait()
+
+
+def test_a_node_without_numbers_in_the_spec_is_still_exclusive(tmp_path: Path) -> None:
+    """Other generators write `deviceNodes: [{path: /dev/nvidia0}]`: the hook books the host node's own
+    numbers, so two containers cannot both hold it under different names."""
+    require(os.geteuid() == 0, "needs root")
+    spec_dir = tmp_path / "cdi"
+    spec_dir.mkdir()
+    (spec_dir / "bare.yaml").write_text(
+        "cdiVersion: 0.5.0\nkind: bare.example/dev\ndevices:\n"
+        "- name: a\n  containerEdits:\n    deviceNodes: [{path: /dev/bare, hostPath: /dev/null}]\n"
+        "- name: b\n  containerEdits:\n    deviceNodes: [{path: /dev/other-name, hostPath: /dev/null}]\n")
+    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        results = []
+        for index, name in enumerate(("a", "b")):
+            bundle = tmp_path / f"b{index}"
+            (bundle / "rootfs" / "dev").mkdir(parents=True)
+            (bundle / "config.json").write_text(json.dumps({
+                "root": {"path": "rootfs"}, "annotations": {"cdi.k8s.io/x": f"bare.example/dev={name}"}}))
+            state = json.dumps({"ociVersion": "1.0.2", "id": f"bare-{index}", "status": "creating",
+                                "pid": sleepers[index].pid, "bundle": str(bundle)})
+            results.append(subprocess.run([DEVINJECT, "hook", "--spec-dir", str(spec_dir), "--state-dir",
+                                           str(tmp_path / "state"), "--log-file", "/dev/null"], input=state,
+                                          capture_output=True, text=True, timeout=60))
+        assert results[0].returncode == 0, results[0].stderr
+        assert results[1].returncode != 0
+        assert "device c 1:3 is held by container bare-0" in results[1].stderr
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()

@@ -6,10 +6,12 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 
+from devinject.ledger import process_start_time
 from tests.e2e.conftest import Bundle, container_name
 
 pytestmark = pytest.mark.live
@@ -60,3 +62,81 @@ def test_container_killed_without_poststop_is_reclaimed(bundle: Bundle) -> None:
     assert done.returncode == 0, done.stderr
     events = [json.loads(line)["event"] for line in (bundle.state_dir / "events.jsonl").read_text().splitlines()]
     assert "container-gone" in events
+
+
+V2 = "mount --make-rprivate / && mount -t cgroup2 none /sys/fs/cgroup && "
+
+
+def _runc_v2(bundle: Bundle, command: str) -> subprocess.CompletedProcess[str]:
+    """runc on cgroup v2, in a private mount namespace where cgroup2 is mounted on /sys/fs/cgroup (stderr
+    to a file: a detached container keeps a pipe open)."""
+    errors = bundle.path / "runc-v2.err"
+    with open(errors, "w") as err:
+        done = subprocess.run(["unshare", "-m", "sh", "-c", V2 + command], cwd=bundle.path,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, timeout=60)
+    return subprocess.CompletedProcess(done.args, done.returncode, "", errors.read_text())
+
+
+def _pid_of(name: str) -> int:
+    return int(json.loads(subprocess.run(["runc", "state", name], capture_output=True, text=True,
+                                         check=True).stdout)["pid"])
+
+
+def test_a_zombie_container_init_does_not_keep_its_gpu(bundle: Bundle) -> None:
+    """The container's init is killed but its parent (a subreaper, as a container shim is) has not reaped
+    it: a zombie holds nothing, and the next container gets the device."""
+    first, second = container_name(), container_name()
+    bundle.save(["sleep", "60"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    reaper = subprocess.Popen(
+        [sys.executable, "-c", "import ctypes, subprocess, sys, time\n"
+         "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the init becomes our child\n"
+         f"subprocess.run(['runc', 'run', '--detach', {first!r}], stdin=subprocess.DEVNULL,\n"
+         "               stdout=subprocess.DEVNULL, check=True)\n"
+         "print('started', flush=True)\n"
+         "time.sleep(120)  # and never reaps it\n"], cwd=bundle.path, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reaper.stdout is not None and reaper.stdout.readline().strip() == "started"
+        pid = _pid_of(first)
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(200):
+            with open(f"/proc/{pid}/stat") as handle:
+                if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the container's init never became a zombie")
+        bundle.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+        done = bundle.run(second)
+        assert done.returncode == 0, done.stderr
+    finally:
+        reaper.kill()
+        reaper.wait()
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["cgroup-v1", "cgroup-v2-ebpf"])
+def test_a_corrupt_ledger_is_rebuilt_from_the_running_containers_device_rules(bundle: Bundle, v2: bool) -> None:
+    first, second = container_name(), container_name()
+    bundle.save(["sleep", "60"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    started = _runc_v2(bundle, f"exec runc run --detach {first}") if v2 else _start_detached(bundle, first)
+    assert started.returncode == 0, started.stderr
+    try:
+        ledger = bundle.state_dir / "ledger.json"
+        ledger.write_text(ledger.read_text()[:20])  # truncated, as a full disk or a crash might leave it
+        bundle.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+        refused = bundle.run(second, v2=v2)
+        assert refused.returncode != 0
+        assert f"is held by container recovered: cgroup v{2 if v2 else 1} " in refused.stderr, refused.stderr
+        assert list(bundle.state_dir.glob("ledger.json.broken-*"))
+        events = [json.loads(line)["event"] for line in (bundle.state_dir / "events.jsonl").read_text().splitlines()]
+        assert "ledger-rebuilt" in events
+        pid = _pid_of(first)
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(200):
+            if process_start_time(pid) is None:
+                break
+            time.sleep(0.02)
+        again = bundle.run(container_name(), v2=v2)
+        assert again.returncode == 0, again.stderr  # the rebuilt booking ended with its process
+    finally:
+        if v2:
+            _runc_v2(bundle, f"runc delete -f {first}")

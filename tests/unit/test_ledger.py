@@ -6,22 +6,19 @@ import subprocess
 import pytest
 
 from devinject.errors import LedgerError
-from devinject.hook.registry import Resolved
-from devinject.ledger import Ledger, holders_of, process_start_time
-from devinject.model import ContainerEdits, DeviceNode
+from devinject.ledger import Claim, Ledger, holders_of, process_start_time
 
 POLICY = {"vendor.com/gpu": "exclusive", "vendor.com/nic": "shared"}
 
 
-def _resolved(*names: str) -> Resolved:
-    devices = []
+def _claims(*names: str) -> tuple[Claim, ...]:
+    claims = []
     for name in names:
         kind, _, dev = name.partition("=")
         minors = range(8) if dev == "all" else [int(dev) if dev.isdigit() else int(dev.split("-")[1])]
         major = 195 if kind.endswith("gpu") else 231
-        devices.append((name, ContainerEdits(device_nodes=tuple(
-            DeviceNode(f"/dev/x{m}", type="c", major=major, minor=m) for m in minors))))
-    return Resolved(tuple(names), ContainerEdits(), (), tuple(devices))
+        claims.append(Claim(name, tuple(f"c {major}:{m}" for m in minors)))
+    return tuple(claims)
 
 
 def _dead_pid() -> int:
@@ -32,31 +29,31 @@ def _dead_pid() -> int:
 
 def test_exclusive_device_cannot_be_booked_twice_and_error_names_the_holder(tmp_path):
     ledger = Ledger(str(tmp_path))
-    ledger.book("c1", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+    ledger.book("c1", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
     with pytest.raises(LedgerError, match="held by container c1"):
-        ledger.book("c2", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+        ledger.book("c2", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
 
 
 def test_other_names_of_the_same_node_conflict_too(tmp_path):
     ledger = Ledger(str(tmp_path))
-    ledger.book("c1", os.getpid(), ("vendor.com/gpu=3",), _resolved("vendor.com/gpu=3"), POLICY)
+    ledger.book("c1", os.getpid(), _claims("vendor.com/gpu=3"), POLICY)
     with pytest.raises(LedgerError, match="c 195:3"):
-        ledger.book("c2", os.getpid(), ("vendor.com/gpu=all",), _resolved("vendor.com/gpu=all"), POLICY)
+        ledger.book("c2", os.getpid(), _claims("vendor.com/gpu=all"), POLICY)
     with pytest.raises(LedgerError):
-        ledger.book("c3", os.getpid(), ("vendor.com/gpu=GPU-3",), _resolved("vendor.com/gpu=GPU-3"), POLICY)
+        ledger.book("c3", os.getpid(), _claims("vendor.com/gpu=GPU-3"), POLICY)
 
 
 def test_shared_devices_can_be_booked_by_many(tmp_path):
     ledger = Ledger(str(tmp_path))
     for cid in ("a", "b", "c"):
-        ledger.book(cid, os.getpid(), ("vendor.com/nic=0",), _resolved("vendor.com/nic=0"), POLICY)
+        ledger.book(cid, os.getpid(), _claims("vendor.com/nic=0"), POLICY)
     assert sorted(ledger.snapshot()["allocations"]) == ["a", "b", "c"]
 
 
 def test_rebooking_the_same_container_is_idempotent(tmp_path):
     ledger = Ledger(str(tmp_path))
-    first = ledger.book("c1", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
-    again = ledger.book("c1", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+    first = ledger.book("c1", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
+    again = ledger.book("c1", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
     assert first.new and not again.new
     again.cancel()  # a failed re-run must not free the first run's booking
     assert "c1" in ledger.snapshot()["allocations"]
@@ -64,23 +61,23 @@ def test_rebooking_the_same_container_is_idempotent(tmp_path):
 
 def test_poststop_releases_once_and_second_is_a_noop(tmp_path):
     ledger = Ledger(str(tmp_path))
-    ledger.book("c1", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+    ledger.book("c1", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
     assert ledger.release("c1") == "released"
     assert ledger.release("c1") == "not allocated"
-    ledger.book("c2", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+    ledger.book("c2", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
 
 
 def test_dead_container_is_reclaimed_even_with_a_reused_pid(tmp_path):
     ledger = Ledger(str(tmp_path))
     doomed = subprocess.Popen(["sleep", "60"])
-    ledger.book("gone", doomed.pid, ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+    ledger.book("gone", doomed.pid, _claims("vendor.com/gpu=0"), POLICY)
     doomed.kill()  # SIGKILL: no poststop ever comes
     doomed.wait()
-    ledger.book("next", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+    ledger.book("next", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
     data = json.loads((tmp_path / "ledger.json").read_text())
     data["allocations"]["next"]["start_time"] = 1  # same pid, different start time: a reused pid
     (tmp_path / "ledger.json").write_text(json.dumps(data))
-    ledger.book("third", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+    ledger.book("third", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
     events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert events.count("container-gone") == 2
 
@@ -89,11 +86,9 @@ def test_released_device_stays_reclaiming_while_a_process_holds_its_node(tmp_pat
     st = os.stat("/dev/null")
     holder = open("/dev/null")  # noqa: SIM115 - held open on purpose
     try:
-        resolved = Resolved(("vendor.com/gpu=0",), ContainerEdits(), (), (("vendor.com/gpu=0", ContainerEdits(
-            device_nodes=(DeviceNode("/dev/null", type="c", major=os.major(st.st_rdev), minor=os.minor(st.st_rdev)),
-                          ))),))
+        claims = (Claim("vendor.com/gpu=0", (f"c {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}",)),)
         ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
-        ledger.book("c1", os.getpid(), resolved.names, resolved, POLICY)
+        ledger.book("c1", os.getpid(), claims, POLICY)
         assert ledger.release("c1") == "reclaiming"
         assert os.getpid() in holders_of({"c 1:3"})["c 1:3"]
     finally:
@@ -103,7 +98,7 @@ def test_released_device_stays_reclaiming_while_a_process_holds_its_node(tmp_pat
 def test_unhealthy_node_is_never_allocated(tmp_path):
     (tmp_path / "health.json").write_text(json.dumps({"unhealthy_nodes": ["c 195:0"]}))
     with pytest.raises(LedgerError, match="unhealthy"):
-        Ledger(str(tmp_path)).book("c1", os.getpid(), ("vendor.com/gpu=0",), _resolved("vendor.com/gpu=0"), POLICY)
+        Ledger(str(tmp_path)).book("c1", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
 
 
 def test_process_start_time():
@@ -115,8 +110,7 @@ def _contend(args):
     state_dir, index = args
     device = index % 8
     try:
-        Ledger(state_dir).book(f"c{index}", os.getpid(), (f"vendor.com/gpu={device}",),
-                               _resolved(f"vendor.com/gpu={device}"), POLICY)
+        Ledger(state_dir).book(f"c{index}", os.getpid(), _claims(f"vendor.com/gpu={device}"), POLICY)
         return device
     except LedgerError:
         return None

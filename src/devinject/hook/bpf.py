@@ -228,3 +228,24 @@ def release(swap: object) -> None:
         for fd in (swap.cgroup_fd, swap.old_fd, swap.new_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def granted_rules(cgroup_path: str) -> tuple[AllowDevice, ...]:
+    """The rules a devinject prefix on the cgroup's device program allows (read only; () when none)."""
+    try:
+        cgroup_fd = os.open(cgroup_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return ()
+    try:
+        rules: list[AllowDevice] = []
+        for prog_id in _query(cgroup_fd)[0]:
+            prog_fd = _prog_fd(prog_id)
+            try:
+                rules += decode_rules(_xlated(prog_fd))[0]
+            finally:
+                os.close(prog_fd)
+        return tuple(rules)
+    except OSError:
+        return ()
+    finally:
+        os.close(cgroup_fd)

@@ -157,7 +157,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
     from devinject.hook.cgroup import CgroupGrant, device_cgroup_of
     from devinject.hook.executor import Executor
     from devinject.hook.nsenter import run_in_mount_ns
-    from devinject.hook.plan import plan
+    from devinject.hook.plan import node_identity, plan
     from devinject.hook.registry import Registry
 
     timings: dict[str, float] = {}
@@ -180,9 +180,11 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
     lap("plan")
     booking = None
     if opts.ledger:
-        from devinject.ledger import Ledger
+        from devinject.ledger import Claim, Ledger
 
-        booking = Ledger(opts.state_dir).book(state.id, state.pid, request.names, resolved)
+        claims = tuple(Claim(name, tuple(node_identity(n) for n in edits.device_nodes))
+                       for name, edits in resolved.devices)
+        booking = Ledger(opts.state_dir).book(state.id, state.pid, claims)
         lap("ledger")
     grant = None
     try:

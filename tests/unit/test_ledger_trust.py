@@ -1,0 +1,169 @@
+"""The ledger is never wedged and never fooled: zombies are dead, a broken ledger file is rebuilt from live
+evidence, entries are validated, a reused container id is not waved through, events stay bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from devinject import events
+from devinject.errors import LedgerError
+from devinject.hook.plan import node_identity
+from devinject.ledger import Claim, Ledger, process_start_time
+from devinject.model import DeviceNode
+from tests.e2e.conftest import require
+
+POLICY = {"vendor.com/gpu": "exclusive"}
+NULL = os.stat("/dev/null")
+NULL_NODE = f"c {os.major(NULL.st_rdev)}:{os.minor(NULL.st_rdev)}"
+
+
+def claim(*nodes: str, name: str = "vendor.com/gpu=0") -> tuple[Claim, ...]:
+    return (Claim(name, nodes),)
+
+
+def wait_for_state(pid: int, state: bytes) -> None:
+    for _ in range(200):
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            if handle.read().rsplit(b")", 1)[1].split()[0] == state:
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} never reached state {state!r}")
+
+
+def logged(state_dir: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (state_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_zombie_container_process_is_dead_and_its_device_reclaimed(tmp_path: Path) -> None:
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        ledger = Ledger(str(tmp_path))
+        ledger.book("killed", child.pid, claim("c 195:0"), POLICY)
+        child.kill()  # SIGKILLed, and its parent (this test) does not reap it yet
+        wait_for_state(child.pid, b"Z")
+        assert process_start_time(child.pid) is None
+        ledger.book("next", os.getpid(), claim("c 195:0"), POLICY)
+        assert sorted(ledger.snapshot()["allocations"]) == ["next"]
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    (b'{"allocations": {"c1": {"exclus', "unreadable"),
+    (b"\xff\xfe garbage", "unreadable"),
+    (b"[]", "not a devinject ledger"),
+    (json.dumps({"allocations": {"c1": {"devices": [], "exclusive": "c 195:0", "shared": [], "pid": 1,
+                                        "start_time": 1, "state": "active"}}}).encode(),
+     "allocation c1: exclusive is not a list of strings"),
+    (json.dumps({"allocations": {"c1": {"devices": [], "exclusive": [], "shared": [], "pid": "1",
+                                        "start_time": 1, "state": "active"}}}).encode(),
+     "allocation c1: pid is not an integer"),
+])
+def test_a_broken_ledger_is_moved_aside_and_the_node_goes_on(tmp_path: Path, content: bytes, reason: str) -> None:
+    (tmp_path / "ledger.json").write_bytes(content)
+    Ledger(str(tmp_path), proc="/proc").book("c2", os.getpid(), claim("c 195:0"), POLICY)
+    (aside,) = tmp_path.glob("ledger.json.broken-*")
+    assert aside.read_bytes() == content  # kept for forensics
+    data = json.loads((tmp_path / "ledger.json").read_text())
+    assert data["allocations"]["c2"]["exclusive"] == ["c 195:0"]
+    (event,) = [e for e in logged(tmp_path) if e["event"] == "ledger-rebuilt"]
+    assert str(event["reason"]).startswith(reason) and event["moved_to"] == str(aside)
+
+
+def test_rebuild_books_nodes_held_open_in_another_mount_namespace(tmp_path: Path) -> None:
+    require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare")
+    container = subprocess.Popen(["unshare", "-m", "sh", "-c", "exec 3</dev/null; exec sleep 60"])
+    try:
+        for _ in range(200):  # until the shell has become `sleep` in its own mount namespace, fd 3 open
+            try:
+                if os.readlink(f"/proc/{container.pid}/fd/3") == "/dev/null" and \
+                        os.stat(f"/proc/{container.pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.01)
+        (tmp_path / "ledger.json").write_text("{truncated")
+        # The host (this test) holding the node open is not a container's use; the container's is.
+        with open("/dev/null"), pytest.raises(LedgerError,
+                                              match=f"held by container recovered: open by pid {container.pid}"):
+            Ledger(str(tmp_path)).book("c2", os.getpid(), claim(NULL_NODE), POLICY)
+        assert Ledger(str(tmp_path)).book("c3", os.getpid(), claim("c 195:0"), POLICY).new  # others are free
+    finally:
+        container.kill()
+        container.wait()
+    Ledger(str(tmp_path)).book("c4", os.getpid(), claim(NULL_NODE), POLICY)  # its process gone: free again
+
+
+def test_rebuild_books_nodes_a_v1_device_cgroup_allows(tmp_path: Path) -> None:
+    devices = Path("/sys/fs/cgroup/devices")
+    require(os.geteuid() == 0 and (devices / "devices.allow").exists(), "needs root and cgroup v1 devices")
+    group = devices / f"devinject-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        (group / "cgroup.procs").write_text(str(sleeper.pid))
+        (group / "devices.deny").write_text("a")
+        (group / "devices.allow").write_text("c 1:7 rwm")
+        (tmp_path / "ledger.json").write_text("")
+        with pytest.raises(LedgerError, match=f"held by container recovered: cgroup v1 {group}"):
+            Ledger(str(tmp_path)).book("c2", os.getpid(), claim("c 1:7"), POLICY)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for _ in range(100):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+def test_a_reused_container_id_is_not_waved_through(tmp_path: Path) -> None:
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        ledger = Ledger(str(tmp_path))
+        ledger.book("same-id", other.pid, claim("c 195:0"), POLICY)
+        with pytest.raises(LedgerError, match="the id is booked for another live process"):
+            ledger.book("same-id", os.getpid(), claim("c 195:1"), POLICY)
+        assert not ledger.book("same-id", other.pid, claim("c 195:0"), POLICY).new  # a real re-run is one
+    finally:
+        other.kill()
+        other.wait()
+    with open("/dev/null"):  # the dead container's node is still held: its booking stays, reclaiming
+        ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
+        dead = subprocess.Popen(["sleep", "60"])
+        ledger.book("reused", dead.pid, claim(NULL_NODE), POLICY)
+        dead.kill()
+        dead.wait()
+        assert ledger.book("reused", os.getpid(), claim("c 195:5"), POLICY).new
+        allocations = ledger.snapshot()["allocations"]
+        assert allocations["reused"]["exclusive"] == ["c 195:5"]
+        (old,) = [k for k in allocations if k.startswith("reused@")]
+        assert allocations[old]["state"] == "reclaiming" and allocations[old]["exclusive"] == [NULL_NODE]
+        with pytest.raises(LedgerError, match=f"held by container {old}"):
+            ledger.book("third", os.getpid(), claim(NULL_NODE), POLICY)
+
+
+def test_a_node_without_numbers_in_the_spec_is_booked_by_the_host_nodes_identity() -> None:
+    node = DeviceNode("/dev/vendor0", host_path="/dev/null")
+    assert node_identity(node) == NULL_NODE
+    assert node_identity(DeviceNode("/dev/vendor0", type="c", major=195, minor=3)) == "c 195:3"
+
+
+def test_events_file_is_rotated_not_grown_forever(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(events, "MAX_EVENTS_BYTES", 4096)
+    for index in range(500):
+        events.record(str(tmp_path), "allocated", container=f"c{index}")
+    current, rotated = tmp_path / "events.jsonl", tmp_path / "events.jsonl.1"
+    assert current.stat().st_size <= 4096 and rotated.stat().st_size <= 4096
+    assert json.loads(current.read_text().splitlines()[-1])["container"] == "c499"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "events.jsonl.1"]
