@@ -62,11 +62,9 @@ def cli(verbose: int, quiet: bool) -> None:
 @click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False),
               help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d).")
 @click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
-@click.option("--state-dir", default="/run/devinject", show_default=True,
-              help="Where the spec generation counter lives (shared with `watch`).")
 def generate(root: str, output_dir: str, output: str | None, fmt: str, strategies: tuple[str, ...],
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
-             nvml: bool | None, state_dir: str) -> None:
+             nvml: bool | None) -> None:
     """Discover devices on the host and write CDI specs."""
     from devinject.generate import GenerateOptions, generate_specs, render, write_specs
     from devinject.spec import write_atomic
@@ -92,20 +90,26 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
         write_atomic(Path(output), render(specs[0], fmt))
         click.echo(f"wrote {output} ({specs[0].kind}, {len(specs[0].devices)} names)", err=True)
         return
-    for spec, path in zip(specs, write_specs(specs, Path(output_dir), fmt, state_dir=state_dir), strict=True):
+    for spec, path in zip(specs, write_specs(specs, Path(output_dir), fmt), strict=True):
         click.echo(f"wrote {path} ({spec.kind}, {len(spec.devices)} names)", err=True)
 
 
 @cli.command()
 @click.argument("paths", nargs=-1)
-def validate(paths: tuple[str, ...]) -> None:
+@click.option("--max-version", default=None, metavar="VERSION",
+              help="Refuse specs above this CDI version (default: accept every released version, and warn "
+                   "about specs that podman 4.x and containerd 1.7 cannot read).")
+def validate(paths: tuple[str, ...], max_version: str | None) -> None:
     """Check CDI spec files (default: the CDI spec directories)."""
     from devinject.validate import DEFAULT_SPEC_DIRS, validate_paths
 
     targets = paths or tuple(d for d in DEFAULT_SPEC_DIRS if Path(d).is_dir())
-    files, problems = validate_paths(targets)
+    warnings: list[str] = []
+    files, problems = validate_paths(targets, max_version=max_version, warnings=warnings)
     for problem in problems:
         click.echo(problem, err=True)
+    for warning in warnings:
+        click.echo(f"warning: {warning}", err=True)
     bad = {p.split(": ", 1)[0] for p in problems}
     for file in files:
         if str(file) not in bad:

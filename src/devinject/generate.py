@@ -241,12 +241,13 @@ def render(spec: Spec, fmt: str, generation: int | None = None) -> str:
     return text
 
 
-def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, state_dir: str | None = None,
+def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, managed: bool = False,
                 stale_kinds: tuple[str, ...] = ()) -> list[Path]:
     """Validate every spec first, then write each atomically: an invalid one writes nothing at all.
 
-    With a state dir, the rewrite carries a generation number and never replaces a newer one; specs of
-    `stale_kinds` (no devices left) are removed.
+    In a directory `watch` manages (or with `managed`, which makes it one) the rewrite carries the
+    directory's next generation number and never replaces a newer one, and specs of `stale_kinds` (no
+    devices left) are removed. Anywhere else the files are a pure function of the specs.
     """
     from devinject.spec import write_atomic
 
@@ -256,11 +257,11 @@ def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, state_dir: str
         except OSError as err:
             raise DevinjectError(f"{output_dir}: cannot create output directory: {err.strerror}") from None
     rendered = {output_dir / spec_filename(spec, fmt): render(spec, fmt) for spec in specs}
-    if state_dir is not None:
-        from devinject.generation import write_specs_generation
+    from devinject import generation
 
+    if managed or generation.managed(output_dir):
         stale = [output_dir / f"{kind.replace('/', '-')}.{fmt}" for kind in stale_kinds]
-        write_specs_generation(state_dir, rendered, stale)
+        generation.write_specs_generation(output_dir, rendered, stale)
     else:
         for path, text in rendered.items():
             write_atomic(path, text)

@@ -16,11 +16,19 @@ _SEGMENT_MIDDLE = _ALNUM | frozenset("_.-")
 _DEVICE_MIDDLE = _SEGMENT_MIDDLE | frozenset(":")
 
 
-def _shaped(value: str, first: frozenset[str], middle: frozenset[str]) -> bool:
-    """`first`, then any of `middle`, ending alphanumeric (a single character needs only `first`)."""
-    if not value or value[0] not in first:
-        return False
-    return len(value) == 1 or (value[-1] in _ALNUM and all(ch in middle for ch in value[1:-1]))
+def _shape_problem(what: str, value: str, first: frozenset[str], first_words: str, middle: frozenset[str],
+                   middle_words: str) -> str | None:
+    """Why `value` is not `first`, then any of `middle`, ending alphanumeric; in words, or None."""
+    if not value:
+        return f"the {what} is empty"
+    if value[0] not in first:
+        return f"the {what} must start with {first_words}"
+    bad = next((ch for ch in value[1:-1] if ch not in middle), None)
+    if bad is not None:
+        return f"the {what} may contain only {middle_words} (not {bad!r})"
+    if len(value) > 1 and value[-1] not in _ALNUM:
+        return f"the {what} must end with a letter or digit"
+    return None
 
 
 class QualifiedName(NamedTuple):
@@ -36,34 +44,30 @@ class QualifiedName(NamedTuple):
         return f"{self.vendor}/{self.device_class}={self.name}"
 
 
-def _segment_problem(what: str, value: str) -> str | None:
-    if not _shaped(value, _LETTERS, _SEGMENT_MIDDLE):
-        return f"invalid {what} {value!r}: letters, digits, '_', '-', '.'; start with a letter, end alphanumeric"
-    return None
+_SEGMENT_WORDS = "letters, digits, '_', '.', '-'"
 
 
 def vendor_problem(vendor: str) -> str | None:
-    return _segment_problem("vendor", vendor)
+    return _shape_problem("vendor", vendor, _LETTERS, "a letter", _SEGMENT_MIDDLE, _SEGMENT_WORDS)
 
 
 def class_problem(device_class: str) -> str | None:
-    return _segment_problem("class", device_class)
+    return _shape_problem("class", device_class, _LETTERS, "a letter", _SEGMENT_MIDDLE, _SEGMENT_WORDS)
 
 
 def kind_problem(kind: str) -> str | None:
+    """`kind "vendor.com-/gpu": the vendor must end with a letter or digit`, or None."""
     vendor, sep, device_class = kind.partition("/")
     if not sep:
-        return f"invalid kind {kind!r}: expected vendor/class"
-    return vendor_problem(vendor) or class_problem(device_class)
+        return f"kind {kind!r}: expected vendor/class (like vendor.com/gpu)"
+    problem = vendor_problem(vendor) or class_problem(device_class)
+    return f"kind {kind!r}: {problem}" if problem else None
 
 
 def device_name_problem(name: str) -> str | None:
-    if not _shaped(name, _ALNUM, _DEVICE_MIDDLE):
-        return (
-            f"invalid device name {name!r}: letters, digits, '_', '-', '.', ':'; "
-            "start and end alphanumeric"
-        )
-    return None
+    problem = _shape_problem("name", name, _ALNUM, "a letter or digit", _DEVICE_MIDDLE,
+                             "letters, digits, '_', '.', '-', ':'")
+    return f"device name {name!r}: {problem}" if problem else None
 
 
 def parse_qualified_name(text: str) -> QualifiedName:
@@ -73,6 +77,6 @@ def parse_qualified_name(text: str) -> QualifiedName:
         raise ValueError(f"invalid device {text!r}: expected vendor/class=name")
     problem = kind_problem(kind) or device_name_problem(name)
     if problem:
-        raise ValueError(f"invalid device {text!r}: {problem}")
+        raise ValueError(f"invalid device {text!r}: {problem.split(': ', 1)[1]}")
     vendor, _, device_class = kind.partition("/")
     return QualifiedName(vendor, device_class, name)

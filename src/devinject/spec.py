@@ -11,15 +11,15 @@ from collections.abc import Callable, Mapping
 
 from devinject import jsonlite
 from devinject.errors import SpecError
-from devinject.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
+from devinject.model import ContainerEdits, Device, DeviceNode, Hook, IntelRdt, Mount, NetDevice, Spec
 
 TYPE_CHECKING = False  # pathlib and typing cost the hook ~5 ms per container start: type checkers only
 if TYPE_CHECKING:
     from pathlib import Path
     from typing import Any
 
-# CDI versions in order; what each adds is in docs/cdi-versions.md.
-KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0")
+# Released CDI versions in order; what each adds is in docs/cdi-versions.md.
+KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 DEFAULT_VERSION_CAP = "0.5.0"
 GENERATION_MARKER = "# devinject-generation: "
 
@@ -28,22 +28,38 @@ def version_key(version: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in version.split("."))
     except ValueError:
-        raise SpecError(f"invalid cdiVersion {version!r}") from None
+        raise SpecError(f"cdiVersion {version!r} is not a version number") from None
+
+
+def _all_edits(spec: Spec) -> list[ContainerEdits]:
+    return [spec.edits, *(d.edits for d in spec.devices)]
+
+
+def version_needs(spec: Spec) -> list[tuple[str, str]]:
+    """(version, what needs it) for every feature beyond CDI 0.3.0 the spec uses, newest first — the rules
+    of CDI's own MinimumRequiredVersion."""
+    edits = _all_edits(spec)
+    rdts = [e.intel_rdt for e in edits if e.intel_rdt is not None]
+    checks = (
+        ("1.1.0", "netDevices", any(e.net_devices for e in edits)),
+        ("1.1.0", "intelRdt.schemata or enableMonitoring",
+         any(r.schemata is not None or r.enable_monitoring for r in rdts)),
+        ("0.7.0", "intelRdt", bool(rdts)),
+        ("0.7.0", "additionalGids", any(e.additional_gids for e in edits)),
+        ("0.6.0", "annotations", bool(spec.annotations) or any(d.annotations for d in spec.devices)),
+        ("0.6.0", "a '.' in the class", "." in spec.device_class),
+        ("0.5.0", "a device name that starts with a digit",
+         any(d.name[:1] and not d.name[:1].isalpha() for d in spec.devices)),
+        ("0.5.0", "deviceNodes hostPath", any(n.host_path for e in edits for n in e.device_nodes)),
+        ("0.4.0", "mounts type", any(m.type for e in edits for m in e.mounts)),
+    )
+    return [(version, what) for version, what, used in checks if used]
 
 
 def required_version(spec: Spec) -> str:
-    """The lowest CDI version whose schema admits everything this spec uses."""
-    needed = "0.3.0"
-    if "." in spec.device_class:
-        return "0.6.0"
-    edits = [spec.edits, *(d.edits for d in spec.devices)]
-    if any(d.name[:1].isdigit() for d in spec.devices) or any(
-        n.host_path for e in edits for n in e.device_nodes
-    ):
-        needed = "0.5.0"
-    elif any(m.type for e in edits for m in e.mounts):
-        needed = "0.4.0"
-    return needed
+    """The lowest CDI version whose fields admit everything this spec uses."""
+    needs = version_needs(spec)
+    return needs[0][0] if needs else "0.3.0"
 
 
 # --- to dict -----------------------------------------------------------------------------------------
@@ -86,6 +102,11 @@ def _hook_to_dict(hook: Hook) -> dict[str, Any]:
     return out
 
 
+_RDT_FIELDS = (("closID", "clos_id"), ("l3CacheSchema", "l3_cache_schema"), ("memBwSchema", "mem_bw_schema"),
+               ("enableCMT", "enable_cmt"), ("enableMBM", "enable_mbm"), ("schemata", "schemata"),
+               ("enableMonitoring", "enable_monitoring"))
+
+
 def edits_to_dict(edits: ContainerEdits) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if edits.env:
@@ -96,12 +117,29 @@ def edits_to_dict(edits: ContainerEdits) -> dict[str, Any]:
         out["mounts"] = [_mount_to_dict(m) for m in edits.mounts]
     if edits.hooks:
         out["hooks"] = [_hook_to_dict(h) for h in edits.hooks]
+    if edits.net_devices:
+        out["netDevices"] = [{"hostInterfaceName": d.host_interface_name, "name": d.name} for d in edits.net_devices]
+    if edits.additional_gids:
+        out["additionalGids"] = list(edits.additional_gids)
+    if edits.intel_rdt is not None:
+        rdt = {key: getattr(edits.intel_rdt, attr) for key, attr in _RDT_FIELDS
+               if getattr(edits.intel_rdt, attr) is not None}
+        out["intelRdt"] = {k: list(v) if isinstance(v, tuple) else v for k, v in rdt.items()}
     return out
 
 
 def spec_to_dict(spec: Spec) -> dict[str, Any]:
     out: dict[str, Any] = {"cdiVersion": spec.cdi_version, "kind": spec.kind}
-    out["devices"] = [{"name": d.name, "containerEdits": edits_to_dict(d.edits)} for d in spec.devices]
+    if spec.annotations:
+        out["annotations"] = dict(spec.annotations)
+    devices = []
+    for device in spec.devices:
+        item: dict[str, Any] = {"name": device.name}
+        if device.annotations:
+            item["annotations"] = dict(device.annotations)
+        item["containerEdits"] = edits_to_dict(device.edits)
+        devices.append(item)
+    out["devices"] = devices
     if not spec.edits.is_empty():
         out["containerEdits"] = edits_to_dict(spec.edits)
     return out
@@ -110,17 +148,36 @@ def spec_to_dict(spec: Spec) -> dict[str, Any]:
 # --- from dict ---------------------------------------------------------------------------------------
 
 
+def what_it_is(value: object) -> str:
+    """A value's kind in words, for messages (never Python's `None` or type names)."""
+    if value is None:
+        return "nothing"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return "a number"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return "something else"
+
+
 class _Reader:
     """Typed field access on a mapping that reports the path of whatever is wrong."""
 
     def __init__(self, data: object, where: str, allowed: tuple[str, ...]) -> None:
         if not isinstance(data, Mapping):
-            raise SpecError(f"{where or 'spec'}: expected a mapping, got {type(data).__name__}")
+            raise SpecError(f"{where or 'spec'}: expected a mapping, got {what_it_is(data)}")
         self.data = data
         self.where = where
         for key in data:
             if key not in allowed:
-                raise SpecError(f"{self.at(str(key))}: unknown field")
+                raise SpecError(f"{self.at(str(key))}: unknown field (known here: {', '.join(allowed)})")
 
     def at(self, key: str) -> str:
         return f"{self.where}.{key}" if self.where else key
@@ -132,22 +189,37 @@ class _Reader:
             return None
         value = self.data[key]
         if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
-            raise SpecError(f"{self.at(key)}: expected {_type_name(typ)}, got {type(value).__name__}")
+            raise SpecError(f"{self.at(key)}: expected {_type_name(typ)}, got {what_it_is(value)}")
         return value
 
     def strings(self, key: str) -> tuple[str, ...]:
         items = self.get(key, list) or []
         for i, item in enumerate(items):
             if not isinstance(item, str):
-                raise SpecError(f"{self.at(key)}[{i}]: expected a string, got {type(item).__name__}")
+                raise SpecError(f"{self.at(key)}[{i}]: expected a string, got {what_it_is(item)}")
         return tuple(items)
+
+    def integers(self, key: str) -> tuple[int, ...]:
+        items = self.get(key, list) or []
+        for i, item in enumerate(items):
+            if not isinstance(item, int) or isinstance(item, bool):
+                raise SpecError(f"{self.at(key)}[{i}]: expected a number, got {what_it_is(item)}")
+        return tuple(items)
+
+    def annotations(self, key: str) -> tuple[tuple[str, str], ...]:
+        items = self.get(key, Mapping) or {}
+        for name, value in items.items():
+            if not isinstance(value, str):
+                raise SpecError(f"{self.at(key)}.{name}: expected a string, got {what_it_is(value)}")
+        return tuple((str(k), v) for k, v in items.items())
 
     def items(self, key: str, parse: Callable[[object, str], Any]) -> tuple[Any, ...]:
         return tuple(parse(item, f"{self.at(key)}[{i}]") for i, item in enumerate(self.get(key, list) or []))
 
 
 def _type_name(typ: type | tuple[type, ...]) -> str:
-    names = {str: "a string", int: "an integer", list: "a list", dict: "a mapping", Mapping: "a mapping"}
+    names = {str: "a string", int: "a number", list: "a list", dict: "a mapping", Mapping: "a mapping",
+             bool: "true or false"}
     if isinstance(typ, tuple):
         return " or ".join(names.get(t, t.__name__) for t in typ)
     return names.get(typ, typ.__name__)
@@ -189,30 +261,52 @@ def _hook_from(data: object, where: str) -> Hook:
     )
 
 
+def _net_device_from(data: object, where: str) -> NetDevice:
+    r = _Reader(data, where, ("hostInterfaceName", "name"))
+    return NetDevice(r.get("hostInterfaceName", str, required=True), r.get("name", str, required=True))
+
+
+def _intel_rdt_from(data: object, where: str) -> IntelRdt:
+    r = _Reader(data, where, tuple(key for key, _ in _RDT_FIELDS))
+    schemata = r.strings("schemata") if r.get("schemata", list) is not None else None
+    return IntelRdt(r.get("closID", str), r.get("l3CacheSchema", str), r.get("memBwSchema", str),
+                    r.get("enableCMT", bool), r.get("enableMBM", bool), schemata, r.get("enableMonitoring", bool))
+
+
 def edits_from_dict(data: object, where: str) -> ContainerEdits:
-    r = _Reader(data, where, ("env", "deviceNodes", "mounts", "hooks"))
+    r = _Reader(data, where, ("env", "deviceNodes", "mounts", "hooks", "netDevices", "additionalGids", "intelRdt"))
+    rdt = r.get("intelRdt", Mapping)
     return ContainerEdits(
         env=r.strings("env"),
         device_nodes=r.items("deviceNodes", _node_from),
         mounts=r.items("mounts", _mount_from),
         hooks=r.items("hooks", _hook_from),
+        net_devices=r.items("netDevices", _net_device_from),
+        additional_gids=r.integers("additionalGids"),
+        intel_rdt=_intel_rdt_from(rdt, r.at("intelRdt")) if rdt is not None else None,
     )
 
 
 def _device_from(data: object, where: str) -> Device:
-    r = _Reader(data, where, ("name", "containerEdits"))
-    edits = r.get("containerEdits", Mapping, required=True)
-    return Device(name=r.get("name", str, required=True), edits=edits_from_dict(edits, r.at("containerEdits")))
+    r = _Reader(data, where, ("name", "annotations", "containerEdits"))
+    edits = r.get("containerEdits", Mapping)  # an empty `containerEdits:` is no edits (checked later)
+    return Device(name=r.get("name", str, required=True),
+                  edits=edits_from_dict(edits, r.at("containerEdits")) if edits is not None else ContainerEdits(),
+                  annotations=r.annotations("annotations"))
 
 
 def spec_from_dict(data: object) -> Spec:
-    r = _Reader(data, "", ("cdiVersion", "kind", "devices", "containerEdits"))
-    edits = r.get("containerEdits", Mapping)
+    """The spec's shape: fields, types, nesting (as CDI's strict unmarshal). Values are checked by
+    specrules.spec_problems."""
+    r = _Reader(data, "", ("cdiVersion", "kind", "annotations", "devices", "containerEdits"))
+    edits = r.get("containerEdits", Mapping)  # an empty `containerEdits:` is the same as none
+    r.get("devices", list, required=True)
     return Spec(
         cdi_version=r.get("cdiVersion", str, required=True),
         kind=r.get("kind", str, required=True),
         devices=r.items("devices", _device_from),
         edits=edits_from_dict(edits, "containerEdits") if edits is not None else ContainerEdits(),
+        annotations=r.annotations("annotations"),
     )
 
 
@@ -368,14 +462,21 @@ def parse_spec_document(text: str, source: str) -> object:
 
 
 def load_text(text: str, source: str) -> Spec:
-    """Parse and check one spec file's text; errors name `source`."""
+    """Parse and check one spec file's text (shape, then values, as CDI loads a spec); errors name `source`."""
+    from devinject.specrules import spec_problems
+
     data = parse_spec_document(text, source)
     try:
-        return spec_from_dict(data)
+        spec = spec_from_dict(data)
     except SpecError as err:
         if err.message.startswith(source):
             raise
         raise SpecError(f"{source}: {err.message}") from None
+    problems = spec_problems(spec)
+    if problems:
+        more = f" (and {len(problems) - 1} more: devinject validate {source})" if len(problems) > 1 else ""
+        raise SpecError(f"{source}: {problems[0]}{more}")
+    return spec
 
 
 def load_file(path: str | Path) -> Spec:

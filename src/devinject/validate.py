@@ -1,125 +1,56 @@
-"""`validate`: the strict CDI 0.5.0 JSON schema plus the semantic rules CDI enforces in code.
+"""`validate`: CDI specs read the way CDI's reference library reads them — every released version (0.3.0 to
+1.1.0) and every field those versions define, strict about unknown fields, types and values.
 
 Every problem is reported as `file: devices[3].containerEdits.deviceNodes[0].permissions: message`.
+A spec newer than what podman 4 and containerd 1.7 read is valid, with a warning naming who cannot read it;
+`max_version` turns that into a problem.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from functools import cache
-from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from devinject.errors import SpecError, SpecValidationError
-from devinject.model import ContainerEdits, Spec
-from devinject.names import device_name_problem, kind_problem
+from devinject.model import Spec
 from devinject.spec import (
+    DEFAULT_VERSION_CAP,
+    KNOWN_VERSIONS,
     list_spec_files,
     parse_spec_document,
     read_spec_text,
-    required_version,
     spec_dir_problem,
     spec_from_dict,
-    spec_to_dict,
     version_key,
 )
+from devinject.specrules import spec_problems
 
 DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
-
-
-@cache
-def _validator() -> Any:
-    import jsonschema
-
-    schema = json.loads(resources.files("devinject.schemas").joinpath("cdi-0.5.0.json").read_text())
-    return jsonschema.Draft7Validator(schema)
-
-
-def _path(parts: Iterable[object]) -> str:
-    out = ""
-    for part in parts:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "spec"
-
-
-def _edit_problems(edits: ContainerEdits, where: str) -> list[str]:
-    problems = []
-    for i, node in enumerate(edits.device_nodes):
-        at = f"{where}.deviceNodes[{i}]"
-        if not node.path.startswith("/"):
-            problems.append(f"{at}.path: must be absolute")
-        if node.type in ("b", "c") and (node.major is None) != (node.minor is None):
-            problems.append(f"{at}: major and minor go together")
-        if node.permissions and len(set(node.permissions)) != len(node.permissions):
-            problems.append(f"{at}.permissions: repeated letters in {node.permissions!r}")
-    for i, mount in enumerate(edits.mounts):
-        if not mount.container_path.startswith("/"):
-            problems.append(f"{where}.mounts[{i}].containerPath: must be absolute")
-    for i, hook in enumerate(edits.hooks):
-        if not hook.path.startswith("/"):
-            problems.append(f"{where}.hooks[{i}].path: must be absolute")
-    return problems
-
-
-def semantic_problems(spec: Spec) -> list[str]:
-    problems = []
-    if (problem := kind_problem(spec.kind)) is not None:
-        problems.append(f"kind: {problem}")
-    needed = required_version(spec)
-    if version_key(needed) > version_key(spec.cdi_version):
-        problems.append(f"cdiVersion: {spec.cdi_version} is too low for the fields used (needs {needed})")
-    seen: set[str] = set()
-    for i, device in enumerate(spec.devices):
-        at = f"devices[{i}]"
-        if (problem := device_name_problem(device.name)) is not None:
-            problems.append(f"{at}.name: {problem}")
-        if device.name in seen:
-            problems.append(f"{at}.name: device {device.name!r} defined twice")
-        seen.add(device.name)
-        if device.edits.is_empty():
-            problems.append(f"{at}.containerEdits: empty device edits")
-        problems += _edit_problems(device.edits, f"{at}.containerEdits")
-    problems += _edit_problems(spec.edits, "containerEdits")
-    return problems
+OLD_RUNTIMES = "podman 4.x and containerd 1.7"  # they refuse specs above 0.5.0
 
 
 def document_problems(data: object) -> list[str]:
-    """Schema problems, then (when the shape is sound) semantic ones; paths relative to the document."""
-    errors = sorted(_validator().iter_errors(data), key=lambda e: list(map(str, e.absolute_path)))
-    problems = [f"{_path(e.absolute_path)}: {e.message}" for e in errors]
-    if problems:
-        return problems
+    """The shape first (fields, types), then the values; paths relative to the document."""
     try:
         spec = spec_from_dict(data)
     except SpecError as err:
         return [str(err)]
-    return semantic_problems(spec)
+    return spec_problems(spec)
 
 
-@cache
-def _fast_validator() -> Any:
-    """The same schema compiled to Python (fastjsonschema): a yes/no answer, much faster on big specs."""
-    import fastjsonschema
-
-    schema = json.loads(resources.files("devinject.schemas").joinpath("cdi-0.5.0.json").read_text())
-    return fastjsonschema.compile(schema)
+def compatibility_warning(spec: Spec, max_version: str | None = None) -> str | None:
+    """Who cannot read this spec: a note when it is newer than old runtimes read (or than `max_version`)."""
+    limit = max_version or DEFAULT_VERSION_CAP
+    if spec.cdi_version in KNOWN_VERSIONS and version_key(spec.cdi_version) > version_key(limit):
+        if max_version:
+            return f"cdiVersion: {spec.cdi_version} is above the allowed {max_version}"
+        return f"cdiVersion: {spec.cdi_version}: {OLD_RUNTIMES} cannot read it (they read up to {limit})"
+    return None
 
 
 def validate_spec(spec: Spec, *, source: str) -> None:
-    """Raise SpecValidationError unless `spec` is valid (generate calls this before any write).
-
-    The compiled schema answers first; only a failing spec pays for jsonschema's precise messages.
-    """
-    import fastjsonschema
-
-    data = spec_to_dict(spec)
-    try:
-        _fast_validator()(data)
-        problems = semantic_problems(spec)
-    except fastjsonschema.JsonSchemaException:
-        problems = document_problems(data) or ["schema: rejected"]
+    """Raise SpecValidationError unless `spec` is valid (generate calls this before any write)."""
+    problems = spec_problems(spec)
     if problems:
         raise SpecValidationError([f"{source}: {p}" for p in problems])
 
@@ -148,8 +79,12 @@ def spec_files(paths: Iterable[str]) -> tuple[list[Path], list[str]]:
     return files, problems
 
 
-def validate_paths(paths: Iterable[str]) -> tuple[list[Path], list[str]]:
-    """Validate files and spec dirs; also flags one device defined twice at the same priority (same dir)."""
+def validate_paths(paths: Iterable[str], *, max_version: str | None = None,
+                   warnings: list[str] | None = None) -> tuple[list[Path], list[str]]:
+    """Validate files and spec dirs; also flags one device defined twice at the same priority (same dir).
+    Compatibility notes go to `warnings` — or, with `max_version`, are problems."""
+    if max_version is not None and max_version not in KNOWN_VERSIONS:
+        raise SpecError(f"--max-version: {max_version!r} is not a released CDI version ({', '.join(KNOWN_VERSIONS)})")
     files, problems = spec_files(paths)
     owners: dict[tuple[Path, str], Path] = {}
     for file in files:
@@ -163,6 +98,11 @@ def validate_paths(paths: Iterable[str]) -> tuple[list[Path], list[str]]:
         if file_problems:
             continue
         spec = spec_from_dict(data)
+        note = compatibility_warning(spec, max_version)
+        if note and max_version:
+            problems.append(f"{file}: {note}")
+        elif note and warnings is not None:
+            warnings.append(f"{file}: {note}")
         for device in spec.devices:
             key = (file.parent.resolve(), f"{spec.kind}={device.name}")
             if key in owners:

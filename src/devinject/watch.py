@@ -163,12 +163,12 @@ class Watcher:
                 specs.append(spec)
         kinds = {s.kind for s in specs}
         stale = tuple(sorted((self.written_kinds | {p.kind for p in self.profiles}) - kinds))
-        write_specs(specs, self.opts.output_dir, self.opts.fmt, state_dir=self.opts.state_dir, stale_kinds=stale)
+        write_specs(specs, self.opts.output_dir, self.opts.fmt, managed=True, stale_kinds=stale)
         self.written_kinds = kinds
         self._write_health()
         from devinject.generation import current
 
-        self.generation = current(self.opts.state_dir)
+        self.generation = current(self.opts.output_dir)
         return self.generation
 
     def _write_health(self) -> None:
@@ -177,6 +177,7 @@ class Watcher:
         state = {"time": time.time(), "unhealthy_nodes": unhealthy_nodes,
                  "devices": {k: {"published": t.published, "status": t.last.status if t.last else None,
                                  "reasons": list(t.last.reasons) if t.last else []} for k, t in self.tracks.items()}}
+        os.makedirs(self.opts.state_dir, exist_ok=True)
         jsonlite.replace_file(os.path.join(self.opts.state_dir, HEALTH_FILE), state, sort_keys=True)
 
     # --- the loop ------------------------------------------------------------------------------------

@@ -30,17 +30,30 @@ def test_generate_to_stdout_and_list_json():
     assert rows[0]["names"] == ["amd.com/gpu=0", "amd.com/gpu=0000:05:00.0"] and rows[0]["health"] == "healthy"
 
 
-def test_generate_writes_spec_dir_with_generation(tmp_path):
+def test_generate_is_a_pure_function_of_the_host(tmp_path):
+    """Two runs on the same host write the same bytes, into the same or a fresh directory; no hidden counter."""
+    args = ("generate", "--root", str(HOSTS / "gaudi2"), "--hook-path", "/usr/bin/devinject", "--output-dir")
+    assert run(*args, str(tmp_path / "a")).returncode == 0
+    first = (tmp_path / "a" / "habana.ai-gaudi.yaml").read_bytes()
+    assert b"devinject-generation" not in first
+    assert run(*args, str(tmp_path / "a")).returncode == 0
+    assert run(*args, str(tmp_path / "b")).returncode == 0
+    assert (tmp_path / "a" / "habana.ai-gaudi.yaml").read_bytes() == first
+    assert (tmp_path / "b" / "habana.ai-gaudi.yaml").read_bytes() == first
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["habana.ai-gaudi.yaml"]
+    assert oct(os.stat(tmp_path / "a" / "habana.ai-gaudi.yaml").st_mode & 0o777) == "0o644"
+    assert run("validate", str(tmp_path / "a")).returncode == 0
+
+
+def test_generate_into_a_directory_watch_manages_joins_its_generations(tmp_path):
     out = tmp_path / "cdi"
-    args = ("generate", "--root", str(HOSTS / "gaudi2"), "--output-dir", str(out), "--state-dir",
-            str(tmp_path / "state"), "--hook-path", "/usr/bin/devinject")
+    out.mkdir()
+    (out / ".devinject-generation").write_text("7\n")  # watch manages this directory
+    args = ("generate", "--root", str(HOSTS / "gaudi2"), "--hook-path", "/usr/bin/devinject", "--output-dir", str(out))
     assert run(*args).returncode == 0
-    first = (out / "habana.ai-gaudi.yaml").read_bytes()
-    assert b"# devinject-generation: 1\n" in first
-    assert run(*args).returncode == 0
-    assert (out / "habana.ai-gaudi.yaml").read_bytes() == first  # same host, same bytes
-    assert oct(os.stat(out / "habana.ai-gaudi.yaml").st_mode & 0o777) == "0o644"
-    assert run("validate", str(out)).returncode == 0
+    assert b"# devinject-generation: 8\n" in (out / "habana.ai-gaudi.yaml").read_bytes()
+    assert run(*args).returncode == 0  # unchanged content: no new generation
+    assert (out / ".devinject-generation").read_text() == "8\n"
 
 
 def test_output_file_needs_one_kind(tmp_path):
@@ -109,8 +122,7 @@ def test_poststop_for_unknown_container_is_quick_noop(tmp_path):
 def test_hook_import_path_stays_lean(tmp_path):
     """Everything a hook run imports, with a warm spec cache: no click, jsonschema, pynvml, pyroute2, yaml."""
     spec_dir = tmp_path / "cdi"
-    assert run("generate", "--root", str(HOSTS / "gaudi2"), "--output-dir", str(spec_dir), "--state-dir",
-               str(tmp_path / "state")).returncode == 0
+    assert run("generate", "--root", str(HOSTS / "gaudi2"), "--output-dir", str(spec_dir)).returncode == 0
     code = (
         "import sys\n"
         "import devinject.entry, devinject.hook.main, devinject.hook.request, devinject.hook.state\n"

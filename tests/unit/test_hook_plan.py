@@ -86,7 +86,7 @@ def test_broken_spec_blocks_only_its_own_kind_and_is_named(registry, tmp_path):
     (tmp_path / "run" / "broken.yaml").write_text("cdiVersion: 0.5.0\nkind: a.com/b\ndevices: [{name: x}]\n")
     registry._devices = None
     assert registry.resolve(("vendor.com/gpu=0",)).names == ("vendor.com/gpu=0",)  # other kinds still work
-    with pytest.raises(ResolveError, match=r"broken\.yaml: devices\[0\]\.containerEdits: required"):
+    with pytest.raises(ResolveError, match=r"broken\.yaml: devices\[0\]\.containerEdits: empty device edits"):
         registry.resolve(("a.com/b=x",))
 
 

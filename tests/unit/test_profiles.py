@@ -48,7 +48,7 @@ def test_admin_profile_with_same_name_replaces_the_shipped_one(host_copy):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("name: x\nkind: bad\n", "x.yaml.kind: invalid kind"),
+        ("name: x\nkind: bad\n", "x.yaml.kind: kind 'bad': expected vendor/class"),
         ("name: x\nkind: a.com/b\nbogus: 1\n", "x.yaml.bogus: unknown field"),
         ("name: x\nkind: a.com/b\nmatch: {vendor: [zz]}\n", "x.yaml.match.vendor: 'zz' is not a hex id"),
         ("name: x\nkind: a.com/b\ndevice-nodes: [{class: drm, sysfs: /x}]\n",

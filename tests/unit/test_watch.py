@@ -114,11 +114,10 @@ def test_generation_increases_only_when_content_changes(watcher):
 
 
 def test_older_generation_never_replaces_newer(tmp_path):
-    state = str(tmp_path / "state")
     spec = tmp_path / "a.yaml"
-    write_specs_generation(state, {spec: "---\nkind: x\n"})
+    write_specs_generation(tmp_path, {spec: "---\nkind: x\n"})
     spec.write_text("---\n# devinject-generation: 99\nkind: newer\n")  # another writer got further
-    write_specs_generation(state, {spec: "---\nkind: older\n"})
+    write_specs_generation(tmp_path, {spec: "---\nkind: older\n"})
     assert "newer" in spec.read_text()
 
 

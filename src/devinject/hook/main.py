@@ -159,6 +159,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
     from devinject.hook.nsenter import run_in_mount_ns
     from devinject.hook.plan import node_identity, plan
     from devinject.hook.registry import Registry
+    from devinject.model import NetDevice
 
     timings: dict[str, float] = {}
     record["ms"] = timings
@@ -187,6 +188,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
         booking = Ledger(opts.state_dir).book(state.id, state.pid, claims)
         lap("ledger")
     grant = None
+    moved: list[NetDevice] = []  # network interfaces moved into the container, for rollback
     try:
         cgroup = device_cgroup_of(state.pid)
         if cgroup is not None:
@@ -194,9 +196,19 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
             grant.allow(steps.allow)
             record["cgroup"] = f"v{cgroup.version} {cgroup.path}"
         lap("cgroup")
+        if steps.net_devices:
+            from devinject.hook import netdev
+
+            moved = netdev.move_in(state.pid, steps.net_devices)
+            record["net_devices"] = [f"{d.host_interface_name} -> {d.name}" for d in steps.net_devices]
+            lap("network")
         record["steps"] = run_in_mount_ns(state.pid, lambda: Executor(bundle.rootfs).apply(steps))
         lap("container")
     except BaseException:
+        if moved:
+            from devinject.hook import netdev
+
+            netdev.move_out(state.pid, moved)
         if grant is not None:
             grant.revert()
         if booking is not None:

@@ -19,18 +19,27 @@ if TYPE_CHECKING:
 CHILD_TIMEOUT = 30.0
 
 
+_NAMESPACES = {"mnt": ("mount", syscalls.CLONE_NEWNS), "net": ("network", syscalls.CLONE_NEWNET)}
+
+
 def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_TIMEOUT) -> Any:
+    return run_in_namespace(pid, "mnt", fn, timeout=timeout)
+
+
+def run_in_namespace(pid: int, kind: str, fn: Callable[[], Any], *, timeout: float = CHILD_TIMEOUT) -> Any:
+    """`fn()` in a forked child that joined process `pid`'s namespace `kind` ("mnt" or "net")."""
+    words, nstype = _NAMESPACES[kind]
     try:
-        ns_fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        ns_fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
-        raise HookError(f"container process {pid}: cannot open its mount namespace: {err.strerror}") from None
+        raise HookError(f"container process {pid}: cannot open its {words} namespace: {err.strerror}") from None
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - runs in the forked child
         os.close(read_end)
         status = 1
         try:
-            syscalls.setns(ns_fd, syscalls.CLONE_NEWNS)
+            syscalls.setns(ns_fd, nstype)
             os.chdir("/")
             payload = {"ok": True, "result": fn()}
             status = 0
@@ -52,7 +61,7 @@ def run_in_mount_ns(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_T
             ready, _, _ = select.select([read_end], [], [], max(remaining, 0))
             if not ready:
                 os.kill(child, syscalls.SIGKILL)
-                raise HookError(f"work in the container's mount namespace did not finish in {timeout:g}s")
+                raise HookError(f"work in the container's {words} namespace did not finish in {timeout:g}s")
             chunk = os.read(read_end, 65536)
             if not chunk:
                 break

@@ -9,7 +9,7 @@ import stat as statmod
 from collections.abc import Callable
 
 from devinject.errors import HookError
-from devinject.model import ContainerEdits, DeviceNode, Hook
+from devinject.model import ContainerEdits, DeviceNode, Hook, NetDevice
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -68,10 +68,11 @@ class Plan(NamedTuple):
     ldcache_folders: tuple[str, ...] = ()
     allow: tuple[AllowDevice, ...] = ()
     warnings: tuple[str, ...] = ()
+    net_devices: tuple[NetDevice, ...] = ()
 
     @property
     def size(self) -> int:
-        return len(self.nodes) + len(self.mounts) + len(self.links) + len(self.allow)
+        return len(self.nodes) + len(self.mounts) + len(self.links) + len(self.allow) + len(self.net_devices)
 
 
 StatFn = Callable[[str], os.stat_result]
@@ -170,8 +171,14 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
     links: list[Symlink] = []
     folders: list[str] = []
     warnings = []
+    # What only the runtime can apply: the process's env and groups and its resctrl class are fixed by now.
     if edits.env:
         warnings.append(f"{len(edits.env)} env edit(s) ignored: a runtime hook cannot change the container's env")
+    if edits.additional_gids:
+        warnings.append(f"additionalGids {list(edits.additional_gids)} ignored: a runtime hook cannot change "
+                        "the container process's groups")
+    if edits.intel_rdt is not None:
+        warnings.append("intelRdt ignored: a runtime hook cannot change the container's resctrl class")
     for hook in edits.hooks:
         args = _devinject_hook_args(hook)
         if args is None:
@@ -185,7 +192,7 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
     allow = tuple(dict.fromkeys(AllowDevice(n.type, n.major, n.minor, _access(d.permissions))
                                 for n, d in zip(nodes, edits.device_nodes, strict=True)))
     result = Plan(tuple(nodes), tuple(mounts), tuple(dict.fromkeys(links)), tuple(dict.fromkeys(folders)), allow,
-                  tuple(warnings))
+                  tuple(warnings), edits.net_devices)
     if result.size > MAX_ACTIONS:
         raise HookError(f"{result.size} actions requested; at most {MAX_ACTIONS}")
     return result

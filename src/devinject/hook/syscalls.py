@@ -14,6 +14,7 @@ MS_BIND = 4096
 MS_REC = 16384
 MNT_DETACH = 2
 CLONE_NEWNS = 0x00020000
+CLONE_NEWNET = 0x40000000
 SIGKILL = 9  # not from `signal`: it imports `enum`, a millisecond on every container start
 
 _libc: ctypes.CDLL | None = None
