@@ -116,3 +116,30 @@ def test_a_node_without_numbers_in_the_spec_is_still_exclusive(tmp_path: Path) -
         for sleeper in sleepers:
             sleeper.kill()
             sleeper.wait()
+
+
+def test_a_hook_that_fails_after_booking_gives_the_device_back(tmp_path: Path) -> None:
+    require(os.geteuid() == 0, "needs root")
+    spec_dir = tmp_path / "cdi"
+    spec_dir.mkdir()
+    (spec_dir / "x.yaml").write_text(
+        "cdiVersion: 0.5.0\nkind: cancel.example/dev\ndevices:\n- name: a\n  containerEdits:\n"
+        "    deviceNodes: [{path: /dev/cancel0, type: c, major: 1, minor: 240}]\n"
+        f"    mounts: [{{hostPath: {tmp_path}/absent.so, containerPath: /opt/absent.so, options: [ro, bind]}}]\n")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        bundle = tmp_path / "bundle"
+        (bundle / "rootfs" / "dev").mkdir(parents=True)
+        (bundle / "config.json").write_text(json.dumps({
+            "root": {"path": "rootfs"}, "annotations": {"cdi.k8s.io/x": "cancel.example/dev=a"}}))
+        state = json.dumps({"ociVersion": "1.0.2", "id": "doomed", "status": "creating", "pid": sleeper.pid,
+                            "bundle": str(bundle)})
+        done = subprocess.run([DEVINJECT, "hook", "--spec-dir", str(spec_dir), "--state-dir", str(tmp_path / "state"),
+                               "--log-file", "/dev/null"], input=state, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "absent.so" in done.stderr
+        ledger = json.loads((tmp_path / "state" / "ledger.json").read_text())
+        assert ledger["allocations"] == {}  # the booking was cancelled with the rest
+        assert not (bundle / "rootfs" / "dev" / "cancel0").exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()

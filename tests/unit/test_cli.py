@@ -75,9 +75,15 @@ def test_validate_reports_field_path_and_exits_1(tmp_path):
     assert f"{tmp_path / 'bad.yaml'}: devices[0].containerEdits.deviceNodes[0].permissions:" in done.stderr
 
 
-def test_health_exit_codes(tmp_path):
+def test_health_exit_codes(host_copy):
     assert run("health", "--root", str(HOSTS / "gaudi2")).returncode == 0
     assert run("health", "--root", str(HOSTS / "empty-vm")).returncode == 0
+    root = host_copy("hgx-h100")
+    gpu = root / "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
+    (gpu / "enable").write_text("0\n")
+    done = run("health", "--root", str(root))
+    assert done.returncode != 0  # exit 0 only when every device is healthy
+    assert "enable=0" in done.stdout + done.stderr
 
 
 def test_hook_with_garbage_state_is_one_line_error():

@@ -93,3 +93,20 @@ def test_unbound_gpu_keeps_its_index_so_others_are_not_renamed(host_copy):
     host = Host(str(root))
     gpus = [f for f in discover(host, load_profiles(host)) if f.profile.kind == "nvidia.com/gpu"]
     assert [(f.index, f.address) for f in gpus][:2] == [(1, "0000:2a:00.0"), (2, "0000:3a:00.0")]
+
+
+def test_a_real_host_node_gives_its_file_mode_to_the_spec(tmp_path):
+    """The node's mode comes from the host's own node when its numbers match (a 0660 node stays 0660)."""
+    import os
+
+    from devinject.discover import HostView
+    from tests.e2e.conftest import require
+
+    require(os.geteuid() == 0, "needs root (mknod)")
+    (tmp_path / "dev").mkdir()
+    os.mknod(tmp_path / "dev/vendor0", 0o020000 | 0o660, os.makedev(1, 3))
+    os.chmod(tmp_path / "dev/vendor0", 0o660)
+    view = HostView(Host(str(tmp_path)))
+    assert view.node("/dev/vendor0", 1, 3).file_mode == 0o660
+    assert view.node("/dev/vendor0", 1, 5).file_mode is None  # other numbers: not this node's mode
+    assert view.node("/dev/absent", 1, 3).file_mode is None

@@ -1,6 +1,10 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from devinject.host import Host
+from tests.e2e.conftest import require
 
 
 def test_absolute_link_is_rerooted_not_followed_onto_this_machine(tmp_path):
@@ -48,9 +52,38 @@ def test_links_in_parent_directories_resolve(tmp_path):
 
 
 def test_missing_and_unreadable_files_read_as_none(tmp_path):
-    secret = tmp_path / "secret"
-    secret.write_text("x")
-    os.chmod(secret, 0)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "attr").write_text("1\n")
     host = Host(str(tmp_path))
     assert host.read_attr("/missing") is None
     assert host.listdir("/missing") == []
+    assert host.read_attr("/adir") is None  # open() fails (a directory): the same path as EACCES or EIO
+    assert host.read_attr("/attr") == "1"
+
+
+def test_a_file_the_reader_may_not_read_is_none_not_an_error():
+    """Root reads any mode, so the reader drops to nobody first; a tree nobody can traverse, one file 0."""
+    require(os.geteuid() == 0, "needs root to run the reader as nobody")
+    root = Path(tempfile.mkdtemp(prefix="devinject-host-"))
+    try:
+        os.chmod(root, 0o755)
+        (root / "secret").write_text("x\n")
+        os.chmod(root / "secret", 0)
+        (root / "open").write_text("y\n")
+        read_end, write_end = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the forked reader
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                host = Host(str(root))
+                os.write(write_end, repr((host.read_attr("/secret"), host.read_attr("/open"))).encode())
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end) as handle:
+            answer = handle.read()
+        os.waitpid(child, 0)
+        assert answer == "(None, 'y')"
+    finally:
+        shutil.rmtree(root)

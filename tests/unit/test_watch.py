@@ -143,6 +143,7 @@ def test_run_loop_removes_and_restores_within_detection_time(watcher):
         assert _wait_for(lambda: "0" in _gpu_names(tmp_path))
 
 
+@pytest.mark.live  # a real kernel uevent: root and a tun device
 def test_uevents_trigger_a_rescan(watcher):
     """A real kernel uevent (synthetic `change` on a misc device) makes the agent rediscover at once."""
     assert wants_rescan({"SUBSYSTEM": "pci", "ACTION": "add"}) and not wants_rescan({"SUBSYSTEM": "net"})
