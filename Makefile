@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 DEMO_HOST := tests/fixtures/hosts/hgx-h100
 SYSTEM_PACKAGES := runc podman crun busybox-static gcc libc6-dev
 
-.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean
+.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation
 
 $(BIN)/devinject: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,18 @@ unit: venv
 live: system-deps venv
 	$(BIN)/pytest -q -m live
 
+# Mutation testing of the core modules ([tool.mutmut] in pyproject.toml), in a staging copy without the
+# fixture trees; prints the score. Not part of `make test` (it takes minutes).
+MUTATION_DIR := build/mutation
+mutation: venv
+	$(BIN)/pip install -q 'mutmut>=3.8'
+	rm -rf $(MUTATION_DIR) && mkdir -p $(MUTATION_DIR)
+	tar -c --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./mutants \
+		--exclude=./tests/fixtures/hosts --exclude=./tests/fixtures/proc . | tar -x -C $(MUTATION_DIR)
+	cd $(MUTATION_DIR) && DEVINJECT_FIXTURES=$(abspath tests/fixtures) $(abspath $(BIN))/mutmut run --max-children 2 \
+		> mutmut.log 2>&1 || (tail -20 mutmut.log; exit 1)
+	cd $(MUTATION_DIR) && $(abspath $(BIN))/python $(abspath bench/mutation_score.py)
+
 bench: venv
 	$(BIN)/python bench/bench_generate.py
 	$(BIN)/python bench/bench_hook.py
@@ -59,4 +71,4 @@ golden: venv
 	$(BIN)/pytest -q tests/integration/test_golden.py --update-golden
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build mutants

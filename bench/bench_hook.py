@@ -48,7 +48,7 @@ def main() -> int:
         build_hgx_h100(builder, FakeHost(work / "host", real_nodes=True))
         shutil.rmtree(builder.tmp, ignore_errors=True)
         subprocess.run([DEVINJECT, "generate", "--root", str(work / "host"), "--output-dir", str(work / "cdi"),
-                        "--state-dir", str(work / "gen-state"), "--hook-path", DEVINJECT],
+                        "--hook-path", DEVINJECT],
                        check=True, capture_output=True)
         bundle = work / "bundle"
         bundle.mkdir()

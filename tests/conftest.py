@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
+# The fixture trees are data (symlink-rich sysfs copies); a mutation run copies only the test code and
+# points here with DEVINJECT_FIXTURES.
+FIXTURES = Path(os.environ.get("DEVINJECT_FIXTURES") or Path(__file__).parent / "fixtures")
 HOSTS = FIXTURES / "hosts"
 GOLDEN = FIXTURES / "golden"
 HOST_NAMES = sorted(p.name for p in HOSTS.iterdir() if p.is_dir())

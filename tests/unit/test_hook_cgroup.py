@@ -77,7 +77,9 @@ def test_cgroup_discovery_from_fixture_proc_trees():
 
     from devinject.hook.cgroup import device_cgroup_of
 
-    proc = Path(__file__).resolve().parents[1] / "fixtures" / "proc"
+    from tests.conftest import FIXTURES
+
+    proc = FIXTURES / "proc"
     hybrid = device_cgroup_of(4242, proc=str(proc / "hybrid"))
     assert (hybrid.version, hybrid.path) == (1, "/sys/fs/cgroup/devices/runc/c1")
     unified = device_cgroup_of(4242, proc=str(proc / "unified"))
