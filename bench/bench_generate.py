@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from tests.fixtures.build_hosts import FakeHost, connectx  # noqa: E402
 
-from devinject.generate import GenerateOptions, generate_specs, render  # noqa: E402
+from devinject.specs.generate import GenerateOptions, generate_specs, render  # noqa: E402
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 HGX = REPO / "tests/fixtures/hosts/hgx-h100"

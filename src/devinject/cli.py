@@ -13,8 +13,8 @@ from typing import Any
 import click
 
 from devinject import __version__
-from devinject.errors import DevinjectError
-from devinject.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
+from devinject.core.errors import DevinjectError
+from devinject.core.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 
 log = logging.getLogger("devinject")
 
@@ -66,8 +66,8 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
              nvml: bool | None) -> None:
     """Discover devices on the host and write CDI specs."""
-    from devinject.generate import GenerateOptions, generate_specs, render, write_specs
-    from devinject.spec import write_atomic
+    from devinject.core.spec import write_atomic
+    from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 
     opts = GenerateOptions(root=root, kinds=kinds, strategies=strategies, version_cap=version_cap,
                            hook_path=hook_path, profile_dirs=profile_dirs, nvml=nvml)
@@ -101,7 +101,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
                    "about specs that podman 4.x and containerd 1.7 cannot read).")
 def validate(paths: tuple[str, ...], max_version: str | None) -> None:
     """Check CDI spec files (default: the CDI spec directories)."""
-    from devinject.validate import DEFAULT_SPEC_DIRS, validate_paths
+    from devinject.specs.validate import DEFAULT_SPEC_DIRS, validate_paths
 
     targets = paths or tuple(d for d in DEFAULT_SPEC_DIRS if Path(d).is_dir())
     warnings: list[str] = []
@@ -134,7 +134,7 @@ kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", sh
 @kernel_log_option
 def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_dir: str, kernel_log: str) -> None:
     """Show every discovered device, its health and which container holds it."""
-    from devinject.inventory import inventory
+    from devinject.agent.inventory import inventory
 
     rows = inventory(root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
     if as_json:
@@ -170,9 +170,9 @@ def run(args: list[str]) -> int:
 @click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
 def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, runc_snippet: bool) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
-    from devinject.generate import default_hook_path
+    from devinject.core.spec import write_atomic
     from devinject.hooksd import DEFAULT_HOOKS_DIR, HOOK_FILE, hooks_d_entry, render, runc_hooks
-    from devinject.spec import write_atomic
+    from devinject.specs.generate import default_hook_path
 
     path = os.path.abspath(executable or default_hook_path())
     if not os.access(path, os.X_OK):
@@ -198,9 +198,9 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
 @click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0.1, 60))
 def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: str, probe_timeout: float) -> None:
     """Check every device once; exit 0 only when all are healthy."""
-    from devinject.health import check_host
-    from devinject.host import Host
-    from devinject.profiles import load_profiles
+    from devinject.agent.health import check_host
+    from devinject.discovery.host import Host
+    from devinject.discovery.profiles import load_profiles
 
     host = Host(root)
     verdicts = check_host(host, load_profiles(host, profile_dirs), kernel_log=kernel_log, timeout=probe_timeout)
@@ -240,8 +240,8 @@ def watch(root: str, output_dir: str, state_dir: str, fmt: str, interval: float,
     import signal
     import threading
 
-    from devinject.generate import GenerateOptions, default_hook_path
-    from devinject.watch import Watcher, WatchOptions
+    from devinject.agent.watch import Watcher, WatchOptions
+    from devinject.specs.generate import GenerateOptions, default_hook_path
 
     if not test_timings:
         if not 5 <= interval <= 60:
@@ -266,7 +266,7 @@ def watch(root: str, output_dir: str, state_dir: str, fmt: str, interval: float,
 @click.option("--json", "as_json", is_flag=True)
 def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
     """The last transitions per device (all devices, or those matching DEVICE)."""
-    from devinject.events import device_history
+    from devinject.nodestate.events import device_history
 
     history = device_history(state_dir, device)
     if as_json:
@@ -289,7 +289,7 @@ def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
     """Processes holding device nodes open (pid, command, container if known)."""
-    from devinject.inventory import holders
+    from devinject.agent.inventory import holders
 
     rows = holders(root, state_dir=state_dir, device=device)
     if as_json:
@@ -306,7 +306,7 @@ def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the links instead of creating them.")
 def create_dev_char_links(root: str, dry_run: bool) -> None:
     """Create /dev/char/MAJ:MIN links for discovered nodes that udev did not make (systemd reload caveat)."""
-    from devinject.devchar import missing_links
+    from devinject.discovery.devchar import missing_links
 
     for link, target in missing_links(root):
         if dry_run:

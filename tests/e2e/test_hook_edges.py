@@ -143,3 +143,51 @@ def test_a_hook_that_fails_after_booking_gives_the_device_back(tmp_path: Path) -
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+# What a container start may load: the hook, the core it builds on, and the node state it books in.
+HOOK_PACKAGES = ("devinject.core", "devinject.hook", "devinject.nodestate")
+HEAVY = ("click", "yaml", "jsonschema", "pynvml", "pyroute2")
+SLOW_STDLIB = ("typing", "dataclasses", "pathlib", "subprocess", "inspect", "json", "re", "enum", "signal",
+               "contextlib", "functools", "tempfile")
+
+
+def test_a_real_hook_run_imports_only_the_core_it_needs(tmp_path: Path) -> None:
+    """The hook's real import graph, taken from a real run (ledger, cgroup, nodes, driver mounts, linker
+    cache) rather than a list: with warm caches, only core/hook/nodestate modules and no slow stdlib."""
+    require(os.geteuid() == 0, "needs root (mknod, mount)")
+    spec_dir = tmp_path / "cdi"
+    hosts = REPO / "tests" / "fixtures" / "hosts"
+    subprocess.run([DEVINJECT, "generate", "--root", str(hosts / "gaudi2"), "--output-dir", str(spec_dir),
+                    "--hook-path", DEVINJECT], check=True, capture_output=True)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        code = ("import sys\n"
+                "from devinject.entry import main\n"
+                "status = main(sys.argv[1:])\n"
+                "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+                f"('devinject', *{HEAVY!r}, *{SLOW_STDLIB!r}))))\n"
+                "sys.exit(status)\n")
+        loaded = []
+        for run in range(2):  # cold (YAML parsed, sharing policy read from the profiles), then warm
+            bundle = tmp_path / f"bundle{run}"
+            (bundle / "rootfs" / "etc").mkdir(parents=True)
+            (bundle / "config.json").write_text(json.dumps({
+                "root": {"path": "rootfs"}, "annotations": {"cdi.k8s.io/x": "habana.ai/gaudi=0"}}))
+            state = json.dumps({"ociVersion": "1.0.2", "id": f"imports-{run}", "status": "creating",
+                                "pid": sleeper.pid, "bundle": str(bundle)})
+            done = subprocess.run([sys.executable, "-I", "-c", code, "hook", "--spec-dir", str(spec_dir),
+                                   "--state-dir", str(tmp_path / "state"), "--log-file", "/dev/null"],
+                                  input=state, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            assert (bundle / "rootfs" / "etc" / "ld.so.cache").exists()  # the whole path ran
+            loaded = done.stdout.split()
+            subprocess.run([DEVINJECT, "hook", "--state-dir", str(tmp_path / "state"), "--log-file", "/dev/null"],
+                           input=json.dumps({"ociVersion": "1.0.2", "id": f"imports-{run}", "status": "stopped",
+                                             "bundle": str(bundle)}), capture_output=True, text=True, timeout=60)
+        ours = [m for m in loaded if m.startswith("devinject.") and m != "devinject.entry"]
+        assert ours and all(m.startswith(HOOK_PACKAGES) for m in ours), ours
+        assert [m for m in loaded if not m.startswith("devinject")] == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from devinject.ledger import process_start_time
+from devinject.nodestate.ledger import process_start_time
 from tests.e2e.conftest import Bundle, container_name
 
 pytestmark = pytest.mark.live

@@ -147,7 +147,7 @@ def test_a_mount_inside_a_shared_volume_is_refused_not_propagated(tmp_path: Path
 def test_device_nodes_get_their_exact_mode_and_a_swapped_name_is_never_followed(tmp_path: Path,
                                                                                    monkeypatch) -> None:
     require(os.geteuid() == 0, "needs root (mknod, chown)")
-    from devinject.errors import HookError
+    from devinject.core.errors import HookError
     from devinject.hook.executor import Executor
     from devinject.hook.plan import MakeNode, Plan
 

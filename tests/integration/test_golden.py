@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from devinject.generate import GenerateOptions, generate_specs, render, spec_filename
+from devinject.specs.generate import GenerateOptions, generate_specs, render, spec_filename
 from tests.conftest import GOLDEN, HOST_NAMES, HOSTS
 
 HOOK = "/usr/bin/devinject"

@@ -11,12 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from devinject.elfinfo import read_shared_object
-from devinject.hook.executor import Executor
-from devinject.hook.linkercache import libraries_in
-from devinject.hook.plan import Plan
-from devinject.hook.safepath import Root
-from devinject.ldcache import (
+from devinject.core.elfinfo import read_shared_object
+from devinject.core.ldcache import (
     ARCH_X86_64,
     FLAG_ELF_LIBC6,
     LdCacheEntry,
@@ -25,6 +21,10 @@ from devinject.ldcache import (
     merge_entries,
     parse_ldcache,
 )
+from devinject.hook.executor import Executor
+from devinject.hook.linkercache import libraries_in
+from devinject.hook.plan import Plan
+from devinject.hook.safepath import Root
 from tests.e2e.conftest import require
 
 # Names that exercise every rule of _dl_cache_libcmp: numeric runs, digits against letters, prefixes, case.
@@ -122,7 +122,7 @@ def test_links_in_the_image_never_lead_the_cache_outside_the_rootfs(tmp_path: Pa
 
 
 def test_a_failed_hook_restores_the_images_cache(tmp_path: Path, libraries: Path) -> None:
-    from devinject.errors import HookError
+    from devinject.core.errors import HookError
     from devinject.hook.plan import BindMount
 
     rootfs = _rootfs(tmp_path, libraries)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from devinject.core.spec import KNOWN_VERSIONS, load_file, required_version, spec_from_dict, spec_to_dict
 from devinject.hook.registry import Registry
-from devinject.spec import KNOWN_VERSIONS, load_file, required_version, spec_from_dict, spec_to_dict
-from devinject.validate import validate_paths
+from devinject.specs.validate import validate_paths
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 NODE = {"path": "/dev/vendor0", "type": "c", "major": 240, "minor": 0, "fileMode": 0o660, "permissions": "rw",

@@ -1,9 +1,9 @@
 import logging
 
-from devinject.discover import discover
-from devinject.host import Host
-from devinject.profiles import load_profiles
-from devinject.sysfs import scan_pci
+from devinject.discovery.discover import discover
+from devinject.discovery.host import Host
+from devinject.discovery.profiles import load_profiles
+from devinject.discovery.sysfs import scan_pci
 from tests.conftest import HOSTS
 
 
@@ -99,7 +99,7 @@ def test_a_real_host_node_gives_its_file_mode_to_the_spec(tmp_path):
     """The node's mode comes from the host's own node when its numbers match (a 0660 node stays 0660)."""
     import os
 
-    from devinject.discover import HostView
+    from devinject.discovery.discover import HostView
     from tests.e2e.conftest import require
 
     require(os.geteuid() == 0, "needs root (mknod)")

@@ -3,10 +3,10 @@ import stat
 
 import pytest
 
-from devinject.errors import ConfigError, DevinjectError, SpecError
-from devinject.generate import GenerateOptions, generate_specs, render, write_specs
-from devinject.model import ContainerEdits, Device, DeviceNode, Spec
-from devinject.spec import load_file, required_version
+from devinject.core.errors import ConfigError, DevinjectError, SpecError
+from devinject.core.model import ContainerEdits, Device, DeviceNode, Spec
+from devinject.core.spec import load_file, required_version
+from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 from tests.conftest import HOSTS
 
 HOOK = "/usr/bin/devinject"

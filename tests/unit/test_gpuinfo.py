@@ -7,8 +7,8 @@ import types
 
 import pytest
 
-from devinject.generate import GenerateOptions, generate_specs
-from devinject.gpuinfo import nvml_gpus
+from devinject.discovery.gpuinfo import nvml_gpus
+from devinject.specs.generate import GenerateOptions, generate_specs
 
 
 def fake_pynvml(*, hang: threading.Event | None = None, fail: bool = False) -> types.ModuleType:

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from devinject.health import check_host, parse_xids
-from devinject.host import Host
-from devinject.profiles import load_profiles
+from devinject.agent.health import check_host, parse_xids
+from devinject.discovery.host import Host
+from devinject.discovery.profiles import load_profiles
 
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
 KEY = "nvidia.com/gpu=0000:18:00.0"

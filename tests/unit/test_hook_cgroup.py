@@ -73,10 +73,8 @@ def test_prefix_is_recognised_and_stripped_on_a_second_run():
 
 
 def test_cgroup_discovery_from_fixture_proc_trees():
-    from pathlib import Path
 
     from devinject.hook.cgroup import device_cgroup_of
-
     from tests.conftest import FIXTURES
 
     proc = FIXTURES / "proc"

@@ -2,10 +2,10 @@ import os
 
 import pytest
 
-from devinject.errors import HookError, ResolveError
+from devinject.core.errors import HookError, ResolveError
+from devinject.core.model import ContainerEdits, DeviceNode, Hook, Mount
 from devinject.hook.plan import AllowDevice, Symlink, plan
 from devinject.hook.registry import Registry
-from devinject.model import ContainerEdits, DeviceNode, Hook, Mount
 
 SPEC = """---
 cdiVersion: 0.5.0

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from devinject.errors import HookError
+from devinject.core.errors import HookError
 from devinject.hook.request import requested_devices
 from devinject.hook.state import parse_state
 
@@ -113,7 +113,7 @@ def test_bad_state(data, message):
     ],
 )
 def test_qualified_name_rules_match_cdi_parser(text, ok):
-    from devinject.names import parse_qualified_name
+    from devinject.core.names import parse_qualified_name
 
     if ok:
         assert str(parse_qualified_name(text)) == text

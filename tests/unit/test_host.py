@@ -3,7 +3,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from devinject.host import Host
+from devinject.discovery.host import Host
 from tests.e2e.conftest import require
 
 

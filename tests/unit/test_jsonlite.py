@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from devinject import jsonlite
+from devinject.core import jsonlite
 
 DOCS = [
     {"ociVersion": "1.0.2", "id": "c1", "pid": 42, "annotations": {"cdi.k8s.io/x": "a.com/b=c,d"}},

@@ -2,8 +2,8 @@ import struct
 
 import pytest
 
-from devinject.errors import LdCacheError
-from devinject.ldcache import ARCH_X86_64, parse_ldcache
+from devinject.core.errors import LdCacheError
+from devinject.core.ldcache import ARCH_X86_64, parse_ldcache
 from tests.conftest import HOSTS
 
 

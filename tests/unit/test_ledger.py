@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from devinject.errors import LedgerError
-from devinject.ledger import Claim, Ledger, holders_of, process_start_time
+from devinject.core.errors import LedgerError
+from devinject.nodestate.ledger import Claim, Ledger, holders_of, process_start_time
 
 POLICY = {"vendor.com/gpu": "exclusive", "vendor.com/nic": "shared"}
 
@@ -130,7 +130,7 @@ def test_fifty_parallel_bookings_for_eight_devices_never_double_allocate(tmp_pat
 
 def test_the_shipped_profiles_decide_sharing_when_no_policy_is_given(tmp_path):
     """Without an explicit policy the ledger asks the profiles: RDMA NICs are shared, GPUs exclusive."""
-    from devinject.sharing import sharing_policy
+    from devinject.nodestate.sharing import sharing_policy
 
     policy = sharing_policy(str(tmp_path))
     assert policy["nvidia.com/rdma"] == "shared" and policy["nvidia.com/gpu"] == "exclusive"

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from devinject import events
-from devinject.errors import LedgerError
+from devinject.core.errors import LedgerError
+from devinject.core.model import DeviceNode
 from devinject.hook.plan import node_identity
-from devinject.ledger import Claim, Ledger, process_start_time
-from devinject.model import DeviceNode
+from devinject.nodestate import events
+from devinject.nodestate.ledger import Claim, Ledger, process_start_time
 from tests.e2e.conftest import require
 
 POLICY = {"vendor.com/gpu": "exclusive"}

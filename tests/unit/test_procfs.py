@@ -1,6 +1,6 @@
 import pytest
 
-from devinject.procfs import (
+from devinject.discovery.procfs import (
     parse_dev_numbers,
     parse_key_values,
     parse_nvidia_version,

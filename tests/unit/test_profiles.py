@@ -2,10 +2,10 @@ import re
 
 import pytest
 
-from devinject.errors import ConfigError
-from devinject.generate import GenerateOptions, generate_specs
-from devinject.host import Host
-from devinject.profiles import builtin_profiles, load_profiles, parse_profile
+from devinject.core.errors import ConfigError
+from devinject.discovery.host import Host
+from devinject.discovery.profiles import builtin_profiles, load_profiles, parse_profile
+from devinject.specs.generate import GenerateOptions, generate_specs
 
 ADMIN_PROFILE = """
 name: acme-npu

@@ -4,7 +4,7 @@ import pickle
 
 import pytest
 
-from devinject.records import NamedTuple
+from devinject.core.records import NamedTuple
 
 
 class Point(NamedTuple):

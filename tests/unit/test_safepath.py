@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from devinject.errors import UnsafePathError
+from devinject.core.errors import UnsafePathError
 from devinject.hook.safepath import Root
 
 
@@ -90,7 +90,7 @@ def test_missing_without_create(rootfs):
 
 
 def test_symlinks_replace_image_files_atomically_and_refuse_directories(tmp_path):
-    from devinject.errors import HookError
+    from devinject.core.errors import HookError
     from devinject.hook.executor import Executor
     from devinject.hook.plan import Plan, Symlink
 

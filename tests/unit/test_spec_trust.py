@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from devinject.errors import ResolveError
+from devinject.core.errors import ResolveError
 from devinject.hook.registry import Registry
-from devinject.validate import validate_paths
+from devinject.specs.validate import validate_paths
 from tests.e2e.conftest import require
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")

@@ -1,6 +1,6 @@
 import pytest
 
-from devinject.validate import validate_paths
+from devinject.specs.validate import validate_paths
 
 GOOD = """---
 cdiVersion: 0.5.0

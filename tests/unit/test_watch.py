@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from devinject.generate import GenerateOptions
-from devinject.generation import write_specs_generation
-from devinject.spec import load_file, read_generation
-from devinject.watch import Watcher, WatchOptions, wants_rescan
+from devinject.agent.watch import Watcher, WatchOptions, wants_rescan
+from devinject.core.spec import load_file, read_generation
+from devinject.specs.generate import GenerateOptions
+from devinject.specs.generation import write_specs_generation
 from tests.e2e.conftest import require
 
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
@@ -83,7 +83,7 @@ def test_one_glitch_does_not_flap_three_failures_take_device_out_three_passes_pu
     events = [json.loads(line)["event"] for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
     assert events.count("taken-out") == 1 and events.count("put-back") == 1
     assert events.count("unhealthy") == 2 and events.count("healthy") == 2  # the glitch was seen, not acted on
-    from devinject.events import device_history
+    from devinject.nodestate.events import device_history
 
     ring = device_history(str(tmp_path / "state"), "nvidia.com/gpu=0000:18:00.0")["nvidia.com/gpu=0000:18:00.0"]
     assert [e["event"] for e in ring][-2:] == ["healthy", "put-back"]

@@ -13,14 +13,14 @@ import platform
 import resource
 import struct
 
-from devinject.errors import HookError
+from devinject.core.errors import HookError
 from devinject.hook.plan import AllowDevice
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 
 # bpf(2) commands, program and attach types, flags (include/uapi/linux/bpf.h)

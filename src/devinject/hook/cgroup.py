@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import os
 
-from devinject.errors import HookError
+from devinject.core.errors import HookError
 from devinject.hook.plan import AllowDevice
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"

@@ -8,7 +8,7 @@ import os
 import stat
 from collections.abc import Callable
 
-from devinject.errors import HookError, UnsafePathError
+from devinject.core.errors import HookError, UnsafePathError
 from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, MakeNode, Plan, Symlink
 from devinject.hook.safepath import _O_PATH, Created, Root

@@ -16,10 +16,10 @@ import os
 import posixpath
 import stat
 
-from devinject.elfinfo import read_shared_object
-from devinject.errors import HookError, LdCacheError, UnsafePathError
+from devinject.core.elfinfo import read_shared_object
+from devinject.core.errors import HookError, LdCacheError, UnsafePathError
+from devinject.core.ldcache import MAX_CACHE_BYTES, LdCacheEntry, build_ldcache, merge_entries, parse_ldcache
 from devinject.hook.safepath import _O_PATH, Created, Root
-from devinject.ldcache import MAX_CACHE_BYTES, LdCacheEntry, build_ldcache, merge_entries, parse_ldcache
 
 CACHE_PATH = "/etc/ld.so.cache"
 MAX_FOLDER_ENTRIES = 8192

@@ -10,8 +10,8 @@ import os
 import sys
 import time
 
-from devinject import jsonlite
-from devinject.errors import DevinjectError, HookError
+from devinject.core import jsonlite
+from devinject.core.errors import DevinjectError, HookError
 
 CONFIG_FILE = "/etc/devinject/hook.json"
 DEFAULT_LOG = "/var/log/devinject/hook.log"
@@ -139,7 +139,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
     record["stage"] = stage
     if stage == "poststop":
         if opts.ledger:
-            from devinject.ledger import Ledger
+            from devinject.nodestate.ledger import Ledger
 
             record["released"] = Ledger(opts.state_dir).release(state.id)
         return record
@@ -154,12 +154,12 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
     if state.pid <= 0 or not os.path.exists(f"/proc/{state.pid}"):
         raise HookError(f"container {state.id}: process {state.pid} is gone")
 
+    from devinject.core.model import NetDevice
     from devinject.hook.cgroup import CgroupGrant, device_cgroup_of
     from devinject.hook.executor import Executor
     from devinject.hook.nsenter import run_in_mount_ns
     from devinject.hook.plan import node_identity, plan
     from devinject.hook.registry import Registry
-    from devinject.model import NetDevice
 
     timings: dict[str, float] = {}
     record["ms"] = timings
@@ -181,7 +181,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
     lap("plan")
     booking = None
     if opts.ledger:
-        from devinject.ledger import Claim, Ledger
+        from devinject.nodestate.ledger import Claim, Ledger
 
         claims = tuple(Claim(name, tuple(node_identity(n) for n in edits.device_nodes))
                        for name, edits in resolved.devices)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from devinject.errors import HookError
+from devinject.core.errors import HookError
+from devinject.core.model import NetDevice
 from devinject.hook.nsenter import run_in_namespace
-from devinject.model import NetDevice
 
 
 def _same_namespace(pid: int) -> bool:

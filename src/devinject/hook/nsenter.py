@@ -8,8 +8,8 @@ import select
 import time
 from collections.abc import Callable
 
-from devinject import jsonlite
-from devinject.errors import DevinjectError, HookError
+from devinject.core import jsonlite
+from devinject.core.errors import DevinjectError, HookError
 from devinject.hook import syscalls
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only

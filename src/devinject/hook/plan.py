@@ -8,14 +8,14 @@ import posixpath
 import stat as statmod
 from collections.abc import Callable
 
-from devinject.errors import HookError
-from devinject.model import ContainerEdits, DeviceNode, Hook, NetDevice
+from devinject.core.errors import HookError
+from devinject.core.model import ContainerEdits, DeviceNode, Hook, NetDevice
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 
 MAX_ACTIONS = 4096

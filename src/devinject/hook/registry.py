@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 
-from devinject import jsonlite
-from devinject.errors import ResolveError, SpecError
-from devinject.model import ContainerEdits, Spec
-from devinject.names import parse_qualified_name
-from devinject.spec import (
+from devinject.core import jsonlite
+from devinject.core.errors import ResolveError, SpecError
+from devinject.core.model import ContainerEdits, Spec
+from devinject.core.names import parse_qualified_name
+from devinject.core.spec import (
     list_spec_files,
     load_text,
     read_spec_text,
@@ -27,7 +27,7 @@ TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 
 DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from devinject.errors import HookError
-from devinject.names import parse_qualified_name
+from devinject.core.errors import HookError
+from devinject.core.names import parse_qualified_name
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 
 ANNOTATION_PREFIX = "cdi.k8s.io/"

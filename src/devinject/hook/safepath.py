@@ -11,7 +11,7 @@ import errno
 import os
 import stat
 
-from devinject.errors import UnsafePathError
+from devinject.core.errors import UnsafePathError
 
 MAX_HOPS = 40
 _O_PATH = getattr(os, "O_PATH", 0o10000000)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import select
 
-from devinject import jsonlite
-from devinject.errors import HookError
+from devinject.core import jsonlite
+from devinject.core.errors import HookError
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 
 MAX_STATE_BYTES = 1 << 20

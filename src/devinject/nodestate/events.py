@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from devinject import jsonlite
+from devinject.core import jsonlite
 
 TYPE_CHECKING = False  # the hook records ledger events: `typing` stays off its start path
 if TYPE_CHECKING:

@@ -15,16 +15,17 @@ from __future__ import annotations
 import os
 import time
 
-from devinject import events, jsonlite
-from devinject.errors import LedgerError
-from devinject.evidence import open_device_nodes
-from devinject.filelock import exclusive
+from devinject.core import jsonlite
+from devinject.core.errors import LedgerError
+from devinject.core.filelock import exclusive
+from devinject.nodestate import events
+from devinject.nodestate.evidence import open_device_nodes
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 
 LEDGER_FILE = "ledger.json"
@@ -169,7 +170,7 @@ class Ledger:
 
     def _rebuild(self, reason: str) -> dict[str, Any]:
         """Move the broken ledger aside and book what live evidence on the node shows in use."""
-        from devinject import evidence
+        from devinject.nodestate import evidence
 
         aside = f"{self.path}.broken-{time.time_ns()}"
         try:
@@ -244,7 +245,7 @@ class Ledger:
              policy: dict[str, str] | None = None) -> Booking:
         """Record `container_id`'s devices; refuse an exclusive device another live container holds."""
         if policy is None:
-            from devinject.sharing import sharing_policy
+            from devinject.nodestate.sharing import sharing_policy
 
             policy = sharing_policy(self.state_dir)
         names = tuple(claim.name for claim in claims)

@@ -10,11 +10,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devinject.discover import FoundDevice, HostView, discover, shared_nodes
-from devinject.errors import ConfigError, DevinjectError, SpecError
-from devinject.host import Host
-from devinject.ldcache import LdCacheEntry
-from devinject.libraries import (
+from devinject.core.errors import ConfigError, DevinjectError, SpecError
+from devinject.core.ldcache import LdCacheEntry
+from devinject.core.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
+from devinject.core.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, dump, required_version, version_key
+from devinject.discovery.discover import FoundDevice, HostView, discover, shared_nodes
+from devinject.discovery.host import Host
+from devinject.discovery.libraries import (
     LocatedFile,
     locate_binaries,
     locate_files,
@@ -22,10 +24,8 @@ from devinject.libraries import (
     native_arch,
     read_ldcache,
 )
-from devinject.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
-from devinject.procfs import parse_nvidia_version
-from devinject.profiles import Profile, load_profiles
-from devinject.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, dump, required_version, version_key
+from devinject.discovery.procfs import parse_nvidia_version
+from devinject.discovery.profiles import Profile, load_profiles
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ def _enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -
     use_nvml = opts.nvml if opts.nvml is not None else host.root == "/"
     if not use_nvml or not any(f.profile.kind == "nvidia.com/gpu" and not f.uuid for f in found):
         return found
-    from devinject.gpuinfo import nvml_gpus
+    from devinject.discovery.gpuinfo import nvml_gpus
 
     by_bus = nvml_gpus()
     return [
@@ -234,7 +234,7 @@ def spec_filename(spec: Spec, fmt: str) -> str:
 
 
 def render(spec: Spec, fmt: str, generation: int | None = None) -> str:
-    from devinject.validate import validate_spec
+    from devinject.specs.validate import validate_spec
 
     text = dump(spec, fmt, generation=generation)
     validate_spec(spec, source=spec_filename(spec, fmt))
@@ -249,7 +249,7 @@ def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, managed: bool 
     directory's next generation number and never replaces a newer one, and specs of `stale_kinds` (no
     devices left) are removed. Anywhere else the files are a pure function of the specs.
     """
-    from devinject.spec import write_atomic
+    from devinject.core.spec import write_atomic
 
     if not output_dir.is_dir():
         try:
@@ -257,7 +257,7 @@ def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, managed: bool 
         except OSError as err:
             raise DevinjectError(f"{output_dir}: cannot create output directory: {err.strerror}") from None
     rendered = {output_dir / spec_filename(spec, fmt): render(spec, fmt) for spec in specs}
-    from devinject import generation
+    from devinject.specs import generation
 
     if managed or generation.managed(output_dir):
         stale = [output_dir / f"{kind.replace('/', '-')}.{fmt}" for kind in stale_kinds]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import struct
 
-from devinject.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, FLAG_ELF_LIBC6
+from devinject.core.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, FLAG_ELF_LIBC6
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 _ET_DYN = 3
 _PT_LOAD, _PT_DYNAMIC = 1, 2

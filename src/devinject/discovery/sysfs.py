@@ -7,8 +7,8 @@ import posixpath
 import re
 from dataclasses import dataclass
 
-from devinject.host import Host
-from devinject.procfs import parse_dev_numbers, parse_uevent
+from devinject.discovery.host import Host
+from devinject.discovery.procfs import parse_dev_numbers, parse_uevent
 
 log = logging.getLogger(__name__)
 

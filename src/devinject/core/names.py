@@ -6,7 +6,7 @@ TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 # Plain character sets, not regexes: the hook checks every requested name and compiling patterns
 # would cost it a millisecond on every container start.

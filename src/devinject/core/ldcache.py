@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import struct
 
-from devinject.errors import LdCacheError
+from devinject.core.errors import LdCacheError
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 _OLD_MAGIC = b"ld.so-1.7.0"
 _NEW_MAGIC = b"glibc-ld.so.cache1.1"

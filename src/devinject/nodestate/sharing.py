@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 
-from devinject import jsonlite
+from devinject.core import jsonlite
 
 CACHE_NAME = "sharing-cache.json"
 
 
 def _profile_files(root: str) -> list[str]:
-    shipped = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "profiles")
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "profiles")
     files = [os.path.join(shipped, n) for n in os.listdir(shipped) if n.endswith(".yaml")]
     admin = os.path.join(root, "etc/devinject/profiles.d")
     if os.path.isdir(admin):
@@ -40,8 +40,8 @@ def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
             return dict(data["policy"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    from devinject.host import Host
-    from devinject.profiles import load_profiles
+    from devinject.discovery.host import Host
+    from devinject.discovery.profiles import load_profiles
 
     policy: dict[str, str] = {}
     for profile in reversed(load_profiles(Host(root))):  # highest priority last, so it wins

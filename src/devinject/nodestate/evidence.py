@@ -20,7 +20,7 @@ TYPE_CHECKING = False  # the hook rebuilds a lost ledger: `typing` stays off its
 if TYPE_CHECKING:
     from typing import NamedTuple
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 
 class Holding(NamedTuple):

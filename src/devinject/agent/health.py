@@ -12,12 +12,12 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-from devinject.discover import FoundDevice, discover, family_of
-from devinject.gpuinfo import ProbeTimeout, call_with_timeout
-from devinject.host import Host
-from devinject.procfs import parse_key_values
-from devinject.profiles import Profile, select_profile
-from devinject.sysfs import PciDevice, scan_pci
+from devinject.discovery.discover import FoundDevice, discover, family_of
+from devinject.discovery.gpuinfo import ProbeTimeout, call_with_timeout
+from devinject.discovery.host import Host
+from devinject.discovery.procfs import parse_key_values
+from devinject.discovery.profiles import Profile, select_profile
+from devinject.discovery.sysfs import PciDevice, scan_pci
 
 HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
 _RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}

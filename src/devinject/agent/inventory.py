@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from devinject.discover import discover
-from devinject.generate import device_names
-from devinject.health import HealthChecker, device_key
-from devinject.host import Host
-from devinject.ledger import Ledger, holders_of
-from devinject.profiles import load_profiles
+from devinject.agent.health import HealthChecker, device_key
+from devinject.discovery.discover import discover
+from devinject.discovery.host import Host
+from devinject.discovery.profiles import load_profiles
+from devinject.nodestate.ledger import Ledger, holders_of
+from devinject.specs.generate import device_names
 
 VENDOR_NAMES = {0x10DE: "NVIDIA", 0x1002: "AMD", 0x8086: "Intel", 0x1DA3: "Habana", 0x15B3: "Mellanox",
                 0x19E5: "Huawei", 0x10EE: "Xilinx"}

@@ -13,11 +13,11 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from devinject.host import Host
-from devinject.model import DeviceNode
-from devinject.procfs import parse_key_values, parse_proc_devices
-from devinject.profiles import NodeRule, Profile, glob_names, select_profile
-from devinject.sysfs import PciDevice, read_char_device, scan_pci
+from devinject.core.model import DeviceNode
+from devinject.discovery.host import Host
+from devinject.discovery.procfs import parse_key_values, parse_proc_devices
+from devinject.discovery.profiles import NodeRule, Profile, glob_names, select_profile
+from devinject.discovery.sysfs import PciDevice, read_char_device, scan_pci
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from devinject import events, jsonlite
-from devinject.discover import FoundDevice, HostView, discover
-from devinject.generate import GenerateOptions, Rerooter, build_spec, common_edits, write_specs
-from devinject.health import (
+from devinject.agent.health import (
     DEFAULT_KERNEL_LOG,
     HEALTHY,
     UNHEALTHY,
@@ -30,10 +27,14 @@ from devinject.health import (
     unbound_functions,
     unbound_verdict,
 )
-from devinject.host import Host
-from devinject.ledger import HEALTH_FILE
-from devinject.libraries import read_ldcache
-from devinject.profiles import load_profiles
+from devinject.core import jsonlite
+from devinject.discovery.discover import FoundDevice, HostView, discover
+from devinject.discovery.host import Host
+from devinject.discovery.libraries import read_ldcache
+from devinject.discovery.profiles import load_profiles
+from devinject.nodestate import events
+from devinject.nodestate.ledger import HEALTH_FILE
+from devinject.specs.generate import GenerateOptions, Rerooter, build_spec, common_edits, write_specs
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class Watcher:
         write_specs(specs, self.opts.output_dir, self.opts.fmt, managed=True, stale_kinds=stale)
         self.written_kinds = kinds
         self._write_health()
-        from devinject.generation import current
+        from devinject.specs.generation import current
 
         self.generation = current(self.opts.output_dir)
         return self.generation

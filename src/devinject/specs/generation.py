@@ -12,8 +12,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from devinject.filelock import exclusive
-from devinject.spec import read_generation, write_atomic
+from devinject.core.filelock import exclusive
+from devinject.core.spec import read_generation, write_atomic
 
 COUNTER = ".devinject-generation"
 LOCK = ".devinject-generation.lock"

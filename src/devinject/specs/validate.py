@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from devinject.errors import SpecError, SpecValidationError
-from devinject.model import Spec
-from devinject.spec import (
+from devinject.core.errors import SpecError, SpecValidationError
+from devinject.core.model import Spec
+from devinject.core.spec import (
     DEFAULT_VERSION_CAP,
     KNOWN_VERSIONS,
     list_spec_files,
@@ -23,7 +23,7 @@ from devinject.spec import (
     spec_from_dict,
     version_key,
 )
-from devinject.specrules import spec_problems
+from devinject.core.specrules import spec_problems
 
 DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 OLD_RUNTIMES = "podman 4.x and containerd 1.7"  # they refuse specs above 0.5.0

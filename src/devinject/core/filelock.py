@@ -10,7 +10,7 @@ import fcntl
 import os
 import time
 
-from devinject.errors import DevinjectError
+from devinject.core.errors import DevinjectError
 
 
 class exclusive:

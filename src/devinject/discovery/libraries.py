@@ -9,9 +9,9 @@ import posixpath
 import stat
 from dataclasses import dataclass
 
-from devinject.errors import LdCacheError
-from devinject.host import Host
-from devinject.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, LdCacheEntry, parse_ldcache
+from devinject.core.errors import LdCacheError
+from devinject.core.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, LdCacheEntry, parse_ldcache
+from devinject.discovery.host import Host
 
 log = logging.getLogger(__name__)
 

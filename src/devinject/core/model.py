@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     T = TypeVar("T")
 else:
-    from devinject.records import NamedTuple
+    from devinject.core.records import NamedTuple
 
 # Options for driver files bind-mounted into a container: never writable, never a way to smuggle in
 # setuid binaries or device nodes.

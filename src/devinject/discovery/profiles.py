@@ -13,10 +13,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from devinject.errors import ConfigError
-from devinject.host import Host
-from devinject.names import kind_problem
-from devinject.sysfs import PciDevice
+from devinject.core.errors import ConfigError
+from devinject.core.names import kind_problem
+from devinject.discovery.host import Host
+from devinject.discovery.sysfs import PciDevice
 
 ADMIN_PROFILE_DIR = "/etc/devinject/profiles.d"
 SHARING_MODES = ("exclusive", "shared")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import posixpath
 
-from devinject.discover import HostView, discover, shared_nodes
-from devinject.host import Host
-from devinject.profiles import load_profiles
+from devinject.discovery.discover import HostView, discover, shared_nodes
+from devinject.discovery.host import Host
+from devinject.discovery.profiles import load_profiles
 
 
 def missing_links(root: str) -> list[tuple[str, str]]:
