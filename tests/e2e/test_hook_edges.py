@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -79,7 +80,8 @@ def test_fifty_hooks_racing_for_eight_devices_never_double_allocate(tmp_path: Pa
                 done = subprocess.run([DEVINJECT, "hook", "--state-dir", str(state_dir), "--log-file", "/dev/null"],
                                       input=state, capture_output=True, text=True, timeout=60)
                 assert done.returncode == 0, done.stderr
-            assert json.loads((state_dir / "ledger.json").read_text())["allocations"] == {}
+            left = json.loads((state_dir / "ledger.json").read_text())["allocations"]
+            assert {entry["state"] for entry in left.values()} <= {"reclaiming"}  # released (or already gone)
     finally:
         for sleeper in sleepers:
             sleeper.kill()
@@ -160,7 +162,9 @@ def test_a_real_hook_run_imports_only_the_core_it_needs(tmp_path: Path) -> None:
     hosts = REPO / "tests" / "fixtures" / "hosts"
     subprocess.run([DEVINJECT, "generate", "--root", str(hosts / "gaudi2"), "--output-dir", str(spec_dir),
                     "--hook-path", DEVINJECT], check=True, capture_output=True)
-    sleeper = subprocess.Popen(["sleep", "60"])
+    # The container stand-in has a mount namespace of its own: the hook's mounts go away with it.
+    sleeper = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "60"])
+    time.sleep(0.2)  # unshare has exec'd sleep in the new namespace
     try:
         code = ("import sys\n"
                 "from devinject.entry import main\n"

@@ -6,12 +6,15 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
 
 from devinject.core.errors import HookError, UnsafePathError
 from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, MakeNode, Plan, Symlink
 from devinject.hook.safepath import _O_PATH, Created, Root
+
+TYPE_CHECKING = False  # `typing` and `collections` cost the hook milliseconds: type checkers only
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class Undo:

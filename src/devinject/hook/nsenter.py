@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import select
 import time
-from collections.abc import Callable
 
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError, HookError
@@ -14,6 +13,7 @@ from devinject.hook import syscalls
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
 CHILD_TIMEOUT = 30.0

@@ -6,14 +6,16 @@ from __future__ import annotations
 import os
 import posixpath
 import stat as statmod
-from collections.abc import Callable
 
 from devinject.core.errors import HookError
 from devinject.core.model import ContainerEdits, DeviceNode, Hook, NetDevice
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import NamedTuple
+
+    StatFn = Callable[[str], os.stat_result]
 else:
     from devinject.core.records import NamedTuple
 
@@ -75,7 +77,6 @@ class Plan(NamedTuple):
         return len(self.nodes) + len(self.mounts) + len(self.links) + len(self.allow) + len(self.net_devices)
 
 
-StatFn = Callable[[str], os.stat_result]
 
 
 def _fill_node(node: DeviceNode, stat_fn: StatFn, uid: int, gid: int) -> MakeNode:
