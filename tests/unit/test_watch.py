@@ -165,3 +165,31 @@ def test_uevents_trigger_a_rescan(watcher):
         with open("/sys/devices/virtual/misc/tun/uevent", "w") as handle:
             handle.write("change")
         assert _wait_for(lambda: "8" in _gpu_names(tmp_path))
+
+
+def test_watch_writes_exactly_what_generate_produces(host_copy, tmp_path, monkeypatch):
+    """One pipeline: the agent's specs are generate's specs for the same host and options — NVML
+    enrichment included (the agent used to skip it, and to write an empty hook path)."""
+    from devinject.core.spec import dump
+    from devinject.discovery import gpuinfo
+    from devinject.specs.generate import generate_specs
+
+    fake = {"0000:18:00.0": gpuinfo.NvmlGpu("0000:18:00.0", "GPU-00000000-1111-2222-3333-444444444444", "H100")}
+    monkeypatch.setattr(gpuinfo, "nvml_gpus", lambda timeout=2.0: fake)
+    root = host_copy("hgx-h100")
+    info = root / "proc/driver/nvidia/gpus/0000:18:00.0/information"
+    info.write_text("".join(line for line in info.read_text().splitlines(keepends=True)
+                            if not line.startswith("GPU UUID")))  # only NVML can name this GPU by UUID now
+    gen = GenerateOptions(root=str(root), nvml=True)
+    opts = WatchOptions(generate=gen, output_dir=tmp_path / "cdi", state_dir=str(tmp_path / "state"), threshold=3,
+                        kernel_log="/var/log/kern.log", probe_timeout=0.5, uevents=False)
+    w = Watcher(opts)
+    w.rescan()
+    w.check()
+    w.write()
+    expected = {f"{s.vendor}-{s.device_class}.yaml": dump(s) for s in generate_specs(gen)}
+    written = {p.name: "\n".join(line for line in p.read_text().splitlines()
+                                 if not line.startswith("# devinject-generation")) + "\n"
+               for p in (tmp_path / "cdi").glob("*.yaml")}
+    assert written == expected
+    assert "GPU-00000000-1111-2222-3333-444444444444" in written["nvidia.com-gpu.yaml"]

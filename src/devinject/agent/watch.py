@@ -28,13 +28,11 @@ from devinject.agent.health import (
     unbound_verdict,
 )
 from devinject.core import jsonlite
-from devinject.discovery.discover import FoundDevice, HostView, discover
+from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
-from devinject.discovery.libraries import read_ldcache
-from devinject.discovery.profiles import load_profiles
 from devinject.nodestate import events
 from devinject.nodestate.ledger import HEALTH_FILE
-from devinject.specs.generate import GenerateOptions, Rerooter, build_spec, common_edits, write_specs
+from devinject.specs.generate import GenerateOptions, build_specs, discover_devices, select_profiles, write_specs
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +82,7 @@ class Watcher:
 
     def __post_init__(self) -> None:
         self.host = Host(self.opts.generate.root)
-        self.profiles = load_profiles(self.host, self.opts.generate.profile_dirs)
-        if self.opts.generate.kinds:
-            self.profiles = [p for p in self.profiles if p.kind in self.opts.generate.kinds]
+        self.profiles = select_profiles(self.host, self.opts.generate)
         self.checker = HealthChecker(self.host, kernel_log=self.opts.kernel_log, timeout=self.opts.probe_timeout,
                                      baseline=AerBaseline())
         self.written_kinds: set[str] = set()
@@ -96,7 +92,7 @@ class Watcher:
     def rescan(self) -> bool:
         """Rediscover; returns True when the set of devices changed."""
         self.host.refresh()
-        found = discover(self.host, self.profiles)
+        found = discover_devices(self.host, self.profiles, self.opts.generate)
         before = {device_key(f.profile.kind, f.address) for f in self.found}
         after = {device_key(f.profile.kind, f.address): f for f in found}
         for key in sorted(set(after) - before):
@@ -146,22 +142,8 @@ class Watcher:
         return frozenset(k for k, t in self.tracks.items() if t.published == UNHEALTHY)
 
     def write(self) -> int | None:
-        excluded = self.unhealthy()
-        view = HostView(self.host)
-        rerooter = Rerooter(self.host)
-        gen = replace(self.opts.generate, exclude=excluded)
-        hook_path = gen.hook_path or ""
-        ldcache = read_ldcache(self.host) if any(p.libraries for p in self.profiles) else []
-        specs = []
-        for profile in self.profiles:
-            devices = [f for f in self.found if f.profile.kind == profile.kind and
-                       device_key(f.profile.kind, f.address) not in excluded]
-            if not devices:
-                continue
-            spec = build_spec(profile, devices, common_edits(view, profile, rerooter, hook_path, ldcache), rerooter,
-                              gen)
-            if spec is not None:
-                specs.append(spec)
+        gen = replace(self.opts.generate, exclude=self.unhealthy())
+        specs = build_specs(self.host, self.profiles, self.found, gen)
         kinds = {s.kind for s in specs}
         stale = tuple(sorted((self.written_kinds | {p.kind for p in self.profiles}) - kinds))
         write_specs(specs, self.opts.output_dir, self.opts.fmt, managed=True, stale_kinds=stale)

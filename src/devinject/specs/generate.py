@@ -199,25 +199,37 @@ def _enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -
     ]
 
 
-def generate_specs(opts: GenerateOptions, *, host: Host | None = None) -> list[Spec]:
-    opts.check()
-    host = host or Host(opts.root)
+# --- the pipeline: select profiles -> discover -> edits -> specs (-> render -> write) ------------------
+# `generate`, `watch` and `list` all go through these steps, so they cannot produce different specs.
+
+
+def select_profiles(host: Host, opts: GenerateOptions) -> list[Profile]:
+    """The device families to serve: every profile (shipped, admin, --profile-dir), or those of --kind."""
     profiles = load_profiles(host, opts.profile_dirs)
     known = {p.kind for p in profiles}
     for kind in opts.kinds:
         if kind not in known:
             raise ConfigError(f"--kind: no profile offers {kind!r} (known: {', '.join(sorted(known))})")
-    if opts.kinds:
-        profiles = [p for p in profiles if p.kind in opts.kinds]
-    view = HostView(host)
-    found = [f for f in discover(host, profiles, view=view) if f"{f.profile.kind}={f.address}" not in opts.exclude]
-    found = _enrich_uuids(found, opts, host)
+    return [p for p in profiles if p.kind in opts.kinds] if opts.kinds else profiles
+
+
+def discover_devices(host: Host, profiles: list[Profile], opts: GenerateOptions,
+                     view: HostView | None = None) -> list[FoundDevice]:
+    """Every device of `profiles` on the host, UUIDs filled from NVML where that is asked for."""
+    return _enrich_uuids(discover(host, profiles, view=view), opts, host)
+
+
+def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], opts: GenerateOptions,
+                view: HostView | None = None) -> list[Spec]:
+    """One spec per kind with devices; devices whose `kind=address` is in `opts.exclude` are left out."""
+    view = view or HostView(host)
     rerooter = Rerooter(host)
     hook_path = opts.hook_path or default_hook_path()
     ldcache = read_ldcache(host) if any(p.libraries for p in profiles) else []
     by_kind: dict[str, list[FoundDevice]] = {}
     for item in found:
-        by_kind.setdefault(item.profile.kind, []).append(item)
+        if f"{item.profile.kind}={item.address}" not in opts.exclude:
+            by_kind.setdefault(item.profile.kind, []).append(item)
     specs = []
     for profile in profiles:
         devices = by_kind.pop(profile.kind, [])
@@ -227,6 +239,14 @@ def generate_specs(opts: GenerateOptions, *, host: Host | None = None) -> list[S
         if spec is not None:
             specs.append(spec)
     return specs
+
+
+def generate_specs(opts: GenerateOptions, *, host: Host | None = None) -> list[Spec]:
+    opts.check()
+    host = host or Host(opts.root)
+    profiles = select_profiles(host, opts)
+    view = HostView(host)
+    return build_specs(host, profiles, discover_devices(host, profiles, opts, view), opts, view)
 
 
 def spec_filename(spec: Spec, fmt: str) -> str:
