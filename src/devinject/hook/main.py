@@ -13,11 +13,19 @@ import time
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError, HookError
 
+TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
+if TYPE_CHECKING:
+    from devinject.core.model import NetDevice
+    from devinject.hook.cgroup import CgroupGrant
+    from devinject.hook.plan import AllowDevice, Plan
+    from devinject.hook.registry import Resolved
+    from devinject.nodestate.ledger import Booking
+
 CONFIG_FILE = "/etc/devinject/hook.json"
 DEFAULT_LOG = "/var/log/devinject/hook.log"
 DEFAULT_STATE_DIR = "/run/devinject"
 USAGE = """usage: devinject hook [--spec-dir DIR]... [--log-file FILE] [--state-dir DIR] [--config FILE]
-                      [--env-requests | --no-env-requests] [--no-ledger]
+                      [--env-requests | --no-env-requests] [--no-ledger] [--dry-run]
                       [--stage prestart|createRuntime|poststop] < state.json
        devinject cdi-hook create-symlinks --link TARGET::LINK... < state.json
        devinject cdi-hook update-ldcache --folder DIR... < state.json"""
@@ -31,6 +39,7 @@ class HookOptions:
         self.env_requests: bool = False  # the image and the pod user set env: trusted only when the admin says
         self.ledger: bool = True
         self.stage: str | None = None
+        self.dry_run: bool = False  # resolve and plan, print what would be done, change nothing
 
 
 _CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -91,6 +100,8 @@ def parse_hook_args(args: list[str]) -> HookOptions:
             overrides["env_requests"] = arg == "--env-requests"
         elif arg == "--no-ledger":
             overrides["ledger"] = False
+        elif arg == "--dry-run":
+            overrides["dry_run"] = True
         elif arg in ("-h", "--help"):
             print(USAGE)
             raise SystemExit(0)
@@ -128,21 +139,96 @@ def _process_ids(config: dict[str, object]) -> tuple[int, int]:
     return uid, gid
 
 
-def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None) -> dict[str, object]:
-    from devinject.hook.request import requested_devices
+class HostParts:
+    """The hook's effects on the node, one method each. `run_hook` only orchestrates them and undoes them
+    in reverse on failure; a test passes recording parts, and `--dry-run` passes parts that only say."""
+
+    def __init__(self, opts: HookOptions) -> None:
+        self.opts = opts
+
+    def resolve(self, names: tuple[str, ...]) -> Resolved:
+        from devinject.hook.registry import Registry
+
+        cache = os.path.join(self.opts.state_dir, "spec-cache.json")
+        return Registry(self.opts.spec_dirs, cache_file=cache).resolve(names)
+
+    def book(self, container_id: str, pid: int, resolved: Resolved) -> Booking | None:
+        if not self.opts.ledger:
+            return None
+        from devinject.hook.plan import node_identity
+        from devinject.nodestate.ledger import Claim, Ledger
+
+        claims = tuple(Claim(name, tuple(node_identity(n) for n in edits.device_nodes))
+                       for name, edits in resolved.devices)
+        return Ledger(self.opts.state_dir).book(container_id, pid, claims)
+
+    def grant(self, pid: int, rules: tuple[AllowDevice, ...]) -> tuple[CgroupGrant | None, str | None]:
+        """Allow `rules` in the container's device cgroup: (the grant, for revert/done; where)."""
+        from devinject.hook.cgroup import CgroupGrant, device_cgroup_of
+
+        cgroup = device_cgroup_of(pid)
+        if cgroup is None:
+            return None, None
+        grant = CgroupGrant(cgroup)
+        grant.allow(rules)
+        return grant, f"v{cgroup.version} {cgroup.path}"
+
+    def move_in(self, pid: int, devices: tuple[NetDevice, ...]) -> list[NetDevice]:
+        from devinject.hook import netdev
+
+        return netdev.move_in(pid, devices)
+
+    def move_out(self, pid: int, devices: list[NetDevice]) -> None:
+        from devinject.hook import netdev
+
+        netdev.move_out(pid, devices)
+
+    def apply(self, pid: int, rootfs: str, steps: Plan) -> list[str]:
+        from devinject.hook.executor import Executor
+        from devinject.hook.nsenter import run_in_mount_ns
+
+        return run_in_mount_ns(pid, lambda: Executor(rootfs).apply(steps))  # type: ignore[no-any-return]
+
+
+class DryRunParts(HostParts):
+    """`--dry-run`: resolve and plan for real (the same specs, the same checks), change nothing."""
+
+    def book(self, container_id: str, pid: int, resolved: Resolved) -> Booking | None:
+        return None
+
+    def grant(self, pid: int, rules: tuple[AllowDevice, ...]) -> tuple[CgroupGrant | None, str | None]:
+        return None, "dry run: " + ", ".join(rule.rule for rule in rules)
+
+    def move_in(self, pid: int, devices: tuple[NetDevice, ...]) -> list[NetDevice]:
+        return []
+
+    def apply(self, pid: int, rootfs: str, steps: Plan) -> list[str]:
+        return ([f"mknod {n.path} {n.type} {n.major}:{n.minor} mode {n.mode:o} owner {n.uid}:{n.gid}"
+                 for n in steps.nodes]
+                + [f"bind {m.host_path} -> {m.container_path}{' (ro)' if m.readonly else ''}" for m in steps.mounts]
+                + [f"symlink {link.link} -> {link.target}" for link in steps.links]
+                + [f"ld.so.cache += {folder}" for folder in steps.ldcache_folders])
+
+
+def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
+             parts: HostParts | None = None) -> dict[str, object]:
     from devinject.hook.state import load_bundle, parse_state, read_stdin
 
+    if parts is None:
+        parts = DryRunParts(opts) if opts.dry_run else HostParts(opts)
     record: dict[str, object] = {}
     state = parse_state(read_stdin(stdin_fd))
     record.update(container=state.id, status=state.status)
     stage = opts.stage or ("poststop" if state.status == "stopped" else "prestart")
     record["stage"] = stage
     if stage == "poststop":
-        if opts.ledger:
+        if opts.ledger and not opts.dry_run:
             from devinject.nodestate.ledger import Ledger
 
             record["released"] = Ledger(opts.state_dir).release(state.id)
         return record
+    from devinject.hook.request import requested_devices
+
     bundle = load_bundle(state)
     request = requested_devices({**bundle.annotations, **state.annotations}, bundle.env,
                                 allow_env=opts.env_requests)
@@ -151,15 +237,10 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
         record["result"] = "nothing requested"
         return record
     record["source"] = request.source
-    if state.pid <= 0 or not os.path.exists(f"/proc/{state.pid}"):
+    if not opts.dry_run and (state.pid <= 0 or not os.path.exists(f"/proc/{state.pid}")):
         raise HookError(f"container {state.id}: process {state.pid} is gone")
 
-    from devinject.core.model import NetDevice
-    from devinject.hook.cgroup import CgroupGrant, device_cgroup_of
-    from devinject.hook.executor import Executor
-    from devinject.hook.nsenter import run_in_mount_ns
-    from devinject.hook.plan import node_identity, plan
-    from devinject.hook.registry import Registry
+    from devinject.hook.plan import plan
 
     timings: dict[str, float] = {}
     record["ms"] = timings
@@ -172,43 +253,31 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
         mark = now
 
     lap("prepare")  # arguments, state, bundle, request, imports
-    registry = Registry(opts.spec_dirs, cache_file=os.path.join(opts.state_dir, "spec-cache.json"))
-    resolved = registry.resolve(request.names)
+    resolved = parts.resolve(request.names)
     lap("resolve")
     uid, gid = _process_ids(bundle.raw)
     steps = plan(resolved.edits, uid=uid, gid=gid)
     record["warnings"] = list(steps.warnings)
     lap("plan")
-    booking = None
-    if opts.ledger:
-        from devinject.nodestate.ledger import Claim, Ledger
-
-        claims = tuple(Claim(name, tuple(node_identity(n) for n in edits.device_nodes))
-                       for name, edits in resolved.devices)
-        booking = Ledger(opts.state_dir).book(state.id, state.pid, claims)
+    booking = parts.book(state.id, state.pid, resolved)
+    if booking is not None:
         lap("ledger")
     grant = None
     moved: list[NetDevice] = []  # network interfaces moved into the container, for rollback
     try:
-        cgroup = device_cgroup_of(state.pid)
-        if cgroup is not None:
-            grant = CgroupGrant(cgroup)
-            grant.allow(steps.allow)
-            record["cgroup"] = f"v{cgroup.version} {cgroup.path}"
+        grant, where = parts.grant(state.pid, steps.allow)
+        if where is not None:
+            record["cgroup"] = where
         lap("cgroup")
         if steps.net_devices:
-            from devinject.hook import netdev
-
-            moved = netdev.move_in(state.pid, steps.net_devices)
+            moved = parts.move_in(state.pid, steps.net_devices)
             record["net_devices"] = [f"{d.host_interface_name} -> {d.name}" for d in steps.net_devices]
             lap("network")
-        record["steps"] = run_in_mount_ns(state.pid, lambda: Executor(bundle.rootfs).apply(steps))
+        record["steps"] = parts.apply(state.pid, bundle.rootfs, steps)
         lap("container")
-    except BaseException:
+    except BaseException:  # undo in reverse order; each undo is best effort
         if moved:
-            from devinject.hook import netdev
-
-            netdev.move_out(state.pid, moved)
+            parts.move_out(state.pid, moved)
         if grant is not None:
             grant.revert()
         if booking is not None:
@@ -216,7 +285,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None)
         raise
     if grant is not None:
         grant.done()
-    record["result"] = "ok"
+    record["result"] = "dry run" if opts.dry_run else "ok"
     return record
 
 
@@ -250,6 +319,9 @@ def main(argv: list[str]) -> int:
             return 0
         opts = parse_hook_args(args)
         record.update(run_hook(opts, started=started))
+        if opts.dry_run:  # the one case the hook writes to stdout: an admin asked what it would do
+            print(jsonlite.dumps(record, sort_keys=True))
+            opts.log_file = None
         return 0
     except DevinjectError as err:
         record["error"] = err.message
