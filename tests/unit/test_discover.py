@@ -110,3 +110,21 @@ def test_a_real_host_node_gives_its_file_mode_to_the_spec(tmp_path):
     assert view.node("/dev/vendor0", 1, 3).file_mode == 0o660
     assert view.node("/dev/vendor0", 1, 5).file_mode is None  # other numbers: not this node's mode
     assert view.node("/dev/absent", 1, 3).file_mode is None
+
+
+def test_a_family_added_as_data_only(tmp_path):
+    """Tenstorrent came as a profile, a fixture tree and a golden, no code: its class devices have no
+    DEVNAME (`tenstorrent!0` is /dev/tenstorrent/0 by the kernel's rule), and the vendor name, models and
+    uevent subsystem the agent listens to all come from the profile."""
+    from devinject.agent.inventory import inventory
+    from devinject.agent.watch import Watcher, WatchOptions
+    from devinject.specs.generate import GenerateOptions
+
+    found = _found("tenstorrent-n300")
+    assert [(f.profile.kind, [n.path for n in f.nodes]) for f in found] == [
+        ("tenstorrent.com/card", ["/dev/tenstorrent/0"]), ("tenstorrent.com/card", ["/dev/tenstorrent/1"])]
+    rows = inventory(str(HOSTS / "tenstorrent-n300"))
+    assert {(r["vendor"], r["model"]) for r in rows} == {("Tenstorrent", "Tenstorrent Wormhole")}
+    watcher = Watcher(WatchOptions(generate=GenerateOptions(root=str(HOSTS / "tenstorrent-n300")),
+                                   output_dir=tmp_path / "cdi", state_dir=str(tmp_path / "state")))
+    assert {"pci", "tenstorrent", "drm", "infiniband"} <= watcher.uevent_subsystems

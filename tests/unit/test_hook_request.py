@@ -34,14 +34,19 @@ def test_devinject_devices_env_and_dedup():
         ("ASCEND_VISIBLE_DEVICES=0,1", ("huawei.com/npu=0", "huawei.com/npu=1")),
     ],
 )
-def test_vendor_variables(env, names):
-    assert requested_devices({}, (env,), allow_env=True).names == names
+def test_vendor_variables(env, names, tmp_path):
+    """The variables and their kinds come from the shipped profiles' `request-env`."""
+    from devinject.nodestate.sharing import request_variables
+
+    vendor_env = request_variables(str(tmp_path))
+    assert requested_devices({}, (env,), allow_env=True, vendor_env=vendor_env).names == names
 
 
 def test_env_requests_are_off_unless_the_admin_turns_them_on():
+    vendor_env = {"NVIDIA_VISIBLE_DEVICES": "nvidia.com/gpu", "AMD_VISIBLE_DEVICES": "amd.com/gpu"}
     for env in ("NVIDIA_VISIBLE_DEVICES=all", "DEVINJECT_DEVICES=a.com/b=c", "AMD_VISIBLE_DEVICES=0"):
-        assert requested_devices({}, (env,)).names == ()
-        assert requested_devices({}, (env,), allow_env=False).names == ()
+        assert requested_devices({}, (env,), vendor_env=vendor_env).names == ()
+        assert requested_devices({}, (env,), allow_env=False, vendor_env=vendor_env).names == ()
     assert requested_devices({"cdi.k8s.io/x": "a.com/b=c"}, ()).names == ("a.com/b=c",)
 
 
@@ -65,8 +70,9 @@ def test_hook_options_default_to_no_env_requests(tmp_path):
 
 
 def test_last_env_definition_wins():
-    assert requested_devices({}, ("AMD_VISIBLE_DEVICES=0", "AMD_VISIBLE_DEVICES=1"), allow_env=True).names == (
-        "amd.com/gpu=1",)
+    vendor_env = {"AMD_VISIBLE_DEVICES": "amd.com/gpu"}
+    assert requested_devices({}, ("AMD_VISIBLE_DEVICES=0", "AMD_VISIBLE_DEVICES=1"), allow_env=True,
+                             vendor_env=vendor_env).names == ("amd.com/gpu=1",)
 
 
 def test_bad_names_are_errors_naming_the_source():

@@ -12,9 +12,6 @@ from devinject.discovery.profiles import load_profiles
 from devinject.nodestate.ledger import Ledger, holders_of
 from devinject.specs.generate import device_names
 
-VENDOR_NAMES = {0x10DE: "NVIDIA", 0x1002: "AMD", 0x8086: "Intel", 0x1DA3: "Habana", 0x15B3: "Mellanox",
-                0x19E5: "Huawei", 0x10EE: "Xilinx"}
-
 
 def _allocations(state_dir: str) -> dict[str, dict[str, Any]]:
     if not os.path.exists(os.path.join(state_dir, "ledger.json")):
@@ -32,7 +29,7 @@ def inventory(root: str, *, profile_dirs: tuple[str, ...] = (), state_dir: str |
     rows = []
     for item in found:
         pci = item.pci
-        vendor = VENDOR_NAMES.get(pci.vendor, f"{pci.vendor:04x}")
+        vendor = item.profile.vendor_name or f"{pci.vendor:04x}"
         nodes = [f"{n.type or 'c'} {n.major}:{n.minor}" for n in item.nodes]
         verdict = verdicts[device_key(item.profile.kind, item.address)]
         held_by = sorted(cid for cid, entry in allocations.items()

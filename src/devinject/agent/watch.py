@@ -37,13 +37,13 @@ from devinject.specs.generate import GenerateOptions, build_specs, discover_devi
 log = logging.getLogger(__name__)
 
 RESCAN_DEBOUNCE = 0.2
-UEVENT_SUBSYSTEMS = ("pci", "drm", "accel", "infiniband", "infiniband_verbs", "vfio", "misc", "kfd")
+BASE_UEVENTS = ("pci",)  # a function appearing or going: every family; the rest come from the profiles
 
 
-def wants_rescan(message: Any) -> bool:
+def wants_rescan(message: Any, subsystems: tuple[str, ...] | frozenset[str] = BASE_UEVENTS) -> bool:
     """A kernel uevent about a subsystem whose devices we offer (add/remove/bind/unbind/change)."""
     try:
-        return str(message.get("SUBSYSTEM", "")) in UEVENT_SUBSYSTEMS
+        return str(message.get("SUBSYSTEM", "")) in subsystems
     except AttributeError:
         return False
 
@@ -83,6 +83,7 @@ class Watcher:
     def __post_init__(self) -> None:
         self.host = Host(self.opts.generate.root)
         self.profiles = select_profiles(self.host, self.opts.generate)
+        self.uevent_subsystems = frozenset(BASE_UEVENTS).union(*(p.uevents for p in self.profiles))
         self.checker = HealthChecker(self.host, kernel_log=self.opts.kernel_log, timeout=self.opts.probe_timeout,
                                      baseline=AerBaseline())
         self.written_kinds: set[str] = set()
@@ -178,7 +179,7 @@ class Watcher:
                 ready, _, _ = select.select([sock], [], [], 0.5)
                 if not ready:
                     continue
-                if any(wants_rescan(message) for message in sock.get()):
+                if any(wants_rescan(message, self.uevent_subsystems) for message in sock.get()):
                     self.rescan_requested.set()
         finally:
             sock.close()

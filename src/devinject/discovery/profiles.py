@@ -54,6 +54,10 @@ class Profile:
     shared_nodes: tuple[NodeRule, ...] = ()
     uuid_file: str | None = None
     uuid_key: str | None = None
+    uuid_nvml: bool = False  # ask NVML for UUIDs procfs does not give (NVIDIA)
+    vendor_name: str = ""  # how `list` names the vendor
+    request_env: tuple[str, ...] = ()  # env variables other vendors' hooks read, mapped onto this kind
+    uevents: tuple[str, ...] = ()  # kernel subsystems whose uevents mean this family changed
     driver_module: str | None = None
     driver_version_file: str | None = None
     libraries: tuple[str, ...] = ()
@@ -156,14 +160,15 @@ def _node_rule(data: object, where: str) -> NodeRule:
 def parse_profile(data: object, source: str) -> Profile:
     f = _Fields(data, source, {"name", "kind", "description", "match", "priority", "group-by", "sharing",
                                "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
-                               "library-dirs", "binaries", "files", "env", "models"})
+                               "library-dirs", "binaries", "files", "env", "models", "vendor-name",
+                               "request-env", "uevents"})
     name = f.text("name", required=True)
     kind = f.text("kind", required=True)
     problem = kind_problem(kind)
     if problem:
         raise ConfigError(f"{source}.kind: {problem}")
     match = _Fields(f.data.get("match", {}), f"{source}.match", {"vendor", "class", "driver"})
-    uuid = _Fields(f.data.get("uuid", {}), f"{source}.uuid", {"proc-file", "key"})
+    uuid = _Fields(f.data.get("uuid", {}), f"{source}.uuid", {"proc-file", "key", "nvml"})
     version = _Fields(f.data.get("driver-version", {}), f"{source}.driver-version", {"proc-file", "module"})
     group_by = f.text("group-by", "function")
     if group_by not in ("function", "slot"):
@@ -200,6 +205,10 @@ def parse_profile(data: object, source: str) -> Profile:
         shared_nodes=tuple(_node_rule(n, f"{source}.shared-nodes[{i}]") for i, n in enumerate(shared)),
         uuid_file=uuid.text("proc-file"),
         uuid_key=uuid.text("key"),
+        uuid_nvml=uuid.flag("nvml"),
+        vendor_name=f.text("vendor-name", ""),
+        request_env=f.strings("request-env"),
+        uevents=f.strings("uevents"),
         driver_module=version.text("module"),
         driver_version_file=version.text("proc-file"),
         libraries=f.strings("libraries"),

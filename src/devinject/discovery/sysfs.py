@@ -68,14 +68,16 @@ def _hex_attr(host: Host, path: str) -> int | None:
 
 
 def read_char_device(host: Host, sys_path: str, subsystem: str) -> CharDevice | None:
-    """A class device directory with `dev`; DEVNAME from `uevent` (falls back to the directory name)."""
+    """A class device directory with `dev`; DEVNAME from `uevent`, else the directory name with the kernel's
+    `!` -> `/` rule (a class device `tenstorrent!0` is the node `/dev/tenstorrent/0`)."""
     dev = host.read_attr(sys_path + "/dev")
     numbers = parse_dev_numbers(dev) if dev else None
     if numbers is None:
         return None
     uevent = parse_uevent(host.read_text(sys_path + "/uevent") or "")
     name = posixpath.basename(sys_path)
-    return CharDevice(subsystem, name, uevent.get("DEVNAME", name), numbers[0], numbers[1], sys_path)
+    return CharDevice(subsystem, name, uevent.get("DEVNAME") or name.replace("!", "/"), numbers[0], numbers[1],
+                      sys_path)
 
 
 def child_char_devices(host: Host, sys_path: str) -> tuple[CharDevice, ...]:

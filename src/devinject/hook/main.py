@@ -230,8 +230,13 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
     from devinject.hook.request import requested_devices
 
     bundle = load_bundle(state)
+    vendor_env = None
+    if opts.env_requests:  # the profiles name the variables (cached: no YAML on a warm start)
+        from devinject.nodestate.sharing import request_variables
+
+        vendor_env = request_variables(opts.state_dir)
     request = requested_devices({**bundle.annotations, **state.annotations}, bundle.env,
-                                allow_env=opts.env_requests)
+                                allow_env=opts.env_requests, vendor_env=vendor_env)
     record["devices"] = list(request.names)
     if not request.names:
         record["result"] = "nothing requested"

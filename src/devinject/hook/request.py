@@ -14,13 +14,6 @@ else:
 
 ANNOTATION_PREFIX = "cdi.k8s.io/"
 DEVICES_ENV = "DEVINJECT_DEVICES"
-# Drop-in compatibility: the variables other vendors' hooks read, mapped onto a CDI kind.
-VENDOR_ENV = {
-    "NVIDIA_VISIBLE_DEVICES": "nvidia.com/gpu",
-    "AMD_VISIBLE_DEVICES": "amd.com/gpu",
-    "HABANA_VISIBLE_DEVICES": "habana.ai/gaudi",
-    "ASCEND_VISIBLE_DEVICES": "huawei.com/npu",
-}
 NO_DEVICES = ("", "none", "void")
 MAX_REQUESTED = 256
 
@@ -52,9 +45,11 @@ def _env_map(env: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def requested_devices(annotations: dict[str, str], env: tuple[str, ...], *, allow_env: bool = False) -> Request:
+def requested_devices(annotations: dict[str, str], env: tuple[str, ...], *, allow_env: bool = False,
+                      vendor_env: dict[str, str] | None = None) -> Request:
     """Annotations (set by kubelet device plugins and admins) always count; env variables, which the image
-    and the pod user control, only with `allow_env`. A blank value is no request."""
+    and the pod user control, only with `allow_env`; `vendor_env` maps other vendors' variables onto kinds
+    (the profiles' `request-env`). A blank value is no request."""
     names: list[str] = []
     sources: list[str] = []
     for key in sorted(annotations):
@@ -68,7 +63,7 @@ def requested_devices(annotations: dict[str, str], env: tuple[str, ...], *, allo
         if found:
             names += _checked(found, DEVICES_ENV)
             sources.append(DEVICES_ENV)
-        for variable, kind in VENDOR_ENV.items():
+        for variable, kind in sorted((vendor_env or {}).items()):
             value = variables.get(variable)
             if value is None or value.strip().lower() in NO_DEVICES:
                 continue

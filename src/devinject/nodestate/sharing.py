@@ -1,4 +1,6 @@
-"""Kind -> sharing mode ("exclusive" or "shared") from the device profiles, cached as JSON for the hook."""
+"""What the hook needs to know of the device families, from the profiles, cached as JSON so a container
+start never parses YAML: each kind's sharing mode ("exclusive" or "shared"), and the env variables other
+vendors' hooks read, mapped onto kinds (`NVIDIA_VISIBLE_DEVICES` -> `nvidia.com/gpu`)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def _fingerprint(files: list[str]) -> str:
     return "|".join(parts)
 
 
-def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
+def _facts(state_dir: str, root: str) -> dict[str, dict[str, str]]:
     files = _profile_files(root)
     fingerprint = _fingerprint(files)
     cache = os.path.join(state_dir, CACHE_NAME)
@@ -37,18 +39,31 @@ def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
         with open(cache, encoding="utf-8") as handle:
             data = jsonlite.loads(handle.read())
         if data.get("fingerprint") == fingerprint:
-            return dict(data["policy"])
+            return {"policy": dict(data["policy"]), "request_env": dict(data["request_env"])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     from devinject.discovery.host import Host
     from devinject.discovery.profiles import load_profiles
 
     policy: dict[str, str] = {}
+    request_env: dict[str, str] = {}
     for profile in reversed(load_profiles(Host(root))):  # highest priority last, so it wins
         policy[profile.kind] = profile.sharing
+        request_env.update(dict.fromkeys(profile.request_env, profile.kind))
+    facts = {"policy": policy, "request_env": request_env}
     try:
         os.makedirs(state_dir, exist_ok=True)
-        jsonlite.replace_file(cache, {"fingerprint": fingerprint, "policy": policy})
+        jsonlite.replace_file(cache, {"fingerprint": fingerprint, **facts})
     except OSError:
         pass
-    return policy
+    return facts
+
+
+def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
+    """kind -> "exclusive" or "shared"."""
+    return _facts(state_dir, root)["policy"]
+
+
+def request_variables(state_dir: str, root: str = "/") -> dict[str, str]:
+    """env variable -> the kind its value names devices of (profiles' `request-env`)."""
+    return _facts(state_dir, root)["request_env"]

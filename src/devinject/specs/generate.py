@@ -187,14 +187,14 @@ def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdit
 
 def _enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -> list[FoundDevice]:
     use_nvml = opts.nvml if opts.nvml is not None else host.root == "/"
-    if not use_nvml or not any(f.profile.kind == "nvidia.com/gpu" and not f.uuid for f in found):
+    if not use_nvml or not any(f.profile.uuid_nvml and not f.uuid for f in found):
         return found
     from devinject.discovery.gpuinfo import nvml_gpus
 
     by_bus = nvml_gpus()
     return [
         FoundDevice(f.profile, f.index, f.functions, f.nodes, by_bus[f.address].uuid)
-        if f.profile.kind == "nvidia.com/gpu" and not f.uuid and f.address in by_bus else f
+        if f.profile.uuid_nvml and not f.uuid and f.address in by_bus else f
         for f in found
     ]
 
