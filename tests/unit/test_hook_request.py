@@ -126,3 +126,33 @@ def test_qualified_name_rules_match_cdi_parser(text, ok):
     else:
         with pytest.raises(ValueError):
             parse_qualified_name(text)
+
+
+def test_state_on_stdin_has_one_deadline_not_one_per_chunk():
+    """A writer that drips a byte at a time never gets a fresh timeout: the whole read has one deadline."""
+    import os
+    import threading
+    import time
+
+    from devinject.hook.state import read_stdin
+
+    read_end, write_end = os.pipe()
+    stop = threading.Event()
+
+    def drip() -> None:
+        while not stop.is_set():
+            os.write(write_end, b" ")
+            time.sleep(0.2)
+
+    writer = threading.Thread(target=drip, daemon=True)
+    writer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(HookError, match="no complete OCI state on stdin within 1s"):
+            read_stdin(read_end, timeout=1.0)
+        assert time.monotonic() - started < 3  # cut off at the deadline, not kept alive by the drip
+    finally:
+        stop.set()
+        writer.join()
+        os.close(read_end)
+        os.close(write_end)

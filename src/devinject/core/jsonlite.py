@@ -76,12 +76,9 @@ def replace_file(path: str, obj: object, *, sort_keys: bool = False) -> None:
 
     OSError is the caller's to handle.
     """
-    import os
+    from devinject.core.atomicfile import replace
 
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(dumps(obj, sort_keys=sort_keys))
-    os.replace(tmp, path)
+    replace(path, dumps(obj, sort_keys=sort_keys).encode())
 
 
 def dumps(obj: object, *, sort_keys: bool = False) -> str:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 # Released CDI versions in order; what each adds is in docs/cdi-versions.md.
 KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 DEFAULT_VERSION_CAP = "0.5.0"
+DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")  # CDI's own defaults, in priority order (later wins)
 GENERATION_MARKER = "# devinject-generation: "
 
 
@@ -484,36 +485,17 @@ def load_file(path: str | Path) -> Spec:
 
 
 def write_atomic(path: Path, content: str, *, mode: int = 0o644) -> bool:
-    """Write via a temp file in the same directory, fsync, rename. Returns False when already identical."""
+    """Write through a temp file, fsync, rename (core.atomicfile). Returns False when already identical."""
+    from devinject.core.atomicfile import replace
+
     try:
         with open(path, encoding="utf-8") as handle:
             if handle.read() == content:
                 return False
     except (OSError, UnicodeDecodeError):
         pass
-    import tempfile
-
-    directory = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        replace(str(path), content.encode(), mode, sync=True)
     except OSError as err:
-        raise SpecError(f"{directory}: cannot write spec: {err.strerror}") from None
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as err:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise SpecError(f"{path}: cannot write spec: {err.strerror}") from None
     return True

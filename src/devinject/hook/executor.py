@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 
+from devinject.core import atomicfile
 from devinject.core.errors import HookError, UnsafePathError
 from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, MakeNode, Plan, Symlink
@@ -50,7 +51,7 @@ class Undo:
 
 # MS_RDONLY, MS_NOSUID, MS_NODEV and MS_NOEXEC have the same bits as MOUNT_ATTR_RDONLY ... _NOEXEC.
 _MOUNT_ATTRS = syscalls.MS_RDONLY | syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOEXEC
-_NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE = atomicfile.NEW_FILE
 
 
 def _proc_fd(fd: int) -> str:
@@ -269,7 +270,7 @@ class Executor:
         if previous is None:
             self.undo.add(lambda: os.unlink(name, dir_fd=etc_fd))
         else:
-            self.undo.add(lambda: linkercache.replace_file(etc_fd, name, previous))
+            self.undo.add(lambda: atomicfile.replace_at(etc_fd, name, previous))
         self.log.append(f"ld.so.cache {' '.join(folders)}")
 
     def _write_musl_path(self, arch: str, folders: tuple[str, ...]) -> None:
@@ -282,7 +283,7 @@ class Executor:
                 with os.fdopen(fd) as handle:
                     existing = [line.strip() for line in handle.read(65536).splitlines() if line.strip()]
             wanted = list(dict.fromkeys([*existing, *folders]))
-            linkercache.replace_file(dir_fd, name, ("\n".join(wanted) + "\n").encode())
+            atomicfile.replace_at(dir_fd, name, ("\n".join(wanted) + "\n").encode())
         finally:
             os.close(dir_fd)
         self.log.append(f"musl path {' '.join(folders)}")

@@ -16,6 +16,7 @@ import os
 import posixpath
 import stat
 
+from devinject.core.atomicfile import replace_at
 from devinject.core.elfinfo import read_shared_object
 from devinject.core.errors import HookError, LdCacheError, UnsafePathError
 from devinject.core.ldcache import MAX_CACHE_BYTES, LdCacheEntry, build_ldcache, merge_entries, parse_ldcache
@@ -23,7 +24,6 @@ from devinject.hook.safepath import _O_PATH, Created, Root
 
 CACHE_PATH = "/etc/ld.so.cache"
 MAX_FOLDER_ENTRIES = 8192
-_NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def open_regular(dir_fd: int, name: str) -> int | None:
@@ -123,7 +123,7 @@ def update(root: Root, folders: tuple[str, ...], created: Created) -> tuple[int,
         added: list[LdCacheEntry] = []
         for folder in folders:
             added += libraries_in(root, folder, existing)
-        replace_file(etc_fd, name, build_ldcache(merge_entries(existing, added)))
+        replace_at(etc_fd, name, build_ldcache(merge_entries(existing, added)))
     except OSError as err:
         os.close(etc_fd)
         raise HookError(f"update-ldcache: {CACHE_PATH}: {err.strerror}") from None
@@ -131,24 +131,3 @@ def update(root: Root, folders: tuple[str, ...], created: Created) -> tuple[int,
         os.close(etc_fd)
         raise
     return etc_fd, name, previous
-
-
-def replace_file(dir_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
-    """Atomically replace `name` in `dir_fd` (a link there is replaced, never followed)."""
-    tmp = f".{name}.devinject-{os.getpid()}"
-    fd = os.open(tmp, _NEW_FILE, mode, dir_fd=dir_fd)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fchmod(fd, mode)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    os.close(fd)
-    try:
-        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except OSError:
-        os.unlink(tmp, dir_fd=dir_fd)
-        raise

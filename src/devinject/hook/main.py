@@ -33,7 +33,9 @@ USAGE = """usage: devinject hook [--spec-dir DIR]... [--log-file FILE] [--state-
 
 class HookOptions:
     def __init__(self) -> None:
-        self.spec_dirs: tuple[str, ...] = ("/etc/cdi", "/var/run/cdi")
+        from devinject.core.spec import DEFAULT_SPEC_DIRS  # here, not at the top: poststop never loads the codec
+
+        self.spec_dirs: tuple[str, ...] = DEFAULT_SPEC_DIRS
         self.log_file: str | None = DEFAULT_LOG
         self.state_dir: str = DEFAULT_STATE_DIR
         self.env_requests: bool = False  # the image and the pod user set env: trusted only when the admin says

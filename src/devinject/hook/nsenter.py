@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import os
-import select
-import time
 
 from devinject.core import jsonlite
+from devinject.core.deadline import TooLarge, read_to_eof
 from devinject.core.errors import DevinjectError, HookError
 from devinject.hook import syscalls
 
@@ -17,6 +16,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 CHILD_TIMEOUT = 30.0
+MAX_REPORT_BYTES = 16 << 20
 
 
 _NAMESPACES = {"mnt": ("mount", syscalls.CLONE_NEWNS), "net": ("network", syscalls.CLONE_NEWNET)}
@@ -53,24 +53,16 @@ def run_in_namespace(pid: int, kind: str, fn: Callable[[], Any], *, timeout: flo
             os._exit(status)
     os.close(ns_fd)
     os.close(write_end)
-    deadline = time.monotonic() + timeout
-    chunks = []
     try:
-        while True:
-            remaining = deadline - time.monotonic()
-            ready, _, _ = select.select([read_end], [], [], max(remaining, 0))
-            if not ready:
-                os.kill(child, syscalls.SIGKILL)
-                raise HookError(f"work in the container's {words} namespace did not finish in {timeout:g}s")
-            chunk = os.read(read_end, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
+        report = read_to_eof(read_end, timeout, MAX_REPORT_BYTES)
+    except (TimeoutError, TooLarge):
+        os.kill(child, syscalls.SIGKILL)
+        raise HookError(f"work in the container's {words} namespace did not finish in {timeout:g}s") from None
     finally:
         os.close(read_end)
         os.waitpid(child, 0)
     try:
-        payload = jsonlite.loads(b"".join(chunks) or b"{}")
+        payload = jsonlite.loads(report or b"{}")
     except ValueError:
         payload = {}
     if not payload.get("ok"):

@@ -14,6 +14,7 @@ from devinject.core.errors import ResolveError, SpecError
 from devinject.core.model import ContainerEdits, Spec
 from devinject.core.names import parse_qualified_name
 from devinject.core.spec import (
+    DEFAULT_SPEC_DIRS,
     list_spec_files,
     load_text,
     read_spec_text,
@@ -30,7 +31,6 @@ else:
     from devinject.core.records import NamedTuple
 
 
-DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 
 
 class Resolved(NamedTuple):

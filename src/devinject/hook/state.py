@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import select
 
 from devinject.core import jsonlite
+from devinject.core.deadline import TooLarge, read_to_eof
 from devinject.core.errors import HookError
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
@@ -37,19 +37,12 @@ class BundleConfig(NamedTuple):
 
 
 def read_stdin(fd: int = 0, *, limit: int = MAX_STATE_BYTES, timeout: float = STDIN_TIMEOUT) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        ready, _, _ = select.select([fd], [], [], timeout)
-        if not ready:
-            raise HookError(f"no OCI state on stdin within {timeout:g}s")
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            raise HookError(f"OCI state on stdin is larger than {limit} bytes")
-        chunks.append(chunk)
+    try:
+        return read_to_eof(fd, timeout, limit)
+    except TimeoutError:
+        raise HookError(f"no complete OCI state on stdin within {timeout:g}s") from None
+    except TooLarge:
+        raise HookError(f"OCI state on stdin is larger than {limit} bytes") from None
 
 
 def _strings(value: object, where: str) -> dict[str, str]:

@@ -25,7 +25,6 @@ from devinject.core.spec import (
 )
 from devinject.core.specrules import spec_problems
 
-DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 OLD_RUNTIMES = "podman 4.x and containerd 1.7"  # they refuse specs above 0.5.0
 
 

@@ -1,0 +1,49 @@
+"""The one way devinject replaces a file: a temp file beside it (created O_EXCL | O_NOFOLLOW, so nothing in
+the way is followed or reused), its mode set, optionally fsynced, then renamed over the target — readers see
+the old file or the new one, never half of one. The directory is an fd, so callers that resolved it safely
+(the hook, inside a container's rootfs) never hand the kernel a path again. Lean: the hook uses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_serial = itertools.count()  # with the pid, a temp name no other writer (process or thread) uses
+
+
+def replace_at(dir_fd: int, name: str, data: bytes, mode: int = 0o644, *, sync: bool = False) -> None:
+    """Atomically replace `name` in the directory `dir_fd` with `data` (a link there is replaced, never
+    followed). OSError is the caller's to report."""
+    tmp = f".{name}.{os.getpid()}.{next(_serial)}.tmp"
+    fd = os.open(tmp, NEW_FILE, mode, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, mode)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    if sync:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+
+
+def replace(path: str, data: bytes, mode: int = 0o644, *, sync: bool = False) -> None:
+    """replace_at for a plain path (its directory opened once)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        replace_at(dir_fd, name, data, mode, sync=sync)
+    finally:
+        os.close(dir_fd)
