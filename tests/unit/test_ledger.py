@@ -146,3 +146,26 @@ def test_the_shipped_profiles_decide_sharing_when_no_policy_is_given(tmp_path):
     ledger.book("c", os.getpid(), gpu)
     with pytest.raises(LedgerError, match="held by container c"):
         ledger.book("d", os.getpid(), gpu)
+
+
+def test_sharing_honours_profile_dirs(tmp_path):
+    """An admin profile in a --profile-dir that makes a kind shared is what the ledger then enforces."""
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "acme.yaml").write_text("name: acme\nkind: acme.example/npu\nmatch: {vendor: ['1da4']}\n"
+                                        "sharing: shared\n")
+    nodes = (Claim("acme.example/npu=0", ("c 240:0",)),)
+    state = tmp_path / "state"
+    exclusive = Ledger(str(state))  # without the directory: an unknown kind is exclusive
+    exclusive.book("a", os.getpid(), nodes)
+    with pytest.raises(LedgerError):
+        exclusive.book("b", os.getpid(), nodes)
+    shared = Ledger(str(tmp_path / "state2"), profile_dirs=(str(profiles),))
+    assert shared.book("a", os.getpid(), nodes).new and shared.book("b", os.getpid(), nodes).new
+    (profiles / "acme.yaml").write_text("name: acme\nkind: acme.example/npu\nmatch: {vendor: ['1da4']}\n"
+                                        "sharing: exclusive\n")  # the cache follows the file
+    other = (Claim("acme.example/npu=1", ("c 240:1",)),)
+    again = Ledger(str(tmp_path / "state2"), profile_dirs=(str(profiles),))
+    again.book("c", os.getpid(), other)
+    with pytest.raises(LedgerError):
+        again.book("d", os.getpid(), other)

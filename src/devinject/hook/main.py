@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 CONFIG_FILE = "/etc/devinject/hook.json"
 DEFAULT_LOG = "/var/log/devinject/hook.log"
 DEFAULT_STATE_DIR = "/run/devinject"
-USAGE = """usage: devinject hook [--spec-dir DIR]... [--log-file FILE] [--state-dir DIR] [--config FILE]
+USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--log-file FILE] [--state-dir DIR]
+                      [--config FILE]
                       [--env-requests | --no-env-requests] [--no-ledger] [--dry-run]
                       [--stage prestart|createRuntime|poststop] < state.json
        devinject cdi-hook create-symlinks --link TARGET::LINK... < state.json
@@ -42,6 +43,7 @@ class HookOptions:
         self.ledger: bool = True
         self.stage: str | None = None
         self.dry_run: bool = False  # resolve and plan, print what would be done, change nothing
+        self.profile_dirs: tuple[str, ...] = ()  # extra device profiles (sharing modes, request variables)
 
 
 _CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -62,8 +64,8 @@ def _load_config(path: str, opts: HookOptions, *, required: bool) -> None:
     if not isinstance(data, dict):
         raise HookError(f"{path}: expected a JSON object")
     for key, value in data.items():
-        if key == "spec_dirs" and isinstance(value, list) and all(isinstance(v, str) for v in value):
-            opts.spec_dirs = tuple(value)
+        if key in ("spec_dirs", "profile_dirs") and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            setattr(opts, key, tuple(value))
         elif _CONFIG_TYPES.get(key) is not None and isinstance(value, _CONFIG_TYPES[key]):
             setattr(opts, key, value)
         else:
@@ -74,12 +76,13 @@ def parse_hook_args(args: list[str]) -> HookOptions:
     opts = HookOptions()
     config, config_required = CONFIG_FILE, False
     spec_dirs: list[str] = []
+    profile_dirs: list[str] = []
     overrides: dict[str, object] = {}
     i = 0
     while i < len(args):
         arg = args[i]
         name, eq, inline = arg.partition("=")
-        takes_value = name in ("--spec-dir", "--log-file", "--state-dir", "--config", "--stage")
+        takes_value = name in ("--spec-dir", "--profile-dir", "--log-file", "--state-dir", "--config", "--stage")
         if takes_value:
             if eq:
                 value = inline
@@ -90,6 +93,8 @@ def parse_hook_args(args: list[str]) -> HookOptions:
                 raise HookError(f"{name}: needs a value")
             if name == "--spec-dir":
                 spec_dirs.append(value)
+            elif name == "--profile-dir":
+                profile_dirs.append(value)
             elif name == "--config":
                 config, config_required = value, True
             elif name == "--stage":
@@ -115,6 +120,8 @@ def parse_hook_args(args: list[str]) -> HookOptions:
         setattr(opts, key, setting)
     if spec_dirs:
         opts.spec_dirs = tuple(spec_dirs)
+    if profile_dirs:
+        opts.profile_dirs = tuple(profile_dirs)
     return opts
 
 
@@ -162,7 +169,7 @@ class HostParts:
 
         claims = tuple(Claim(name, tuple(node_identity(n) for n in edits.device_nodes))
                        for name, edits in resolved.devices)
-        return Ledger(self.opts.state_dir).book(container_id, pid, claims)
+        return Ledger(self.opts.state_dir, profile_dirs=self.opts.profile_dirs).book(container_id, pid, claims)
 
     def grant(self, pid: int, rules: tuple[AllowDevice, ...]) -> tuple[CgroupGrant | None, str | None]:
         """Allow `rules` in the container's device cgroup: (the grant, for revert/done; where)."""
@@ -236,7 +243,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
     if opts.env_requests:  # the profiles name the variables (cached: no YAML on a warm start)
         from devinject.nodestate.sharing import request_variables
 
-        vendor_env = request_variables(opts.state_dir)
+        vendor_env = request_variables(opts.state_dir, profile_dirs=opts.profile_dirs)
     request = requested_devices({**bundle.annotations, **state.annotations}, bundle.env,
                                 allow_env=opts.env_requests, vendor_env=vendor_env)
     record["devices"] = list(request.names)

@@ -144,8 +144,10 @@ class Booking:
 
 
 class Ledger:
-    def __init__(self, state_dir: str, *, proc: str = "/proc", reclaim_timeout: float = RECLAIM_TIMEOUT) -> None:
+    def __init__(self, state_dir: str, *, proc: str = "/proc", reclaim_timeout: float = RECLAIM_TIMEOUT,
+                 profile_dirs: tuple[str, ...] = ()) -> None:
         self.state_dir = state_dir
+        self.profile_dirs = profile_dirs  # where sharing modes come from, besides the shipped/admin profiles
         self.proc = proc
         self.reclaim_timeout = reclaim_timeout
         self.path = os.path.join(state_dir, LEDGER_FILE)
@@ -251,7 +253,7 @@ class Ledger:
         if policy is None:
             from devinject.nodestate.sharing import sharing_policy
 
-            policy = sharing_policy(self.state_dir)
+            policy = sharing_policy(self.state_dir, profile_dirs=self.profile_dirs)
         names = tuple(claim.name for claim in claims)
         exclusive: list[str] = []
         shared: list[str] = []

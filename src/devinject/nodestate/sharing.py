@@ -11,13 +11,15 @@ from devinject.core import jsonlite
 CACHE_NAME = "sharing-cache.json"
 
 
-def _profile_files(root: str) -> list[str]:
+def _profile_files(root: str, profile_dirs: tuple[str, ...]) -> list[str]:
+    """Every profile file load_profiles reads: shipped, <root>/etc/devinject/profiles.d, --profile-dir."""
     shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "profiles")
-    files = [os.path.join(shipped, n) for n in os.listdir(shipped) if n.endswith(".yaml")]
-    admin = os.path.join(root, "etc/devinject/profiles.d")
-    if os.path.isdir(admin):
-        files += [os.path.join(admin, n) for n in sorted(os.listdir(admin)) if n.endswith((".yaml", ".yml"))]
-    return sorted(files)
+    files = [os.path.join(shipped, n) for n in sorted(os.listdir(shipped)) if n.endswith(".yaml")]
+    for directory in (os.path.join(root, "etc/devinject/profiles.d"), *profile_dirs):
+        if os.path.isdir(directory):
+            files += [os.path.join(directory, n) for n in sorted(os.listdir(directory))
+                      if n.endswith((".yaml", ".yml"))]
+    return files  # in load order: the fingerprint changes when a file moves between directories
 
 
 def _fingerprint(files: list[str]) -> str:
@@ -31,8 +33,8 @@ def _fingerprint(files: list[str]) -> str:
     return "|".join(parts)
 
 
-def _facts(state_dir: str, root: str) -> dict[str, dict[str, str]]:
-    files = _profile_files(root)
+def _facts(state_dir: str, root: str, profile_dirs: tuple[str, ...]) -> dict[str, dict[str, str]]:
+    files = _profile_files(root, profile_dirs)
     fingerprint = _fingerprint(files)
     cache = os.path.join(state_dir, CACHE_NAME)
     try:
@@ -47,7 +49,7 @@ def _facts(state_dir: str, root: str) -> dict[str, dict[str, str]]:
 
     policy: dict[str, str] = {}
     request_env: dict[str, str] = {}
-    for profile in reversed(load_profiles(Host(root))):  # highest priority last, so it wins
+    for profile in reversed(load_profiles(Host(root), profile_dirs)):  # highest priority last, so it wins
         policy[profile.kind] = profile.sharing
         request_env.update(dict.fromkeys(profile.request_env, profile.kind))
     facts = {"policy": policy, "request_env": request_env}
@@ -59,11 +61,11 @@ def _facts(state_dir: str, root: str) -> dict[str, dict[str, str]]:
     return facts
 
 
-def sharing_policy(state_dir: str, root: str = "/") -> dict[str, str]:
+def sharing_policy(state_dir: str, root: str = "/", profile_dirs: tuple[str, ...] = ()) -> dict[str, str]:
     """kind -> "exclusive" or "shared"."""
-    return _facts(state_dir, root)["policy"]
+    return _facts(state_dir, root, profile_dirs)["policy"]
 
 
-def request_variables(state_dir: str, root: str = "/") -> dict[str, str]:
+def request_variables(state_dir: str, root: str = "/", profile_dirs: tuple[str, ...] = ()) -> dict[str, str]:
     """env variable -> the kind its value names devices of (profiles' `request-env`)."""
-    return _facts(state_dir, root)["request_env"]
+    return _facts(state_dir, root, profile_dirs)["request_env"]
