@@ -12,6 +12,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+from devinject.core.identity import device_key, node_id_of
 from devinject.discovery.discover import FoundDevice, discover, family_of
 from devinject.discovery.gpuinfo import ProbeTimeout, call_with_timeout
 from devinject.discovery.host import Host
@@ -49,8 +50,6 @@ class AerBaseline:
     counts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def device_key(kind: str, address: str) -> str:
-    return f"{kind}={address}"
 
 
 def parse_xids(text: str) -> dict[str, list[int]]:
@@ -165,7 +164,7 @@ class HealthChecker:
 
     def _check_one(self, found: FoundDevice, xids: dict[str, list[int]]) -> Verdict:
         key = device_key(found.profile.kind, found.address)
-        nodes = tuple(f"{n.type or 'c'} {n.major}:{n.minor}" for n in found.nodes)
+        nodes = tuple(node_id_of(n) for n in found.nodes)
         pending = self._hung.get(key)
         if pending is not None and not pending.is_set():
             return Verdict(key, found.profile.kind, found.address, UNHEALTHY, ("probe timed out",), nodes)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from devinject.agent.health import HealthChecker, device_key
+from devinject.agent.health import HealthChecker
+from devinject.core.identity import device_key, node_id_of, qualified
 from devinject.discovery.discover import discover
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import load_profiles
@@ -30,13 +31,13 @@ def inventory(root: str, *, profile_dirs: tuple[str, ...] = (), state_dir: str |
     for item in found:
         pci = item.pci
         vendor = item.profile.vendor_name or f"{pci.vendor:04x}"
-        nodes = [f"{n.type or 'c'} {n.major}:{n.minor}" for n in item.nodes]
+        nodes = [node_id_of(n) for n in item.nodes]
         verdict = verdicts[device_key(item.profile.kind, item.address)]
         held_by = sorted(cid for cid, entry in allocations.items()
                          if set(nodes) & set(entry.get("exclusive", []) + entry.get("shared", [])))
         states = {allocations[cid].get("state", "active") for cid in held_by}
         rows.append({
-            "names": [f"{item.profile.kind}={n}" for n in device_names(item, ())],
+            "names": [qualified(item.profile.kind, n) for n in device_names(item, ())],
             "kind": item.profile.kind,
             "pci": item.address,
             "functions": [f.address for f in item.functions],
@@ -69,11 +70,11 @@ def holders(root: str, *, state_dir: str, device: str | None = None) -> list[dic
     host = Host(root)
     nodes: dict[str, str] = {}
     for item in discover(host, load_profiles(host)):
-        names = [f"{item.profile.kind}={n}" for n in device_names(item, ())]
+        names = [qualified(item.profile.kind, n) for n in device_names(item, ())]
         if device and not any(device in (n, n.partition("=")[2]) for n in names) and device != item.address:
             continue
         for device_node in item.nodes:
-            nodes.setdefault(f"{device_node.type or 'c'} {device_node.major}:{device_node.minor}", names[0])
+            nodes.setdefault(node_id_of(device_node), names[0])
     allocations = _allocations(state_dir)
     rows = []
     for node, pids in sorted(holders_of(set(nodes)).items()):

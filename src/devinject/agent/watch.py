@@ -23,11 +23,11 @@ from devinject.agent.health import (
     AerBaseline,
     HealthChecker,
     Verdict,
-    device_key,
     unbound_functions,
     unbound_verdict,
 )
 from devinject.core import jsonlite
+from devinject.core.identity import device_key
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.nodestate import events

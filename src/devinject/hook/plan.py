@@ -8,12 +8,15 @@ import posixpath
 import stat as statmod
 
 from devinject.core.errors import HookError
+from devinject.core.identity import node_id
 from devinject.core.model import ContainerEdits, DeviceNode, Hook, NetDevice
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import NamedTuple
+
+    from devinject.core.identity import NodeId
 
     StatFn = Callable[[str], os.stat_result]
 else:
@@ -106,11 +109,11 @@ def _fill_node(node: DeviceNode, stat_fn: StatFn, uid: int, gid: int) -> MakeNod
                     uid if node.uid is None else node.uid, gid if node.gid is None else node.gid, host_path)
 
 
-def node_identity(node: DeviceNode, stat_fn: StatFn = os.stat) -> str:
+def node_identity(node: DeviceNode, stat_fn: StatFn = os.stat) -> NodeId:
     """`c 195:0`: what the ledger books. Numbers a spec leaves out come from the host node, as for mknod,
     so a node written without major/minor (as other generators write them) is still one device."""
     filled = _fill_node(node, stat_fn, 0, 0)
-    return f"{filled.type} {filled.major}:{filled.minor}"
+    return node_id(filled.type, filled.major, filled.minor)
 
 
 def _bind(host_path: str, container_path: str, options: tuple[str, ...], mount_type: str | None) -> BindMount:

@@ -11,6 +11,7 @@ import os
 
 from devinject.core import jsonlite
 from devinject.core.errors import ResolveError, SpecError
+from devinject.core.identity import qualified
 from devinject.core.model import ContainerEdits, Spec
 from devinject.core.names import parse_qualified_name
 from devinject.core.spec import (
@@ -123,14 +124,14 @@ class Registry:
                 parsed |= fresh
                 kind = raw["kind"]
                 for index, device in enumerate(raw["devices"]):
-                    qualified = f"{kind}={device['name']}"
-                    previous = devices.get(qualified)
+                    name = qualified(kind, device["name"])
+                    previous = devices.get(name)
                     if previous is not None and previous.priority == priority:
-                        self.conflicts[qualified] = f"defined in both {previous.path} and {path}"
+                        self.conflicts[name] = f"defined in both {previous.path} and {path}"
                     elif previous is None or previous.priority < priority:
-                        devices[qualified] = _Entry(raw, index, priority, path)
-            for qualified in self.conflicts:
-                devices.pop(qualified, None)
+                        devices[name] = _Entry(raw, index, priority, path)
+            for conflicted in self.conflicts:
+                devices.pop(conflicted, None)
             if cache is not None and (parsed or len(cache) != len(used)):
                 self._write_cache(cache, used)
             self._devices = devices

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from devinject.core.errors import HookError
+from devinject.core.identity import qualified
 from devinject.core.names import parse_qualified_name
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
@@ -68,7 +69,7 @@ def requested_devices(annotations: dict[str, str], env: tuple[str, ...], *, allo
             if value is None or value.strip().lower() in NO_DEVICES:
                 continue
             ids = ["all"] if value.strip().lower() == "all" else _split(value)
-            names += _checked([f"{kind}={i}" for i in ids], variable)
+            names += _checked([qualified(kind, i) for i in ids], variable)
             sources.append(variable)
     unique = tuple(dict.fromkeys(names))
     if len(unique) > MAX_REQUESTED:

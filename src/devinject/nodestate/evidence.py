@@ -12,8 +12,8 @@ Three sources, each tied to a live process (so the rebuilt booking ends when tha
 from __future__ import annotations
 
 import os
-import stat
 
+from devinject.core.identity import node_id, node_id_of_stat
 from devinject.hook.cgroup import parse_mountinfo
 
 TYPE_CHECKING = False  # the hook rebuilds a lost ledger: `typing` stays off its start path
@@ -84,7 +84,7 @@ def _v1_nodes(directory: str) -> tuple[str, ...]:
 def _v2_nodes(directory: str) -> tuple[str, ...]:
     from devinject.hook import bpf
 
-    return tuple(dict.fromkeys(f"{r.type} {r.major}:{r.minor}" for r in bpf.granted_rules(directory)))
+    return tuple(dict.fromkeys(node_id(r.type, r.major, r.minor) for r in bpf.granted_rules(directory)))
 
 
 def open_node_holdings(proc: str = "/proc") -> list[Holding]:
@@ -120,9 +120,9 @@ def open_device_nodes(pid: int, proc: str = "/proc") -> tuple[str, ...]:
             st = os.stat(f"{fd_dir}/{fd}")
         except OSError:
             continue
-        if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-            kind = "c" if stat.S_ISCHR(st.st_mode) else "b"
-            nodes.append(f"{kind} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+        identity = node_id_of_stat(st)
+        if identity is not None:
+            nodes.append(identity)
     return tuple(dict.fromkeys(nodes))
 
 

@@ -23,6 +23,8 @@ from devinject.nodestate import events
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
+
+    from devinject.core.identity import NodeId, QualifiedName
 else:
     from devinject.core.records import NamedTuple
 
@@ -50,8 +52,8 @@ def process_start_time(pid: int, proc: str = "/proc") -> int | None:
 
 class Claim(NamedTuple):
     """One requested device and the identities of its nodes (`c 195:0`)."""
-    name: str
-    nodes: tuple[str, ...]
+    name: QualifiedName | str
+    nodes: tuple[NodeId, ...]
 
 
 def _strings(value: object) -> bool:
@@ -75,10 +77,6 @@ def ledger_problem(data: object) -> str | None:
         if entry.get("state") not in ("active", "reclaiming"):
             return f"allocation {cid}: state is not active or reclaiming"
     return None
-
-
-def node_key(kind: str, major: int, minor: int) -> str:
-    return f"{kind} {major}:{minor}"
 
 
 def holders_of(nodes: set[str], proc: str = "/proc") -> dict[str, list[int]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from devinject.core.errors import ConfigError, DevinjectError, SpecError
+from devinject.core.identity import device_key
 from devinject.core.ldcache import LdCacheEntry
 from devinject.core.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
 from devinject.core.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, dump, required_version, version_key
@@ -228,7 +229,7 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
     ldcache = read_ldcache(host) if any(p.libraries for p in profiles) else []
     by_kind: dict[str, list[FoundDevice]] = {}
     for item in found:
-        if f"{item.profile.kind}={item.address}" not in opts.exclude:
+        if device_key(item.profile.kind, item.address) not in opts.exclude:
             by_kind.setdefault(item.profile.kind, []).append(item)
     specs = []
     for profile in profiles:

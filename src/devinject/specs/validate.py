@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from devinject.core.errors import SpecError, SpecValidationError
+from devinject.core.identity import qualified
 from devinject.core.model import Spec
 from devinject.core.spec import (
     DEFAULT_VERSION_CAP,
@@ -103,7 +104,7 @@ def validate_paths(paths: Iterable[str], *, max_version: str | None = None,
         elif note and warnings is not None:
             warnings.append(f"{file}: {note}")
         for device in spec.devices:
-            key = (file.parent.resolve(), f"{spec.kind}={device.name}")
+            key = (file.parent.resolve(), qualified(spec.kind, device.name))
             if key in owners:
                 problems.append(f"{file}: {key[1]}: also defined in {owners[key]} at the same priority")
             else:
