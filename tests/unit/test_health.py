@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from devinject.agent.health import check_host, parse_xids
+from devinject.agent.health import check_host, parse_kernel_log
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import load_profiles
 
@@ -83,6 +83,25 @@ def test_removed_function_is_reported_by_watch_not_one_shot(host_copy):
     assert KEY not in _verdicts(root)
 
 
-def test_parse_xids():
-    assert parse_xids("NVRM: Xid (PCI:0000:3B:00): 48, DBE\nNVRM: Xid (PCI:0000:3b:00): 94, x\n") == {
-        "0000:3b:00": [48, 94]}
+def test_kernel_log_errors_come_from_the_profile():
+    """NVIDIA's Xid pattern and fatal codes are data in its profile, read by the generic parser."""
+    from devinject.discovery.profiles import builtin_profiles
+
+    (nvidia,) = [p for p in builtin_profiles() if p.kind == "nvidia.com/gpu"]
+    assert nvidia.kernel_log is not None and 79 in nvidia.kernel_log.fatal and 13 not in nvidia.kernel_log.fatal
+    text = "NVRM: Xid (PCI:0000:3B:00): 48, DBE\nNVRM: Xid (PCI:0000:3b:00): 94, x\nother line\n"
+    assert parse_kernel_log(text, (nvidia.kernel_log.pattern,)) == {"0000:3b:00": [48, 94]}
+
+
+@pytest.mark.parametrize(("health", "message"), [
+    ("health: {kernel-log: {pattern: 'Xid (\\d+)', fatal: [1]}}", "needs the named groups"),
+    ("health: {kernel-log: {pattern: '(unclosed', fatal: [1]}}", "not a regular expression"),
+    ("health: {flags: [{proc-file: /x, key: K}]}", r"x\.yaml\.health\.flags\[0\]\.unhealthy: required"),
+])
+def test_bad_health_sections_name_the_field(health, message):
+    from devinject.core.errors import ConfigError
+    from devinject.discovery.profiles import _load_yaml, parse_profile
+
+    text = f"name: x\nkind: a.com/b\n{health}\n"
+    with pytest.raises(ConfigError, match=message):
+        parse_profile(_load_yaml(text, "x.yaml"), "x.yaml")

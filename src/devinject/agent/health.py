@@ -1,7 +1,7 @@
 """Device health: `healthy`, `degraded` or `unhealthy`, each with reasons, from what the kernel shows.
 
 Sources (all under the host root): the PCI function's presence, driver binding, `enable`, PCIe link
-width/speed against the maximum, AER counters, NVIDIA's `GPU Excluded` flag and Xid events in the kernel
+width/speed against the maximum, AER counters, the driver's own flags and the fatal errors it logs in the kernel
 log. Every probe runs with a deadline: a read that hangs (a driver file of a dead device) becomes
 `unhealthy: probe timed out`.
 """
@@ -22,10 +22,8 @@ from devinject.discovery.sysfs import PciDevice, scan_pci
 
 HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
 _RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
-FATAL_XIDS = frozenset({43, 48, 61, 62, 63, 64, 74, 79, 92, 94, 95})
 PROBE_TIMEOUT = 2.0
 DEFAULT_KERNEL_LOG = "/var/log/kern.log"
-_XID = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.\d)?\): (\d+)")
 _SPEED = re.compile(r"([\d.]+)\s*GT/s")
 
 
@@ -52,11 +50,13 @@ class AerBaseline:
 
 
 
-def parse_xids(text: str) -> dict[str, list[int]]:
-    """Xid numbers per PCI slot (`0000:18:00`) from kernel log text."""
+def parse_kernel_log(text: str, patterns: tuple[str, ...]) -> dict[str, list[int]]:
+    """Error codes per PCI slot (`0000:18:00`) from kernel log text, by the profiles' `health.kernel-log`
+    patterns (each with `slot` and `code` groups)."""
     out: dict[str, list[int]] = {}
-    for match in _XID.finditer(text):
-        out.setdefault(match.group(1).lower(), []).append(int(match.group(2)))
+    for pattern in patterns:
+        for match in re.finditer(pattern, text):
+            out.setdefault(match.group("slot").lower(), []).append(int(match.group("code")))
     return out
 
 
@@ -111,13 +111,15 @@ def probe_function(host: Host, found: FoundDevice, xids: dict[str, list[int]],
             worse(DEGRADED, f"{pci.address}: AER non-fatal errors {seen[1]} -> {nonfatal}")
         if baseline is not None:
             baseline.counts.setdefault(pci.address, (fatal, nonfatal))
-        for xid in xids.get(pci.address.rpartition(".")[0], []):
-            if xid in FATAL_XIDS:
-                worse(UNHEALTHY, f"{pci.address}: fatal Xid {xid}")
-    if found.profile.uuid_file:  # NVIDIA: the driver's own verdict
-        info = parse_key_values(host.read_text(found.profile.uuid_file.format(address=found.address)) or "")
-        if info.get("GPU Excluded", "").lower() == "yes" or info.get("Blacklisted", "").lower() == "yes":
-            worse(UNHEALTHY, f"{found.address}: excluded by the driver (GPU Excluded: Yes)")
+        errors = found.profile.kernel_log
+        if errors is not None:
+            for code in xids.get(pci.address.rpartition(".")[0], []):
+                if code in errors.fatal:
+                    worse(UNHEALTHY, f"{pci.address}: fatal {errors.name} {code}")
+    for flag in found.profile.health_flags:  # the driver's own verdict, where it gives one
+        info = parse_key_values(host.read_text(flag.file.format(address=found.address)) or "")
+        if info.get(flag.key, "").lower() == flag.unhealthy.lower():
+            worse(UNHEALTHY, f"{found.address}: {flag.key}: {info[flag.key]} (the driver's own verdict)")
     return status, list(dict.fromkeys(reasons))
 
 
@@ -134,15 +136,16 @@ class HealthChecker:
         self._log_offset: int | None = None
         self._recent: dict[str, list[int]] = {}
 
-    def _xids(self) -> dict[str, list[int]]:
-        """One-shot: every Xid in the log. Watch (with a baseline): only those logged since it started."""
+    def _xids(self, patterns: tuple[str, ...]) -> dict[str, list[int]]:
+        """One-shot: every error the profiles' patterns find in the kernel log. Watch (with a baseline): only
+        those logged since it started."""
         path = self.host.real(self.host.resolve(self.kernel_log))
         try:
             with open(path, "rb") as handle:
                 size = handle.seek(0, 2)
                 if self.baseline is None:
                     handle.seek(0)
-                    return parse_xids(handle.read().decode(errors="replace"))
+                    return parse_kernel_log(handle.read().decode(errors="replace"), patterns)
                 if self._log_offset is None or size < self._log_offset:  # first look, or rotated
                     self._log_offset = size if self._log_offset is None else 0
                 handle.seek(self._log_offset)
@@ -150,12 +153,13 @@ class HealthChecker:
                 self._log_offset = size
         except OSError:
             return self._recent
-        for slot, ids in parse_xids(new.decode(errors="replace")).items():
+        for slot, ids in parse_kernel_log(new.decode(errors="replace"), patterns).items():
             self._recent.setdefault(slot, []).extend(ids)
         return self._recent
 
     def check(self, devices: list[FoundDevice]) -> list[Verdict]:
-        xids = self._xids()
+        patterns = tuple(dict.fromkeys(f.profile.kernel_log.pattern for f in devices if f.profile.kernel_log))
+        xids = self._xids(patterns) if patterns else {}
         return [self._check_one(found, xids) for found in devices]
 
     def clear_xids(self, address: str) -> None:

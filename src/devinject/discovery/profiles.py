@@ -8,6 +8,7 @@ file in `<root>/etc/devinject/profiles.d/`. `docs/profiles.md` documents every f
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -40,6 +41,25 @@ class NodeRule:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthFlag:
+    """The driver's own verdict: `key` in a key/value file (procfs), unhealthy when it reads `unhealthy`."""
+
+    file: str  # `{address}` filled in
+    key: str
+    unhealthy: str
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLogErrors:
+    """Errors the driver logs per device: a regex with `slot` (domain:bus:device) and `code` groups, and the
+    codes that mean the device is gone (NVIDIA's fatal Xids, for example)."""
+
+    name: str
+    pattern: str
+    fatal: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     name: str
     kind: str
@@ -58,6 +78,8 @@ class Profile:
     vendor_name: str = ""  # how `list` names the vendor
     request_env: tuple[str, ...] = ()  # env variables other vendors' hooks read, mapped onto this kind
     uevents: tuple[str, ...] = ()  # kernel subsystems whose uevents mean this family changed
+    health_flags: tuple[HealthFlag, ...] = ()
+    kernel_log: KernelLogErrors | None = None
     driver_module: str | None = None
     driver_version_file: str | None = None
     libraries: tuple[str, ...] = ()
@@ -157,11 +179,42 @@ def _node_rule(data: object, where: str) -> NodeRule:
     return rule
 
 
+def _health_flags(data: object, where: str) -> tuple[HealthFlag, ...]:
+    health = _Fields(data, where, {"flags", "kernel-log"})
+    flags = health.data.get("flags", [])
+    if not isinstance(flags, list):
+        raise ConfigError(f"{where}.flags: expected a list")
+    out = []
+    for i, item in enumerate(flags):
+        flag = _Fields(item, f"{where}.flags[{i}]", {"proc-file", "key", "unhealthy"})
+        out.append(HealthFlag(flag.text("proc-file", required=True), flag.text("key", required=True),
+                              flag.text("unhealthy", required=True)))
+    return tuple(out)
+
+
+def _kernel_log(data: object, where: str) -> KernelLogErrors | None:
+    raw = _Fields(data, where, {"flags", "kernel-log"}).data.get("kernel-log")
+    if raw is None:
+        return None
+    log = _Fields(raw, f"{where}.kernel-log", {"name", "pattern", "fatal"})
+    pattern = log.text("pattern", required=True)
+    try:
+        groups = re.compile(pattern).groupindex
+    except re.error as err:
+        raise ConfigError(f"{where}.kernel-log.pattern: not a regular expression: {err}") from None
+    if not {"slot", "code"} <= set(groups):
+        raise ConfigError(f"{where}.kernel-log.pattern: needs the named groups (?P<slot>...) and (?P<code>...)")
+    fatal = log.data.get("fatal", [])
+    if not isinstance(fatal, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in fatal):
+        raise ConfigError(f"{where}.kernel-log.fatal: expected a list of numbers")
+    return KernelLogErrors(log.text("name", "error"), pattern, tuple(fatal))
+
+
 def parse_profile(data: object, source: str) -> Profile:
     f = _Fields(data, source, {"name", "kind", "description", "match", "priority", "group-by", "sharing",
                                "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
                                "library-dirs", "binaries", "files", "env", "models", "vendor-name",
-                               "request-env", "uevents"})
+                               "request-env", "uevents", "health"})
     name = f.text("name", required=True)
     kind = f.text("kind", required=True)
     problem = kind_problem(kind)
@@ -209,6 +262,8 @@ def parse_profile(data: object, source: str) -> Profile:
         vendor_name=f.text("vendor-name", ""),
         request_env=f.strings("request-env"),
         uevents=f.strings("uevents"),
+        health_flags=_health_flags(f.data.get("health", {}), f"{source}.health"),
+        kernel_log=_kernel_log(f.data.get("health", {}), f"{source}.health"),
         driver_module=version.text("module"),
         driver_version_file=version.text("proc-file"),
         libraries=f.strings("libraries"),
