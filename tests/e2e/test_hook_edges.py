@@ -19,6 +19,22 @@ pytestmark = pytest.mark.live
 REPO = Path(__file__).resolve().parents[2]
 
 
+def hook_run(bundle: Path, container_id: str, pid: int, request: str | None, *args: str,
+             command: tuple[str, ...] = (DEVINJECT,), timeout: int = 60) -> subprocess.CompletedProcess[str]:
+    """One `devinject hook` run as a runtime makes it: a bundle (rootfs, config.json with the request as a
+    CDI annotation) and the OCI state on stdin. No request: the container's poststop."""
+    state: dict[str, object] = {"ociVersion": "1.0.2", "id": container_id, "bundle": str(bundle)}
+    if request is None:
+        state["status"] = "stopped"
+    else:
+        (bundle / "rootfs" / "dev").mkdir(parents=True, exist_ok=True)
+        (bundle / "config.json").write_text(json.dumps({"root": {"path": "rootfs"},
+                                                        "annotations": {"cdi.k8s.io/test": request}}))
+        state.update(status="creating", pid=pid)
+    return subprocess.run([*command, "hook", *args], input=json.dumps(state), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def test_mknod_not_permitted_falls_back_to_binding_the_host_node(tmp_path: Path) -> None:
     """In a user namespace mknod fails with EPERM: the host node is bind-mounted instead."""
     require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare")
@@ -54,16 +70,9 @@ def test_fifty_hooks_racing_for_eight_devices_never_double_allocate(tmp_path: Pa
     try:
         for round_number in range(3):
             def one(index: int, round_number: int = round_number) -> subprocess.CompletedProcess[str]:
-                bundle = tmp_path / f"b{round_number}-{index}"
-                (bundle / "rootfs" / "dev").mkdir(parents=True)
-                (bundle / "config.json").write_text(json.dumps({
-                    "root": {"path": "rootfs"},
-                    "annotations": {"cdi.k8s.io/race": f"race.example/dev={index % 8}"}}))
-                state = json.dumps({"ociVersion": "1.0.2", "id": f"r{round_number}-{index}", "status": "creating",
-                                    "pid": sleepers[index].pid, "bundle": str(bundle)})
-                return subprocess.run([DEVINJECT, "hook", "--spec-dir", str(spec_dir), "--state-dir", str(state_dir),
-                                       "--log-file", str(tmp_path / "hook.log")], input=state, capture_output=True,
-                                      text=True, timeout=120)
+                return hook_run(tmp_path / f"b{round_number}-{index}", f"r{round_number}-{index}",
+                                sleepers[index].pid, f"race.example/dev={index % 8}", "--spec-dir", str(spec_dir),
+                                "--state-dir", str(state_dir), "--log-file", str(tmp_path / "hook.log"), timeout=120)
 
             with ThreadPoolExecutor(max_workers=50) as pool:
                 results = list(pool.map(one, range(50)))
@@ -75,10 +84,7 @@ def test_fifty_hooks_racing_for_eight_devices_never_double_allocate(tmp_path: Pa
             held = [node for entry in ledger.values() for node in entry["exclusive"]]
             assert len(held) == len(set(held)) == 8
             for container in list(ledger):  # poststop for everyone, then the next round
-                state = json.dumps({"ociVersion": "1.0.2", "id": container, "status": "stopped",
-                                    "bundle": str(tmp_path)})
-                done = subprocess.run([DEVINJECT, "hook", "--state-dir", str(state_dir), "--log-file", "/dev/null"],
-                                      input=state, capture_output=True, text=True, timeout=60)
+                done = hook_run(tmp_path, container, 0, None, "--state-dir", str(state_dir), "--log-file", "/dev/null")
                 assert done.returncode == 0, done.stderr
             left = json.loads((state_dir / "ledger.json").read_text())["allocations"]
             assert {entry["state"] for entry in left.values()} <= {"reclaiming"}  # released (or already gone)
@@ -100,17 +106,9 @@ def test_a_node_without_numbers_in_the_spec_is_still_exclusive(tmp_path: Path) -
         "- name: b\n  containerEdits:\n    deviceNodes: [{path: /dev/other-name, hostPath: /dev/null}]\n")
     sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
-        results = []
-        for index, name in enumerate(("a", "b")):
-            bundle = tmp_path / f"b{index}"
-            (bundle / "rootfs" / "dev").mkdir(parents=True)
-            (bundle / "config.json").write_text(json.dumps({
-                "root": {"path": "rootfs"}, "annotations": {"cdi.k8s.io/x": f"bare.example/dev={name}"}}))
-            state = json.dumps({"ociVersion": "1.0.2", "id": f"bare-{index}", "status": "creating",
-                                "pid": sleepers[index].pid, "bundle": str(bundle)})
-            results.append(subprocess.run([DEVINJECT, "hook", "--spec-dir", str(spec_dir), "--state-dir",
-                                           str(tmp_path / "state"), "--log-file", "/dev/null"], input=state,
-                                          capture_output=True, text=True, timeout=60))
+        results = [hook_run(tmp_path / f"b{index}", f"bare-{index}", sleepers[index].pid, f"bare.example/dev={name}",
+                            "--spec-dir", str(spec_dir), "--state-dir", str(tmp_path / "state"), "--log-file",
+                            "/dev/null") for index, name in enumerate(("a", "b"))]
         assert results[0].returncode == 0, results[0].stderr
         assert results[1].returncode != 0
         assert "device c 1:3 is held by container bare-0" in results[1].stderr
@@ -131,13 +129,8 @@ def test_a_hook_that_fails_after_booking_gives_the_device_back(tmp_path: Path) -
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         bundle = tmp_path / "bundle"
-        (bundle / "rootfs" / "dev").mkdir(parents=True)
-        (bundle / "config.json").write_text(json.dumps({
-            "root": {"path": "rootfs"}, "annotations": {"cdi.k8s.io/x": "cancel.example/dev=a"}}))
-        state = json.dumps({"ociVersion": "1.0.2", "id": "doomed", "status": "creating", "pid": sleeper.pid,
-                            "bundle": str(bundle)})
-        done = subprocess.run([DEVINJECT, "hook", "--spec-dir", str(spec_dir), "--state-dir", str(tmp_path / "state"),
-                               "--log-file", "/dev/null"], input=state, capture_output=True, text=True, timeout=60)
+        done = hook_run(bundle, "doomed", sleeper.pid, "cancel.example/dev=a", "--spec-dir", str(spec_dir),
+                        "--state-dir", str(tmp_path / "state"), "--log-file", "/dev/null")
         assert done.returncode != 0 and "absent.so" in done.stderr
         ledger = json.loads((tmp_path / "state" / "ledger.json").read_text())
         assert ledger["allocations"] == {}  # the booking was cancelled with the rest
@@ -175,20 +168,14 @@ def test_a_real_hook_run_imports_only_the_core_it_needs(tmp_path: Path) -> None:
         loaded = []
         for run in range(2):  # cold (YAML parsed, sharing policy read from the profiles), then warm
             bundle = tmp_path / f"bundle{run}"
-            (bundle / "rootfs" / "etc").mkdir(parents=True)
-            (bundle / "config.json").write_text(json.dumps({
-                "root": {"path": "rootfs"}, "annotations": {"cdi.k8s.io/x": "habana.ai/gaudi=0"}}))
-            state = json.dumps({"ociVersion": "1.0.2", "id": f"imports-{run}", "status": "creating",
-                                "pid": sleeper.pid, "bundle": str(bundle)})
-            done = subprocess.run([sys.executable, "-I", "-c", code, "hook", "--spec-dir", str(spec_dir),
-                                   "--state-dir", str(tmp_path / "state"), "--log-file", "/dev/null"],
-                                  input=state, capture_output=True, text=True, timeout=60)
+            done = hook_run(bundle, f"imports-{run}", sleeper.pid, "habana.ai/gaudi=0", "--spec-dir", str(spec_dir),
+                            "--state-dir", str(tmp_path / "state"), "--log-file", "/dev/null",
+                            command=(sys.executable, "-I", "-c", code))
             assert done.returncode == 0, done.stderr
             assert (bundle / "rootfs" / "etc" / "ld.so.cache").exists()  # the whole path ran
             loaded = done.stdout.split()
-            subprocess.run([DEVINJECT, "hook", "--state-dir", str(tmp_path / "state"), "--log-file", "/dev/null"],
-                           input=json.dumps({"ociVersion": "1.0.2", "id": f"imports-{run}", "status": "stopped",
-                                             "bundle": str(bundle)}), capture_output=True, text=True, timeout=60)
+            hook_run(bundle, f"imports-{run}", 0, None, "--state-dir", str(tmp_path / "state"), "--log-file",
+                     "/dev/null")
         ours = [m for m in loaded if m.startswith("devinject.") and m != "devinject.entry"]
         assert ours and all(m.startswith(HOOK_PACKAGES) for m in ours), ours
         assert [m for m in loaded if not m.startswith("devinject")] == []
