@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,41 @@ def test_unparseable_admin_profile_is_a_config_error(host_copy):
     (root / "etc/devinject/profiles.d/broken.yaml").write_text("name: [unclosed\n")
     with pytest.raises(ConfigError, match=r"broken\.yaml: invalid YAML"):
         load_profiles(Host(str(root)))
+
+
+def test_mount_options_per_file_from_the_profile(tmp_path, host_copy):
+    """Some stacks need a writable mount: `mount-options` gives one container path its own options, and the
+    hook's plan honours them; every other driver file stays ro, nosuid, nodev."""
+    from devinject.core.model import ContainerEdits
+    from devinject.hook.plan import plan
+    from devinject.specs.generate import GenerateOptions, generate_specs
+    root = host_copy("hgx-h100")
+    (root / "run/nvidia-persistenced").mkdir(parents=True)
+    (root / "run/nvidia-persistenced/socket").write_text("")  # the daemon's socket, as a file here
+    shipped = Path(__file__).resolve().parents[2] / "src/devinject/data/profiles/nvidia-gpu.yaml"
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "nvidia-gpu.yaml").write_text(shipped.read_text() + (
+        'mount-options:\n  "/run/nvidia-persistenced/*": [rw, nosuid, nodev, bind]\n'))
+    opts = GenerateOptions(root=str(root), kinds=("nvidia.com/gpu",), profile_dirs=(str(profiles),),
+                           hook_path="/usr/bin/devinject", nvml=False)
+    (spec,) = generate_specs(opts)
+    by_path = {m.container_path: m.options for m in spec.edits.mounts}
+    assert by_path["/run/nvidia-persistenced/socket"] == ("rw", "nosuid", "nodev", "bind")
+    assert by_path["/usr/bin/nvidia-smi"] == ("ro", "nosuid", "nodev", "bind")
+    steps = plan(ContainerEdits(mounts=spec.edits.mounts))
+    writable = [m for m in steps.mounts if not m.readonly]
+    assert [m.container_path for m in writable] == ["/run/nvidia-persistenced/socket"]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ('{"/run/x": [rw, bind, sticky]}', "unknown option 'sticky'"),
+    ('{"/run/x": [rw]}', "add bind or rbind"),
+    ('{"run/x": [rw, bind]}', "not an absolute path"),
+])
+def test_bad_mount_options_name_the_field(options, message):
+    from devinject.core.errors import ConfigError
+    from devinject.discovery.profiles import _load_yaml, parse_profile
+
+    with pytest.raises(ConfigError, match=message):
+        parse_profile(_load_yaml(f"name: x\nkind: a.com/b\nmount-options: {options}\n", "x.yaml"), "x.yaml")

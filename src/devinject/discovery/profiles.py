@@ -21,6 +21,7 @@ from devinject.discovery.sysfs import PciDevice
 
 ADMIN_PROFILE_DIR = "/etc/devinject/profiles.d"
 SHARING_MODES = ("exclusive", "shared")
+MOUNT_OPTIONS = frozenset({"ro", "rw", "nosuid", "suid", "nodev", "dev", "noexec", "exec", "bind", "rbind"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,7 @@ class Profile:
     vendor_name: str = ""  # how `list` names the vendor
     request_env: tuple[str, ...] = ()  # env variables other vendors' hooks read, mapped onto this kind
     uevents: tuple[str, ...] = ()  # kernel subsystems whose uevents mean this family changed
+    mount_options: tuple[tuple[str, tuple[str, ...]], ...] = ()  # container-path glob -> options
     health_flags: tuple[HealthFlag, ...] = ()
     kernel_log: KernelLogErrors | None = None
     driver_module: str | None = None
@@ -179,6 +181,27 @@ def _node_rule(data: object, where: str) -> NodeRule:
     return rule
 
 
+def _mount_options(data: object, where: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`{"/run/acme/*": [rw, nosuid, nodev, bind]}`: the options of the mounts whose container path matches
+    (first match wins); every other driver file is mounted ro, nosuid, nodev."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of container path globs to option lists")
+    out = []
+    for pattern, options in data.items():
+        if not isinstance(pattern, str) or not pattern.startswith("/"):
+            raise ConfigError(f"{where}: {pattern!r} is not an absolute path or glob")
+        if not isinstance(options, list) or not all(isinstance(o, str) for o in options):
+            raise ConfigError(f"{where}.{pattern}: expected a list of options")
+        unknown = [o for o in options if o not in MOUNT_OPTIONS]
+        if unknown:
+            raise ConfigError(f"{where}.{pattern}: unknown option {unknown[0]!r} (known: "
+                              f"{', '.join(sorted(MOUNT_OPTIONS))})")
+        if not {"bind", "rbind"} & set(options):
+            raise ConfigError(f"{where}.{pattern}: driver files are bind mounts: add bind or rbind")
+        out.append((pattern, tuple(options)))
+    return tuple(out)
+
+
 def _health_flags(data: object, where: str) -> tuple[HealthFlag, ...]:
     health = _Fields(data, where, {"flags", "kernel-log"})
     flags = health.data.get("flags", [])
@@ -214,7 +237,7 @@ def parse_profile(data: object, source: str) -> Profile:
     f = _Fields(data, source, {"name", "kind", "description", "match", "priority", "group-by", "sharing",
                                "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
                                "library-dirs", "binaries", "files", "env", "models", "vendor-name",
-                               "request-env", "uevents", "health"})
+                               "request-env", "uevents", "health", "mount-options"})
     name = f.text("name", required=True)
     kind = f.text("kind", required=True)
     problem = kind_problem(kind)
@@ -262,6 +285,7 @@ def parse_profile(data: object, source: str) -> Profile:
         vendor_name=f.text("vendor-name", ""),
         request_env=f.strings("request-env"),
         uevents=f.strings("uevents"),
+        mount_options=_mount_options(f.data.get("mount-options", {}), f"{source}.mount-options"),
         health_flags=_health_flags(f.data.get("health", {}), f"{source}.health"),
         kernel_log=_kernel_log(f.data.get("health", {}), f"{source}.health"),
         driver_module=version.text("module"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import posixpath
@@ -142,7 +143,7 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
         d for d in profile.library_dirs if d in mounts})
     hooks = [_cdi_hook(hook_path, command, flag, values) for command, flag, values in (
         ("create-symlinks", "--link", links), ("update-ldcache", "--folder", folders)) if values]
-    ordered_mounts = sorted(_without_nested(list(mounts.values())),
+    ordered_mounts = sorted(_without_nested([_with_options(m, profile) for m in mounts.values()]),
                             key=lambda m: (m.container_path.count("/"), m.container_path))
     return ContainerEdits(
         env=profile.env,
@@ -150,6 +151,14 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
         mounts=tuple(ordered_mounts),
         hooks=tuple(hooks),
     )
+
+
+def _with_options(mount: Mount, profile: Profile) -> Mount:
+    """The profile's `mount-options` for this container path, when one matches (first wins)."""
+    for pattern, options in profile.mount_options:
+        if fnmatch.fnmatchcase(mount.container_path, pattern):
+            return Mount(mount.host_path, mount.container_path, options, mount.type)
+    return mount
 
 
 def _without_nested(mounts: list[Mount]) -> list[Mount]:
