@@ -127,6 +127,26 @@ kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", sh
                                  help="Kernel log (under --root) scanned for NVIDIA Xid events.")
 
 
+@cli.command()
+@root_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False))
+def topo(root: str, as_json: bool, profile_dirs: tuple[str, ...]) -> None:
+    """How close the devices are in the PCIe tree and across NUMA nodes (as `nvidia-smi topo -m`, any vendor)."""
+    from devinject.discovery.discover import discover
+    from devinject.discovery.host import Host
+    from devinject.discovery.profiles import load_profiles
+    from devinject.discovery.topology import topology
+
+    host = Host(root)
+    found = discover(host, load_profiles(host, profile_dirs))
+    if not found:
+        click.echo("no devices found", err=True)
+        return
+    result = topology(host, found)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.render(), nl=as_json)
+
+
 @cli.command("list")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

@@ -1,0 +1,109 @@
+"""How close two devices are, from sysfs alone (any vendor, no vendor library): the relations admins know
+from `nvidia-smi topo -m`, computed from each function's place in the PCIe tree and its NUMA node.
+
+- `PIX`: the same PCIe switch (or functions of one slot): at most two hops below the deepest common bridge;
+- `PXB`: several bridges, without the host bridge (nested switches under one root port);
+- `PHB`: through one host bridge (different root ports of one root complex);
+- `NODE`: different host bridges on the same NUMA node;
+- `SYS`: across NUMA nodes. A device whose NUMA node the kernel does not know (`numa_node` -1) is never
+  guessed closer: across host bridges it is `SYS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from devinject.discovery.discover import FoundDevice
+from devinject.discovery.host import Host
+
+SELF, PIX, PXB, PHB, NODE, SYS = "X", "PIX", "PXB", "PHB", "NODE", "SYS"
+RANK = {SELF: 0, PIX: 1, PXB: 2, PHB: 3, NODE: 4, SYS: 5}  # closer first
+LEGEND = (
+    "X    = self",
+    "SYS  = across NUMA nodes (or a NUMA node the kernel does not report)",
+    "NODE = different PCIe host bridges on one NUMA node",
+    "PHB  = through one PCIe host bridge",
+    "PXB  = several PCIe bridges, without a host bridge",
+    "PIX  = one PCIe switch (or one slot)",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a device sits: its PCIe path from the host bridge (`pci0000:12`, root port, ..., itself)."""
+
+    address: str
+    path: tuple[str, ...]
+    numa: int | None  # None: the kernel does not know (-1)
+    cpus: str  # local_cpulist, as the kernel prints it ("" when absent)
+
+
+def place_of(host: Host, found: FoundDevice) -> Place:
+    pci = found.functions[0]
+    path = tuple(part for part in pci.sys_path.removeprefix("/sys/devices/").split("/") if part)
+    return Place(pci.address, path, pci.numa_node if pci.numa_node >= 0 else None,
+                 host.read_attr(pci.sys_path + "/local_cpulist") or "")
+
+
+def relation(a: Place, b: Place) -> str:
+    if a.address == b.address:
+        return SELF
+    if a.path[0] != b.path[0]:  # different host bridges (root complexes)
+        if a.numa is None or b.numa is None:
+            return SYS
+        return NODE if a.numa == b.numa else SYS
+    common = 0
+    while common < min(len(a.path), len(b.path)) and a.path[common] == b.path[common]:
+        common += 1
+    if common == 1:  # only the host bridge in common
+        return PHB
+    return PIX if len(a.path) - common <= 2 and len(b.path) - common <= 2 else PXB
+
+
+def label_prefix(kind: str) -> str:
+    """GPU0, NIC0, NPU0, ...: the class of the kind, as admins name them."""
+    device_class = kind.partition("/")[2]
+    return {"rdma": "NIC"}.get(device_class, device_class.upper())
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    labels: tuple[str, ...]
+    devices: tuple[FoundDevice, ...]
+    places: tuple[Place, ...]
+
+    def relation(self, i: int, j: int) -> str:
+        return relation(self.places[i], self.places[j])
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "devices": [{"label": label, "kind": d.profile.kind, "pci": p.address, "numa_node": p.numa,
+                         "cpus": p.cpus, "path": list(p.path)}
+                        for label, d, p in zip(self.labels, self.devices, self.places, strict=True)],
+            "matrix": {a: {b: self.relation(i, j) for j, b in enumerate(self.labels)}
+                       for i, a in enumerate(self.labels)},
+        }
+
+    def render(self) -> str:
+        """The matrix as `nvidia-smi topo -m` prints it, then CPU and NUMA affinity, then the legend."""
+        width = max([4, *map(len, self.labels)]) + 2
+        header = " " * width + "".join(f"{label:<{width}}" for label in self.labels) + "CPU Affinity    NUMA Affinity"
+        lines = [header.rstrip()]
+        for i, label in enumerate(self.labels):
+            cells = "".join(f"{self.relation(i, j):<{width}}" for j in range(len(self.labels)))
+            place = self.places[i]
+            numa = "N/A" if place.numa is None else str(place.numa)
+            lines.append(f"{label:<{width}}{cells}{place.cpus or 'N/A':<16}{numa}".rstrip())
+        return "\n".join([*lines, "", "Legend:", *(f"  {entry}" for entry in LEGEND)]) + "\n"
+
+
+def topology(host: Host, found: list[FoundDevice]) -> Topology:
+    """GPUs first (as admins read the matrix), then the other kinds; discovery order within a kind."""
+    found = sorted(found, key=lambda f: (label_prefix(f.profile.kind) != "GPU", f.profile.kind))
+    counters: dict[str, int] = {}
+    labels = []
+    for item in found:
+        prefix = label_prefix(item.profile.kind)
+        labels.append(f"{prefix}{counters.get(prefix, 0)}")
+        counters[prefix] = counters.get(prefix, 0) + 1
+    return Topology(tuple(labels), tuple(found), tuple(place_of(host, item) for item in found))
