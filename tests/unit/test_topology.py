@@ -58,3 +58,40 @@ def test_json_for_tools() -> None:
     assert (gpu0["label"], gpu0["pci"], gpu0["numa_node"]) == ("GPU0", "0000:18:00.0", 0)
     assert data["matrix"]["GPU0"]["NIC0"] == PIX and data["matrix"]["GPU0"]["GPU4"] == SYS
     assert data["matrix"]["GPU0"]["GPU1"] == NODE
+
+
+@pytest.fixture(scope="module")
+def hgx():  # type: ignore[no-untyped-def]
+    from devinject.discovery.discover import discover
+    from devinject.discovery.host import Host
+    from devinject.discovery.profiles import load_profiles
+    from devinject.discovery.topology import topology
+
+    host = Host(str(HOSTS / "hgx-h100"))
+    return topology(host, discover(host, load_profiles(host)))
+
+
+def test_placement_picks_the_closest_set_and_honours_must_include(hgx) -> None:  # type: ignore[no-untyped-def]
+    from devinject.discovery.topology import place_devices
+
+    gpus = [p for p, label in zip(hgx.places, hgx.labels, strict=True) if label.startswith("GPU")]
+    every = list(hgx.places)
+    # two GPUs: no switch holds two, so the same NUMA node (NODE), lowest addresses first
+    assert place_devices(gpus, 2) == ["0000:18:00.0", "0000:2a:00.0"]
+    # a GPU on socket 1 must be included: its partner comes from socket 1, not socket 0
+    assert place_devices(gpus, 2, ("0000:9a:00.0",)) == ["0000:9a:00.0", "0000:ab:00.0"]
+    # a GPU and a NIC: the NIC under the same switch (PIX)
+    assert place_devices(every, 2, ("0000:ab:00.0",)) == ["0000:ab:00.0", "0000:ac:00.0"]
+    # five GPUs cannot fit one socket: across sockets, the first socket filled first
+    five = place_devices(gpus, 5)
+    assert len(five) == 5 and sum(a < "0000:80" for a in five) == 4
+    assert place_devices(gpus, 9) == [] and place_devices(gpus, 1, ("0000:00:00.0",)) == []
+
+
+def test_placement_never_pairs_unknown_numa_nodes_as_close() -> None:
+    from devinject.discovery.topology import place_devices
+
+    a = place("pci0000:00/0000:00:01.0/0000:01:00.0", None)
+    b = place("pci0000:80/0000:80:01.0/0000:81:00.0", None)
+    c = place("pci0000:00/0000:00:02.0/0000:02:00.0", None)
+    assert place_devices([a, b, c], 2) == ["0000:01:00.0", "0000:02:00.0"]  # one host bridge beats unknown

@@ -107,3 +107,44 @@ def topology(host: Host, found: list[FoundDevice]) -> Topology:
         labels.append(f"{prefix}{counters.get(prefix, 0)}")
         counters[prefix] = counters.get(prefix, 0) + 1
     return Topology(tuple(labels), tuple(found), tuple(place_of(host, item) for item in found))
+
+
+# --- placement ------------------------------------------------------------------------------------------
+# The relations nest: same switch within same root port within same host bridge within same NUMA node within
+# all. So the best worst-pair relation for k devices is the tightest class that holds k of them, found per
+# level without enumerating combinations (linear in devices, so a 1,024-device node is no harder).
+
+def _class_key(place: Place, level: str) -> tuple[object, ...]:
+    if level == PIX:
+        return ("pix", place.path[:-2])  # the same switch upstream port (or slot) above both
+    if level == PXB:
+        return ("pxb", place.path[:2])  # the same root port
+    if level == PHB:
+        return ("phb", place.path[0])  # the same host bridge
+    if level == NODE:  # a NUMA node the kernel does not know is a class of its own, never merged
+        return ("node", place.numa) if place.numa is not None else ("bridge", place.path[0])
+    return ("sys",)
+
+
+def place_devices(places: list[Place], count: int, must_include: tuple[str, ...] = ()) -> list[str]:
+    """`count` PCI addresses from `places` (the available devices) whose worst pair is as close as any choice
+    allows, including every address in `must_include`; ties go to the lowest addresses. [] when impossible."""
+    by_address = {p.address: p for p in places}
+    if count > len(places) or len(must_include) > count or any(a not in by_address for a in must_include):
+        return []
+    for level in (PIX, PXB, PHB, NODE, SYS):
+        classes: dict[tuple[object, ...], list[Place]] = {}
+        for item in sorted(places, key=lambda p: p.address):
+            classes.setdefault(_class_key(item, level), []).append(item)
+        fitting = [members for members in classes.values() if len(members) >= count and
+                   all(a in {m.address for m in members} for a in must_include)]
+        if fitting:
+            members = min(fitting, key=lambda group: group[0].address)
+            chosen = [by_address[a] for a in must_include]
+            rest = [m for m in members if m.address not in must_include]
+            while len(chosen) < count:  # the next closest to what is already chosen, then the lowest address
+                best = min(rest, key=lambda m: (max((RANK[relation(m, c)] for c in chosen), default=0), m.address))
+                chosen.append(best)
+                rest.remove(best)
+            return sorted(c.address for c in chosen)
+    return []
