@@ -1,4 +1,4 @@
-"""Console entry point. `hook` and `cdi-hook` take a lean path that never imports click or jsonschema:
+"""Console entry point. `hook` and `cdi-hook` take a lean path that never imports click or yaml:
 they run on every container start."""
 
 from __future__ import annotations

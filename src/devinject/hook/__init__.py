@@ -1,1 +1,1 @@
-"""The OCI hook side of devinject: lean imports only (no click, jsonschema, pynvml, pyroute2)."""
+"""The OCI hook side of devinject: lean imports only (core, hook, nodestate; no click, yaml, pynvml)."""

@@ -1,6 +1,7 @@
 """`devinject hook` (OCI prestart / createRuntime / poststop) and `devinject cdi-hook` (CDI createContainer).
 
-Lean on purpose: stdlib, the CDI model and a spec cache; no click, jsonschema, pynvml or pyroute2.
+Lean on purpose: stdlib, the CDI model and a spec cache; no click, yaml or pynvml (pyroute2 only when a spec
+moves network devices). tests/e2e/test_hook_edges.py checks a real run's imports.
 Errors are one line on stderr starting `devinject: error:` and a non-zero exit; nothing goes to stdout.
 """
 
