@@ -101,7 +101,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
                    "about specs that podman 4.x and containerd 1.7 cannot read).")
 def validate(paths: tuple[str, ...], max_version: str | None) -> None:
     """Check CDI spec files (default: the CDI spec directories)."""
-    from devinject.core.spec import DEFAULT_SPEC_DIRS
+    from devinject.core.paths import DEFAULT_SPEC_DIRS
     from devinject.specs.validate import validate_paths
 
     targets = paths or tuple(d for d in DEFAULT_SPEC_DIRS if Path(d).is_dir())

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 # Released CDI versions in order; what each adds is in docs/cdi-versions.md.
 KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
 DEFAULT_VERSION_CAP = "0.5.0"
-DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")  # CDI's own defaults, in priority order (later wins)
 GENERATION_MARKER = "# devinject-generation: "
 
 

@@ -13,6 +13,7 @@ import time
 
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError, HookError
+from devinject.core.paths import DEFAULT_SPEC_DIRS
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -35,8 +36,6 @@ USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--l
 
 class HookOptions:
     def __init__(self) -> None:
-        from devinject.core.spec import DEFAULT_SPEC_DIRS  # here, not at the top: poststop never loads the codec
-
         self.spec_dirs: tuple[str, ...] = DEFAULT_SPEC_DIRS
         self.log_file: str | None = DEFAULT_LOG
         self.state_dir: str = DEFAULT_STATE_DIR

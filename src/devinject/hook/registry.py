@@ -14,8 +14,8 @@ from devinject.core.errors import ResolveError, SpecError
 from devinject.core.identity import qualified
 from devinject.core.model import ContainerEdits, Spec
 from devinject.core.names import parse_qualified_name
+from devinject.core.paths import DEFAULT_SPEC_DIRS
 from devinject.core.spec import (
-    DEFAULT_SPEC_DIRS,
     list_spec_files,
     load_text,
     read_spec_text,
