@@ -33,3 +33,24 @@ def host_copy(tmp_path: Path):
         return target
 
     return copy
+
+
+@pytest.fixture
+def v1_device_cgroup():  # type: ignore[no-untyped-def]
+    """A scratch cgroup in the v1 devices hierarchy, removed after the test (once its processes are gone)."""
+    import time
+    import uuid
+
+    from tests.e2e.conftest import require
+
+    devices = Path("/sys/fs/cgroup/devices")
+    require(os.geteuid() == 0 and (devices / "devices.allow").exists(), "needs root and cgroup v1 devices")
+    group = devices / f"devinject-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    yield group
+    for _ in range(100):
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            time.sleep(0.02)

@@ -3,6 +3,7 @@ libraries. In CI (CI=true) a missing runtime is a failure, never a silent skip."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -147,3 +148,23 @@ def cdi_spec(spec_dir: Path) -> Iterator[Path]:
         target.unlink()
     else:
         target.write_bytes(backup)
+
+
+@contextlib.contextmanager
+def stand_ins(count: int, *command: str) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes standing in for containers (a hook needs a live pid), killed and reaped however the test
+    ends. Default: `sleep 120`."""
+    processes = [subprocess.Popen(list(command) or ["sleep", "120"]) for _ in range(count)]
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def write_spec_dir(directory: Path, name: str, text: str) -> Path:
+    """A CDI spec dir holding one spec file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(text)
+    return directory

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import DEVINJECT, require
+from tests.e2e.conftest import DEVINJECT, require, stand_ins, write_spec_dir
 
 pytestmark = pytest.mark.live
 REPO = Path(__file__).resolve().parents[2]
@@ -60,14 +60,12 @@ def test_mknod_not_permitted_falls_back_to_binding_the_host_node(tmp_path: Path)
 
 def test_fifty_hooks_racing_for_eight_devices_never_double_allocate(tmp_path: Path) -> None:
     require(os.geteuid() == 0, "needs root")
-    spec_dir = tmp_path / "cdi"
-    spec_dir.mkdir()
     devices = "".join(f"- name: '{i}'\n  containerEdits:\n    deviceNodes: [{{path: /dev/race{i}, type: c, "
                       f"major: 1, minor: {200 + i}}}]\n" for i in range(8))
-    (spec_dir / "race.yaml").write_text(f"cdiVersion: 0.5.0\nkind: race.example/dev\ndevices:\n{devices}")
+    spec_dir = write_spec_dir(tmp_path / "cdi", "race.yaml",
+                              f"cdiVersion: 0.5.0\nkind: race.example/dev\ndevices:\n{devices}")
     state_dir = tmp_path / "state"
-    sleepers = [subprocess.Popen(["sleep", "120"]) for _ in range(50)]
-    try:
+    with stand_ins(50) as sleepers:
         for round_number in range(3):
             def one(index: int, round_number: int = round_number) -> subprocess.CompletedProcess[str]:
                 return hook_run(tmp_path / f"b{round_number}-{index}", f"r{round_number}-{index}",
@@ -88,46 +86,32 @@ def test_fifty_hooks_racing_for_eight_devices_never_double_allocate(tmp_path: Pa
                 assert done.returncode == 0, done.stderr
             left = json.loads((state_dir / "ledger.json").read_text())["allocations"]
             assert {entry["state"] for entry in left.values()} <= {"reclaiming"}  # released (or already gone)
-    finally:
-        for sleeper in sleepers:
-            sleeper.kill()
-            sleeper.wait()
 
 
 def test_a_node_without_numbers_in_the_spec_is_still_exclusive(tmp_path: Path) -> None:
     """Other generators write `deviceNodes: [{path: /dev/nvidia0}]`: the hook books the host node's own
     numbers, so two containers cannot both hold it under different names."""
     require(os.geteuid() == 0, "needs root")
-    spec_dir = tmp_path / "cdi"
-    spec_dir.mkdir()
-    (spec_dir / "bare.yaml").write_text(
+    spec_dir = write_spec_dir(tmp_path / "cdi", "bare.yaml", (
         "cdiVersion: 0.5.0\nkind: bare.example/dev\ndevices:\n"
         "- name: a\n  containerEdits:\n    deviceNodes: [{path: /dev/bare, hostPath: /dev/null}]\n"
-        "- name: b\n  containerEdits:\n    deviceNodes: [{path: /dev/other-name, hostPath: /dev/null}]\n")
-    sleepers = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
-    try:
+        "- name: b\n  containerEdits:\n    deviceNodes: [{path: /dev/other-name, hostPath: /dev/null}]\n"))
+    with stand_ins(2) as sleepers:
         results = [hook_run(tmp_path / f"b{index}", f"bare-{index}", sleepers[index].pid, f"bare.example/dev={name}",
                             "--spec-dir", str(spec_dir), "--state-dir", str(tmp_path / "state"), "--log-file",
                             "/dev/null") for index, name in enumerate(("a", "b"))]
         assert results[0].returncode == 0, results[0].stderr
         assert results[1].returncode != 0
         assert "device c 1:3 is held by container bare-0" in results[1].stderr
-    finally:
-        for sleeper in sleepers:
-            sleeper.kill()
-            sleeper.wait()
 
 
 def test_a_hook_that_fails_after_booking_gives_the_device_back(tmp_path: Path) -> None:
     require(os.geteuid() == 0, "needs root")
-    spec_dir = tmp_path / "cdi"
-    spec_dir.mkdir()
-    (spec_dir / "x.yaml").write_text(
+    spec_dir = write_spec_dir(tmp_path / "cdi", "x.yaml", (
         "cdiVersion: 0.5.0\nkind: cancel.example/dev\ndevices:\n- name: a\n  containerEdits:\n"
         "    deviceNodes: [{path: /dev/cancel0, type: c, major: 1, minor: 240}]\n"
-        f"    mounts: [{{hostPath: {tmp_path}/absent.so, containerPath: /opt/absent.so, options: [ro, bind]}}]\n")
-    sleeper = subprocess.Popen(["sleep", "60"])
-    try:
+        f"    mounts: [{{hostPath: {tmp_path}/absent.so, containerPath: /opt/absent.so, options: [ro, bind]}}]\n"))
+    with stand_ins(1) as (sleeper,):
         bundle = tmp_path / "bundle"
         done = hook_run(bundle, "doomed", sleeper.pid, "cancel.example/dev=a", "--spec-dir", str(spec_dir),
                         "--state-dir", str(tmp_path / "state"), "--log-file", "/dev/null")
@@ -135,9 +119,6 @@ def test_a_hook_that_fails_after_booking_gives_the_device_back(tmp_path: Path) -
         ledger = json.loads((tmp_path / "state" / "ledger.json").read_text())
         assert ledger["allocations"] == {}  # the booking was cancelled with the rest
         assert not (bundle / "rootfs" / "dev" / "cancel0").exists()
-    finally:
-        sleeper.kill()
-        sleeper.wait()
 
 
 # What a container start may load: the hook, the core it builds on, and the node state it books in.
@@ -156,9 +137,8 @@ def test_a_real_hook_run_imports_only_the_core_it_needs(tmp_path: Path) -> None:
     subprocess.run([DEVINJECT, "generate", "--root", str(hosts / "gaudi2"), "--output-dir", str(spec_dir),
                     "--hook-path", DEVINJECT], check=True, capture_output=True)
     # The container stand-in has a mount namespace of its own: the hook's mounts go away with it.
-    sleeper = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sleep", "60"])
-    time.sleep(0.2)  # unshare has exec'd sleep in the new namespace
-    try:
+    with stand_ins(1, "unshare", "-m", "--propagation", "private", "sleep", "60") as (sleeper,):
+        time.sleep(0.2)  # unshare has exec'd sleep in the new namespace
         code = ("import sys\n"
                 "from devinject.entry import main\n"
                 "status = main(sys.argv[1:])\n"
@@ -179,6 +159,3 @@ def test_a_real_hook_run_imports_only_the_core_it_needs(tmp_path: Path) -> None:
         ours = [m for m in loaded if m.startswith("devinject.") and m != "devinject.entry"]
         assert ours and all(m.startswith(HOOK_PACKAGES) for m in ours), ours
         assert [m for m in loaded if not m.startswith("devinject")] == []
-    finally:
-        sleeper.kill()
-        sleeper.wait()

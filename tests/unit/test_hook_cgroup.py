@@ -84,34 +84,17 @@ def test_cgroup_discovery_from_fixture_proc_trees():
     assert (unified.version, unified.path) == (2, "/sys/fs/cgroup/di-test")
 
 
-def test_grant_and_revert_on_a_real_v1_device_cgroup():
+def test_grant_and_revert_on_a_real_v1_device_cgroup(v1_device_cgroup):
     """The rules a grant adds are in the kernel's devices.list, and revert takes exactly them back."""
-    import os
-    import time
-    import uuid
-    from pathlib import Path
-
     from devinject.hook.cgroup import CgroupGrant, DeviceCgroup
     from devinject.hook.plan import AllowDevice
-    from tests.e2e.conftest import require
 
-    devices = Path("/sys/fs/cgroup/devices")
-    require(os.geteuid() == 0 and (devices / "devices.allow").exists(), "needs root and cgroup v1 devices")
-    group = devices / f"devinject-test-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
-    try:
-        (group / "devices.deny").write_text("a")
-        (group / "devices.allow").write_text("c 1:3 rwm")  # the runtime's own rule: must survive the revert
-        grant = CgroupGrant(DeviceCgroup(1, str(group)))
-        grant.allow((AllowDevice("c", 195, 0, "rw"), AllowDevice("c", 1, 3, "rwm")))
-        listed = (group / "devices.list").read_text().splitlines()
-        assert "c 195:0 rw" in listed and "c 1:3 rwm" in listed
-        grant.revert()
-        assert (group / "devices.list").read_text().splitlines() == ["c 1:3 rwm"]
-    finally:
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.02)
+    group = v1_device_cgroup
+    (group / "devices.deny").write_text("a")
+    (group / "devices.allow").write_text("c 1:3 rwm")  # the runtime's own rule: must survive the revert
+    grant = CgroupGrant(DeviceCgroup(1, str(group)))
+    grant.allow((AllowDevice("c", 195, 0, "rw"), AllowDevice("c", 1, 3, "rwm")))
+    listed = (group / "devices.list").read_text().splitlines()
+    assert "c 195:0 rw" in listed and "c 1:3 rwm" in listed
+    grant.revert()
+    assert (group / "devices.list").read_text().splitlines() == ["c 1:3 rwm"]

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from devinject.core.model import DeviceNode
 from devinject.hook.plan import node_identity
 from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger, process_start_time
-from tests.e2e.conftest import require
+from tests.e2e.conftest import require, stand_ins
 
 POLICY = {"vendor.com/gpu": "exclusive"}
 NULL = os.stat("/dev/null")
@@ -103,28 +102,15 @@ def test_rebuild_books_nodes_held_open_in_another_mount_namespace(tmp_path: Path
     Ledger(str(tmp_path)).book("c4", os.getpid(), claim(NULL_NODE), POLICY)  # its process gone: free again
 
 
-def test_rebuild_books_nodes_a_v1_device_cgroup_allows(tmp_path: Path) -> None:
-    devices = Path("/sys/fs/cgroup/devices")
-    require(os.geteuid() == 0 and (devices / "devices.allow").exists(), "needs root and cgroup v1 devices")
-    group = devices / f"devinject-test-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
-    sleeper = subprocess.Popen(["sleep", "60"])
-    try:
-        (group / "cgroup.procs").write_text(str(sleeper.pid))
+def test_rebuild_books_nodes_a_v1_device_cgroup_allows(tmp_path: Path, v1_device_cgroup: Path) -> None:
+    group = v1_device_cgroup
+    with stand_ins(1) as (container,):
+        (group / "cgroup.procs").write_text(str(container.pid))
         (group / "devices.deny").write_text("a")
         (group / "devices.allow").write_text("c 1:7 rwm")
         (tmp_path / "ledger.json").write_text("")
         with pytest.raises(LedgerError, match=f"held by container recovered: cgroup v1 {group}"):
             Ledger(str(tmp_path)).book("c2", os.getpid(), claim("c 1:7"), POLICY)
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-        for _ in range(100):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.02)
 
 
 def test_a_reused_container_id_is_not_waved_through(tmp_path: Path) -> None:
