@@ -1,5 +1,6 @@
+from devinject.core.mountinfo import parse_mountinfo
 from devinject.hook.bpf import decode_rules, encode_prefix, insn
-from devinject.hook.cgroup import find_device_cgroup, parse_mountinfo
+from devinject.hook.cgroup import find_device_cgroup
 from devinject.hook.plan import AllowDevice
 
 HYBRID = """\

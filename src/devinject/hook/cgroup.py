@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from devinject.core.errors import HookError
+from devinject.core.mountinfo import MountEntry, parse_mountinfo
 from devinject.hook.plan import AllowDevice
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
@@ -25,32 +26,9 @@ else:
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
-class MountEntry(NamedTuple):
-    root: str
-    mount_point: str
-    fstype: str
-    super_options: tuple[str, ...]
-
-
 class DeviceCgroup(NamedTuple):
     version: int
     path: str  # directory of the container's cgroup on this host's view
-
-
-def _unescape(field: str) -> str:
-    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def parse_mountinfo(text: str) -> list[MountEntry]:
-    entries = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields = left.split()
-        tail = right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        entries.append(MountEntry(_unescape(fields[3]), _unescape(fields[4]), tail[0], tuple(tail[2].split(","))))
-    return entries
 
 
 def parse_proc_cgroup(text: str) -> dict[str, str]:

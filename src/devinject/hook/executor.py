@@ -9,6 +9,7 @@ import stat
 
 from devinject.core import atomicfile
 from devinject.core.errors import HookError, UnsafePathError
+from devinject.core.mountinfo import MountEntry, parse_mountinfo
 from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, MakeNode, Plan, Symlink
 from devinject.hook.safepath import _O_PATH, Created, Root
@@ -51,7 +52,6 @@ class Undo:
 
 # MS_RDONLY, MS_NOSUID, MS_NODEV and MS_NOEXEC have the same bits as MOUNT_ATTR_RDONLY ... _NOEXEC.
 _MOUNT_ATTRS = syscalls.MS_RDONLY | syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOEXEC
-_NEW_FILE = atomicfile.NEW_FILE
 
 
 def _proc_fd(fd: int) -> str:
@@ -66,7 +66,7 @@ class Executor:
         self.created = Created()
         self.log: list[str] = []
         self.mount_api = True  # open_tree/mount_setattr/move_mount; cleared when the kernel lacks them
-        self._mountinfo: dict[str, str] | None = None
+        self._mounts: dict[str, MountEntry] | None = None  # by mount id, read once (again on a miss)
 
     # --- device nodes --------------------------------------------------------------------------------
     def make_node(self, node: MakeNode) -> None:
@@ -112,7 +112,7 @@ class Executor:
             os.close(fd)
 
     def _bind_node(self, node: MakeNode, dir_fd: int, name: str) -> None:
-        os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd))
+        os.close(os.open(name, atomicfile.NEW_FILE, 0o644, dir_fd=dir_fd))
         self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
         self._mount_on(node.host_path, dir_fd, name, syscalls.MS_NOSUID | syscalls.MS_NOEXEC, node.path)
         self.log.append(f"bind {node.host_path} -> {node.path} (mknod not permitted)")
@@ -134,7 +134,7 @@ class Executor:
                 os.mkdir(name, 0o755, dir_fd=dir_fd)
                 self.undo.add(lambda: os.rmdir(name, dir_fd=dir_fd))
             else:
-                os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=dir_fd))
+                os.close(os.open(name, atomicfile.NEW_FILE, 0o644, dir_fd=dir_fd))
                 self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
         elif (target.st_dev, target.st_ino) == (source.st_dev, source.st_ino):
             self.log.append(f"mount {mount.container_path} present")
@@ -201,13 +201,12 @@ class Executor:
         except (OSError, StopIteration, IndexError):
             return False  # no fdinfo (not Linux or no /proc): nothing to go on
         for attempt in (0, 1):
-            if self._mountinfo is None or attempt:
+            if self._mounts is None or attempt:
                 with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
-                    self._mountinfo = {line.split(" ", 1)[0]: line for line in handle}
-            line = self._mountinfo.get(mount_id)
-            if line is not None:
-                optional = line.split(" - ", 1)[0].split()[6:]
-                return any(field.startswith("shared:") for field in optional)
+                    self._mounts = {m.mount_id: m for m in parse_mountinfo(handle.read())}
+            entry = self._mounts.get(mount_id)
+            if entry is not None:
+                return entry.shared
         return False
 
     @staticmethod

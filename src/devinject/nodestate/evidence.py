@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from devinject.core.identity import node_id, node_id_of_stat
-from devinject.hook.cgroup import parse_mountinfo
+from devinject.core.mountinfo import parse_mountinfo
 
 TYPE_CHECKING = False  # the hook rebuilds a lost ledger: `typing` stays off its start path
 if TYPE_CHECKING:
