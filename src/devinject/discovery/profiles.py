@@ -202,9 +202,13 @@ def _mount_options(data: object, where: str) -> tuple[tuple[str, tuple[str, ...]
     return tuple(out)
 
 
-def _health_flags(data: object, where: str) -> tuple[HealthFlag, ...]:
+def _health(data: object, where: str) -> tuple[tuple[HealthFlag, ...], KernelLogErrors | None]:
+    """The `health` section: the driver's flags, and the errors it logs in the kernel log."""
     health = _Fields(data, where, {"flags", "kernel-log"})
-    flags = health.data.get("flags", [])
+    return _health_flags(health.data.get("flags", []), where), _kernel_log(health.data.get("kernel-log"), where)
+
+
+def _health_flags(flags: object, where: str) -> tuple[HealthFlag, ...]:
     if not isinstance(flags, list):
         raise ConfigError(f"{where}.flags: expected a list")
     out = []
@@ -215,8 +219,7 @@ def _health_flags(data: object, where: str) -> tuple[HealthFlag, ...]:
     return tuple(out)
 
 
-def _kernel_log(data: object, where: str) -> KernelLogErrors | None:
-    raw = _Fields(data, where, {"flags", "kernel-log"}).data.get("kernel-log")
+def _kernel_log(raw: object, where: str) -> KernelLogErrors | None:
     if raw is None:
         return None
     log = _Fields(raw, f"{where}.kernel-log", {"name", "pattern", "fatal"})
@@ -262,6 +265,7 @@ def parse_profile(data: object, source: str) -> Profile:
     for entry in f.strings("env"):
         if "=" not in entry[1:]:
             raise ConfigError(f"{source}.env: {entry!r} is not KEY=VALUE")
+    health_flags, kernel_log = _health(f.data.get("health", {}), f"{source}.health")
     nodes = f.data.get("device-nodes", [])
     shared = f.data.get("shared-nodes", [])
     if not isinstance(nodes, list) or not isinstance(shared, list):
@@ -286,8 +290,8 @@ def parse_profile(data: object, source: str) -> Profile:
         request_env=f.strings("request-env"),
         uevents=f.strings("uevents"),
         mount_options=_mount_options(f.data.get("mount-options", {}), f"{source}.mount-options"),
-        health_flags=_health_flags(f.data.get("health", {}), f"{source}.health"),
-        kernel_log=_kernel_log(f.data.get("health", {}), f"{source}.health"),
+        health_flags=health_flags,
+        kernel_log=kernel_log,
         driver_module=version.text("module"),
         driver_version_file=version.text("proc-file"),
         libraries=f.strings("libraries"),
