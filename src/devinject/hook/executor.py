@@ -8,7 +8,7 @@ import os
 import stat
 
 from devinject.core import atomicfile
-from devinject.core.errors import HookError, UnsafePathError
+from devinject.core.errors import HookError
 from devinject.core.mountinfo import MountEntry, parse_mountinfo
 from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, MakeNode, Plan, Symlink
@@ -241,16 +241,9 @@ class Executor:
 
     def _is_musl(self) -> str | None:
         for lib in ("/lib", "/usr/lib"):
-            try:
-                dir_fd, name = self.root.resolve(lib)
-            except UnsafePathError:
+            fd = self.root.open_dir(lib)
+            if fd is None:
                 continue
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            except OSError:
-                continue
-            finally:
-                os.close(dir_fd)
             try:
                 loaders = [n for n in os.listdir(fd) if n.startswith("ld-musl-") and n.endswith(".so.1")]
             finally:

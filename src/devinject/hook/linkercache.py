@@ -73,16 +73,9 @@ def _already_cached(name: str, folder: str, paths: set[str], sonames: set[str]) 
 def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry]) -> list[LdCacheEntry]:
     """Cache entries for the shared libraries in the container's `folder` (resolved in-root)."""
     folder = posixpath.normpath(folder)
-    try:
-        parent_fd, leaf = root.resolve(folder)
-    except UnsafePathError:
+    dir_fd = root.open_dir(folder)
+    if dir_fd is None:
         return []  # the folder is not in the container: nothing to add
-    try:
-        dir_fd = os.open(leaf, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
-    except OSError:
-        return []
-    finally:
-        os.close(parent_fd)
     try:
         names = sorted(os.listdir(dir_fd))[:MAX_FOLDER_ENTRIES]
         present = set(names)

@@ -82,6 +82,20 @@ class Root:
             os.close(dir_fd)
             current = target if target.startswith("/") else f"{parent}/{target}"
 
+    def open_dir(self, path: str) -> int | None:
+        """A readable fd on the container's directory `path` (links followed in-root), for listing; None when
+        it is not there or not a directory. The caller closes it."""
+        try:
+            parent_fd, name = self.resolve(path)
+        except UnsafePathError:
+            return None
+        try:
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        except OSError:
+            return None
+        finally:
+            os.close(parent_fd)
+
     def relative_dir(self, dir_fd: int) -> str:
         """The in-root path of a directory fd (for re-walking a relative link target)."""
         real = os.readlink(f"/proc/self/fd/{dir_fd}")
