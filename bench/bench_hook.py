@@ -23,6 +23,8 @@ sys.path.insert(0, str(REPO))
 from tests.e2e.conftest import make_rootfs  # noqa: E402
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100  # noqa: E402
 
+from devinject.hooksd import hook_command, runc_hooks  # noqa: E402
+
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 
 
@@ -60,9 +62,9 @@ def main() -> int:
         def configure(hook_args: list[str] | None) -> None:
             config = json.loads(json.dumps(base))
             if hook_args is not None:
-                hook = {"path": DEVINJECT, "args": ["devinject", "hook", "--spec-dir", str(work / "cdi"),
-                                                    "--state-dir", str(work / "state"), "--log-file",
-                                                    str(work / "hook.log"), *hook_args]}
+                hook = runc_hooks(hook_command())["hooks"]["prestart"][0]  # what `install-hook` writes
+                hook["args"] += ["--spec-dir", str(work / "cdi"), "--state-dir", str(work / "state"),
+                                 "--log-file", str(work / "hook.log"), *hook_args]
                 config["hooks"] = {"prestart": [hook], "poststop": [hook]}
                 config["annotations"] = {"cdi.k8s.io/bench": "nvidia.com/gpu=all"}
             (bundle / "config.json").write_text(json.dumps(config))

@@ -185,21 +185,22 @@ def run(args: list[str]) -> int:
 
 @cli.command("install-hook")
 @click.option("--hooks-dir", default=None, help="hooks.d directory [default: /etc/containers/oci/hooks.d].")
-@click.option("--executable", default=None, help="Absolute path of devinject [default: this one].")
+@click.option("--executable", default=None,
+              help="Absolute path of the devinject program to run [default: this installation's interpreter on "
+                   "its fast hook launcher].")
 @click.option("--env-requests", is_flag=True,
               help="Run for every container so env requests (NVIDIA_VISIBLE_DEVICES, ...) work too.")
 @click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
 def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, runc_snippet: bool) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
     from devinject.core.spec import write_atomic
-    from devinject.hooksd import DEFAULT_HOOKS_DIR, HOOK_FILE, hooks_d_entry, render, runc_hooks
-    from devinject.specs.generate import default_hook_path
+    from devinject.hooksd import DEFAULT_HOOKS_DIR, HOOK_FILE, hook_command, hooks_d_entry, render, runc_hooks
 
-    path = os.path.abspath(executable or default_hook_path())
-    if not os.access(path, os.X_OK):
-        raise DevinjectError(f"--executable {path}: not an executable file")
+    command = hook_command(executable and os.path.abspath(executable))
+    if not os.access(command[0], os.X_OK):
+        raise DevinjectError(f"--executable {command[0]}: not an executable file")
     if runc_snippet:
-        click.echo(render(runc_hooks(path)), nl=False)
+        click.echo(render(runc_hooks(command)), nl=False)
         return
     directory = Path(hooks_dir or DEFAULT_HOOKS_DIR)
     try:
@@ -207,7 +208,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
     except OSError as err:
         raise DevinjectError(f"{directory}: cannot create hooks dir: {err.strerror}") from None
     target = directory / HOOK_FILE
-    write_atomic(target, render(hooks_d_entry(path, env_requests=env_requests)))
+    write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests)))
     click.echo(f"wrote {target}", err=True)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any
 
 DEFAULT_HOOKS_DIR = "/etc/containers/oci/hooks.d"
@@ -12,24 +14,37 @@ ANNOTATION_KEY = r"^cdi\.k8s\.io/.+$"
 ANNOTATION_VALUE = r"[^\s,]"  # Go regexp, unanchored: some character that is not blank or a comma
 
 
-def hooks_d_entry(executable: str, *, env_requests: bool = False) -> dict[str, Any]:
+def hook_command(executable: str | None = None) -> list[str]:
+    """How a runtime runs devinject, as [path, argv0, args...] (the subcommand follows). An explicit
+    executable (the `devinject` console script) is used as given. By default: this installation's interpreter
+    on the hook launcher with `-IS` (isolated, no `site`), which starts ~3 ms sooner on every container start
+    and stop; its paths are this installation's, so it is what `install-hook` writes."""
+    if executable:
+        return [executable, "devinject"]
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook", "launcher.py")
+    return [sys.executable, sys.executable, "-IS", launcher]
+
+
+def _hook(command: list[str], *args: str) -> dict[str, Any]:
+    return {"path": command[0], "args": [*command[1:], "hook", *args], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+            "timeout": HOOK_TIMEOUT}
+
+
+def hooks_d_entry(command: list[str], *, env_requests: bool = False) -> dict[str, Any]:
     """hooks.d cannot match environment variables: the env variant turns env requests on and runs for every
     container (exiting at once when nothing is requested); the default runs only when a `cdi.k8s.io/`
     annotation names something (a blank or comma-only value is no request)."""
     when: dict[str, Any] = {"always": True} if env_requests else {"annotations": {ANNOTATION_KEY: ANNOTATION_VALUE}}
-    args = ["devinject", "hook", *(["--env-requests"] if env_requests else [])]
     return {
         "version": "1.0.0",
-        "hook": {"path": executable, "args": args, "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
-                 "timeout": HOOK_TIMEOUT},
+        "hook": _hook(command, *(["--env-requests"] if env_requests else [])),
         "when": when,
         "stages": ["prestart", "poststop"],
     }
 
 
-def runc_hooks(executable: str) -> dict[str, Any]:
-    hook = {"path": executable, "args": ["devinject", "hook"], "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
-            "timeout": HOOK_TIMEOUT}
+def runc_hooks(command: list[str]) -> dict[str, Any]:
+    hook = _hook(command)
     return {"hooks": {"prestart": [hook], "poststop": [hook]}}
 
 

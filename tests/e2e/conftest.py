@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from devinject.hooksd import hook_command, runc_hooks
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_workstation
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,9 +83,14 @@ class Bundle:
         self.config["root"]["readonly"] = False
         for key in ("bounding", "effective", "permitted"):
             self.config["process"]["capabilities"][key].append("CAP_MKNOD")
-        hook = {"path": DEVINJECT, "args": ["devinject", "hook", "--spec-dir", str(spec_dir), "--state-dir",
-                                            str(state_dir), "--log-file", str(self.log)], "timeout": 30}
+        hook = runc_hooks(hook_command())["hooks"]["prestart"][0]  # as `install-hook` writes it: the launcher
+        hook["args"] += ["--spec-dir", str(spec_dir), "--state-dir", str(state_dir), "--log-file", str(self.log)]
         self.config["hooks"] = {"prestart": [hook], "poststop": [hook]}
+
+    def use_spec_dir(self, spec_dir: Path) -> None:
+        for hook in self.config["hooks"]["prestart"]:
+            args = hook["args"]
+            args[args.index("--spec-dir") + 1] = str(spec_dir)
 
     def save(self, args: list[str], *, annotations: dict[str, str] | None = None, env: list[str] | None = None) -> None:
         self.config["process"]["args"] = args

@@ -50,7 +50,7 @@ def host_has(interface: str) -> bool:
 
 def test_net_device_is_moved_into_the_container_and_the_rest_is_logged(bundle: Bundle, dummy: str,
                                                                         tmp_path: Path) -> None:
-    bundle.config["hooks"]["prestart"][0]["args"][3] = str(spec_1_1(tmp_path / "cdi", dummy))
+    bundle.use_spec_dir(spec_1_1(tmp_path / "cdi", dummy))
     bundle.save(["sh", "-c", "ls /sys/class/net; cat /dev/example-nic; echo done"],
                 annotations={"cdi.k8s.io/test": "example.com/nic=a"})
     done = bundle.run(container_name())
@@ -65,7 +65,7 @@ def test_net_device_is_moved_into_the_container_and_the_rest_is_logged(bundle: B
 
 def test_a_failed_start_hands_the_interface_back_to_the_host(bundle: Bundle, dummy: str, tmp_path: Path) -> None:
     spec_dir = spec_1_1(tmp_path / "cdi", dummy, broken_mount=tmp_path / "absent.so")
-    bundle.config["hooks"]["prestart"][0]["args"][3] = str(spec_dir)
+    bundle.use_spec_dir(spec_dir)
     bundle.save(["true"], annotations={"cdi.k8s.io/test": "example.com/nic=a"})
     done = bundle.run(container_name())
     assert done.returncode != 0

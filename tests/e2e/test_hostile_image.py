@@ -113,7 +113,7 @@ def test_honest_image_gets_a_cache_its_loader_uses(bundle: Bundle, tmp_path: Pat
         "--link, 'libvendor.so.1.2.3::/opt/vendor/lib/libvendor.so.1']}\n"
         f"  - {{hookName: createContainer, path: /usr/bin/devinject, args: [devinject, cdi-hook, update-ldcache, "
         "--folder, /opt/vendor/lib]}\n")
-    bundle.config["hooks"]["prestart"][0]["args"][3] = str(spec_dir)
+    bundle.use_spec_dir(spec_dir)
     bundle.save(["/bin/answer"], annotations={"cdi.k8s.io/test": "example.com/lib=a"})
     done = bundle.run(container_name())
     assert done.returncode == 0, done.stderr

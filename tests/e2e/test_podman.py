@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from devinject.hooksd import hooks_d_entry
+from devinject.hooksd import hook_command, hooks_d_entry
 from tests.e2e.conftest import DEVINJECT, PODMAN
 
 pytestmark = pytest.mark.live
@@ -27,10 +27,12 @@ def test_podman_consumes_generated_cdi_spec(image: str, cdi_spec: Path) -> None:
     assert "No such device or address" in out
 
 
-def test_podman_with_hooks_d_file_runs_devinject_hook(image: str, spec_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("executable", [None, DEVINJECT], ids=["launcher", "console-script"])
+def test_podman_with_hooks_d_file_runs_devinject_hook(image: str, spec_dir: Path, tmp_path: Path,
+                                                      executable: str | None) -> None:
     hooks_dir = tmp_path / "hooks.d"
     hooks_dir.mkdir()
-    entry = hooks_d_entry(DEVINJECT)
+    entry = hooks_d_entry(hook_command(executable))
     entry["hook"]["args"] += ["--spec-dir", str(spec_dir), "--state-dir", str(tmp_path / "state"),
                               "--log-file", str(tmp_path / "hook.log")]
     (hooks_dir / "10-devinject.json").write_text(json.dumps(entry))
@@ -57,7 +59,7 @@ def test_hooks_d_filter_fires_only_on_an_annotation_that_names_something(image: 
     script.chmod(0o755)
     hooks_dir = tmp_path / "hooks.d"
     hooks_dir.mkdir()
-    entry = hooks_d_entry(str(script))
+    entry = hooks_d_entry(hook_command(str(script)))
     entry["hook"]["args"] = ["marker.sh"]
     (hooks_dir / "10-devinject.json").write_text(json.dumps(entry))
     done = subprocess.run([*PODMAN, "--hooks-dir", str(hooks_dir), "--annotation", f"cdi.k8s.io/test={value}",

@@ -77,7 +77,7 @@ def test_failure_midway_rolls_back_nodes_mounts_and_dirs(bundle: Bundle, tmp_pat
         "    deviceNodes: [{path: /dev/example0, type: c, major: 195, minor: 0}]\ncontainerEdits:\n  mounts:\n"
         f"  - {{hostPath: {lib}, containerPath: /opt/vendor/lib/present.so, options: [ro, bind]}}\n"
         f"  - {{hostPath: {missing}, containerPath: /opt/vendor/lib/z/vanished.so, options: [ro, bind]}}\n")
-    bundle.config["hooks"]["prestart"][0]["args"][3] = str(spec)
+    bundle.use_spec_dir(spec)
     bundle.save(["true"], annotations={"cdi.k8s.io/test": "example.com/dev=a"})
     done = bundle.run(container_name())
     assert done.returncode != 0

@@ -135,6 +135,32 @@ def test_install_hook_writes_hooks_d_file(tmp_path):
                                                 "/nonexistent"))
 
 
+def test_install_hook_default_runs_the_launcher_isolated_and_it_works(tmp_path):
+    """The default hooks.d entry runs this interpreter with -IS on the launcher; without `site` the launcher
+    must still find the package and yaml (a fresh state dir is a spec-cache miss, which parses YAML)."""
+    spec_dir = tmp_path / "cdi"
+    assert run("generate", "--root", str(HOSTS / "hgx-h100"), "--output-dir", str(spec_dir)).returncode == 0
+    done = run("install-hook", "--hooks-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    hook = json.loads((tmp_path / "10-devinject.json").read_text())["hook"]
+    assert hook["path"] == sys.executable and hook["args"][1] == "-IS"
+    assert hook["args"][2].endswith("/devinject/hook/launcher.py") and hook["args"][3] == "hook"
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+                                                     "process": {"env": [], "args": ["true"]},
+                                                     "annotations": {"cdi.k8s.io/x": "nvidia.com/gpu=0"}}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c", "status": "created", "pid": os.getpid(),
+                        "bundle": str(bundle)})
+    args = [*hook["args"][1:], "--dry-run", "--spec-dir", str(spec_dir), "--state-dir", str(tmp_path / "state"),
+            "--log-file", str(tmp_path / "log")]
+    done = subprocess.run([hook["path"], *args], input=state, capture_output=True, text=True, env={})
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)  # --dry-run prints its record
+    assert record["result"] == "dry run" and record["devices"] == ["nvidia.com/gpu=0"]
+    assert "c 195:255 rwm" in record["cgroup"] and record["steps"], record  # nvidiactl and the plan
+
+
 def test_create_dev_char_links(host_copy):
     root = host_copy("hgx-h100")
     done = run("create-dev-char-links", "--root", str(root))
@@ -157,10 +183,10 @@ def test_who_lists_processes_holding_a_device_node(host_copy, tmp_path):
 
 
 def test_shipped_hook_files_match_what_install_hook_writes():
-    from devinject.hooksd import hooks_d_entry, render, runc_hooks
+    from devinject.hooksd import hook_command, hooks_d_entry, render, runc_hooks
 
     hooks = Path(__file__).resolve().parents[2] / "hooks"
-    exe = "/usr/local/bin/devinject"
+    exe = hook_command("/usr/local/bin/devinject")
     assert (hooks / "10-devinject.json").read_text() == render(hooks_d_entry(exe))
     assert (hooks / "10-devinject-env.json").read_text() == render(hooks_d_entry(exe, env_requests=True))
     assert (hooks / "runc-config-snippet.json").read_text() == render(runc_hooks(exe))
