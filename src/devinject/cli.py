@@ -18,6 +18,10 @@ from devinject.core.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 
 log = logging.getLogger("devinject")
 
+bundles_option = click.option(
+    "--bundles", "bundles", multiple=True, type=click.Choice(["gpu-nic"]),
+    help="Also offer co-bound devices: gpu-nic = each GPU with its closest RDMA NIC (<vendor>/gpu-nic=<index>) "
+         "and each NUMA node's GPUs and NICs (=numa<N>); see `devinject topo`.")
 root_option = click.option(
     "--root", default="/", show_default=True, type=click.Path(file_okay=False),
     help="Read the host under this directory (a driver root or a fixture host).",
@@ -62,15 +66,16 @@ def cli(verbose: int, quiet: bool) -> None:
 @click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False),
               help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d).")
 @click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
+@bundles_option
 def generate(root: str, output_dir: str, output: str | None, fmt: str, strategies: tuple[str, ...],
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
-             nvml: bool | None) -> None:
+             nvml: bool | None, bundles: tuple[str, ...]) -> None:
     """Discover devices on the host and write CDI specs."""
     from devinject.core.spec import write_atomic
     from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 
     opts = GenerateOptions(root=root, kinds=kinds, strategies=strategies, version_cap=version_cap,
-                           hook_path=hook_path, profile_dirs=profile_dirs, nvml=nvml)
+                           hook_path=hook_path, profile_dirs=profile_dirs, nvml=nvml, bundles=bundles)
     specs = generate_specs(opts)
     if not specs:
         log.warning("no devices found under %s; nothing written", root)
@@ -129,14 +134,17 @@ kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", sh
 
 @cli.command()
 @root_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "dot", "svg"]), default="text", show_default=True,
+              help="text: the matrix and GPU-NIC pairs; dot: the PCIe tree for Graphviz; svg: rendered by `dot`.")
+@click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write to FILE, not stdout.")
 @click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False))
-def topo(root: str, as_json: bool, profile_dirs: tuple[str, ...]) -> None:
+def topo(root: str, fmt: str, as_json: bool, output: str | None, profile_dirs: tuple[str, ...]) -> None:
     """How close the devices are in the PCIe tree and across NUMA nodes (as `nvidia-smi topo -m`, any vendor)."""
     from devinject.discovery.discover import discover
     from devinject.discovery.host import Host
     from devinject.discovery.profiles import load_profiles
-    from devinject.discovery.topology import topology
+    from devinject.discovery.topology import render_dot, topology
 
     host = Host(root)
     found = discover(host, load_profiles(host, profile_dirs))
@@ -144,7 +152,43 @@ def topo(root: str, as_json: bool, profile_dirs: tuple[str, ...]) -> None:
         click.echo("no devices found", err=True)
         return
     result = topology(host, found)
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json else result.render(), nl=as_json)
+    fmt = "json" if as_json else fmt
+    if fmt == "json":
+        text = json.dumps(result.to_json(), indent=2) + "\n"
+    elif fmt == "text":
+        text = result.render()
+    else:
+        text = render_dot(result)
+        if fmt == "svg":
+            text = _graphviz_svg(text)
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    from devinject.core.atomicfile import replace
+
+    try:
+        replace(output, text.encode(), 0o644)
+    except OSError as err:
+        raise DevinjectError(f"--output {output}: cannot write: {err.strerror}") from None
+
+
+def _graphviz_svg(dot_text: str) -> str:
+    """`dot -Tsvg` from the host's Graphviz: clean environment, bounded time."""
+    import shutil
+    import subprocess
+
+    dot = shutil.which("dot", path="/usr/local/bin:/usr/bin:/bin")
+    if dot is None:
+        raise DevinjectError("--format svg: Graphviz's `dot` is not installed (apt install graphviz), "
+                             "or use --format dot")
+    try:
+        done = subprocess.run([dot, "-Tsvg"], input=dot_text, capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin"})
+    except subprocess.TimeoutExpired:
+        raise DevinjectError(f"--format svg: {dot} did not finish in 60 s") from None
+    if done.returncode != 0:
+        raise DevinjectError(f"--format svg: {dot} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return done.stdout
 
 
 @cli.command("list")
@@ -255,9 +299,10 @@ def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: 
 @click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks.")
 @click.option("--kind", "kinds", multiple=True, help="Only this kind (repeatable).")
 @click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents.")
+@bundles_option
 def watch(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float, threshold: int,
           rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
-          kinds: tuple[str, ...], uevents: bool) -> None:
+          kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...]) -> None:
     """Keep the CDI specs true to the hardware: rescan on hot-plug, take out unhealthy devices."""
     import signal
     import threading
@@ -272,7 +317,7 @@ def watch(root: str, output_dir: str, state_dir: str, fmt: str, interval: float,
             raise DevinjectError(f"--recheck {recheck:g}: must be between 1 and 2 seconds")
     if min(interval, recheck, rescan) <= 0:
         raise DevinjectError("--interval, --recheck and --rescan must be positive")
-    gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path())
+    gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles)
     gen.check()
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

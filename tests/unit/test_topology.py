@@ -95,3 +95,88 @@ def test_placement_never_pairs_unknown_numa_nodes_as_close() -> None:
     b = place("pci0000:80/0000:80:01.0/0000:81:00.0", None)
     c = place("pci0000:00/0000:00:02.0/0000:02:00.0", None)
     assert place_devices([a, b, c], 2) == ["0000:01:00.0", "0000:02:00.0"]  # one host bridge beats unknown
+
+
+# --- hosts described as data (tests/fixtures/topologies), goldens reviewed by hand ------------------------
+TOPOLOGY_HOSTS = ("hgx-h100-4sw", "root-ports", "numa-unknown", "multi-level-switch")
+
+
+@pytest.fixture(scope="module")
+def topology_hosts(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from tests.fixtures.pcie_hosts import build_topology_host
+
+    base = tmp_path_factory.mktemp("topologies")
+    for name in TOPOLOGY_HOSTS:
+        build_topology_host(name, base / name)
+    return base
+
+
+def topo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([DEVINJECT, "topo", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("name", TOPOLOGY_HOSTS)
+def test_topology_hosts_match_their_reviewed_goldens(topology_hosts, name: str) -> None:  # type: ignore[no-untyped-def]
+    done = topo("--root", str(topology_hosts / name))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (FIXTURES / "golden-topo" / f"{name}.txt").read_text()
+
+
+def test_pairing_balances_nics_and_refuses_the_slow_path(topology_hosts) -> None:  # type: ignore[no-untyped-def]
+    from devinject.discovery.discover import discover
+    from devinject.discovery.host import Host
+    from devinject.discovery.profiles import load_profiles
+    from devinject.discovery.topology import topology
+
+    def pairs(name: str) -> dict[str, tuple[str, str]]:
+        host = Host(str(topology_hosts / name))
+        result = topology(host, discover(host, load_profiles(host)))
+        return {result.labels[p.gpu]: (result.labels[p.nic], p.relation) for p in result.pairs()}
+
+    # two GPUs per switch share its one NIC; never a NIC of another switch while the own one is there
+    assert pairs("hgx-h100-4sw") == {f"GPU{g}": (f"NIC{g // 2}", PIX) for g in range(8)}
+    assert pairs("root-ports") == {"GPU0": ("NIC0", PHB), "GPU1": ("NIC0", PHB)}  # GPU2: only SYS, no pair
+    assert pairs("numa-unknown") == {"GPU0": ("NIC0", PHB)}  # unknown NUMA across host bridges is not close
+    assert pairs("multi-level-switch") == {"GPU0": ("NIC0", PXB), "GPU1": ("NIC0", PXB), "GPU2": ("NIC0", PIX)}
+
+
+def test_two_nics_on_a_switch_go_one_to_each_gpu() -> None:
+    from devinject.discovery.topology import Topology, pair_gpus_with_nics
+
+    switch = "pci0000:00/0000:00:01.0/0000:01:00.0"
+    places = tuple(place(f"{switch}/0000:02:0{i}.0/0000:0{3 + i}:00.0") for i in range(4))
+    topo_ = Topology(("GPU0", "GPU1", "NIC0", "NIC1"), (None,) * 4, places)  # type: ignore[arg-type]
+    assert [(p.gpu, p.nic) for p in pair_gpus_with_nics(topo_, [0, 1], [2, 3])] == [(0, 2), (1, 3)]
+
+
+def test_dot_is_valid_graphviz_and_svg_renders(topology_hosts, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    done = topo("--root", str(topology_hosts / "hgx-h100-4sw"), "--format", "dot")
+    assert done.returncode == 0, done.stderr
+    canon = subprocess.run(["dot", "-Tcanon"], input=done.stdout, capture_output=True, text=True, timeout=60)
+    assert canon.returncode == 0, canon.stderr  # Graphviz's own parser accepts it
+    assert canon.stdout.count("subgraph cluster_numa") == 2
+    assert canon.stdout.count("shape=house") == 4  # the four host bridges
+    assert canon.stdout.count("style=dashed") == 8  # one pair edge per GPU
+    svg = tmp_path / "tree.svg"
+    done = topo("--root", str(topology_hosts / "hgx-h100-4sw"), "--format", "svg", "-o", str(svg))
+    assert done.returncode == 0, done.stderr
+    text = svg.read_text()
+    assert text.startswith("<?xml") and "GPU7" in text and "NUMA node 1" in text
+
+
+def test_dot_keeps_unknown_numa_outside_clusters(topology_hosts) -> None:  # type: ignore[no-untyped-def]
+    done = topo("--root", str(topology_hosts / "numa-unknown"), "--format", "dot")
+    assert "cluster_numa" not in done.stdout and '"pci0000:40" [shape=house' in done.stdout
+
+
+def test_svg_without_graphviz_is_a_clear_error(topology_hosts, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    from click.testing import CliRunner
+
+    from devinject import cli
+
+    monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)  # no `dot` on this host
+    result = CliRunner().invoke(cli.cli, ["topo", "--root", str(topology_hosts / "root-ports"), "--format", "svg"])
+    assert result.exit_code == 1
+    assert "Graphviz's `dot` is not installed" in result.output

@@ -84,6 +84,12 @@ class Topology:
                        for i, a in enumerate(self.labels)},
         }
 
+    def pairs(self) -> list[Pair]:
+        """Each GPU with its closest RDMA NIC: see `pair_gpus_with_nics`."""
+        gpus = [i for i, label in enumerate(self.labels) if label.startswith("GPU")]
+        nics = [i for i, label in enumerate(self.labels) if label.startswith("NIC")]
+        return pair_gpus_with_nics(self, gpus, nics)
+
     def render(self) -> str:
         """The matrix as `nvidia-smi topo -m` prints it, then CPU and NUMA affinity, then the legend."""
         width = max([4, *map(len, self.labels)]) + 2
@@ -94,7 +100,93 @@ class Topology:
             place = self.places[i]
             numa = "N/A" if place.numa is None else str(place.numa)
             lines.append(f"{label:<{width}}{cells}{place.cpus or 'N/A':<16}{numa}".rstrip())
+        pairs = self.pairs()
+        if pairs:
+            lines += ["", "GPU-NIC pairs (generate --bundles gpu-nic):"]
+            paired = {p.gpu: p for p in pairs}
+            for i, label in enumerate(self.labels):
+                if label.startswith("GPU"):
+                    pair = paired.get(i)
+                    lines.append(f"  {label:<{width}}" + (f"{self.labels[pair.nic]} ({pair.relation})" if pair
+                                                         else "- (no NIC closer than SYS)"))
         return "\n".join([*lines, "", "Legend:", *(f"  {entry}" for entry in LEGEND)]) + "\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    gpu: int  # indices into Topology.devices
+    nic: int
+    relation: str
+
+
+def pair_gpus_with_nics(topo: Topology, gpus: list[int], nics: list[int]) -> list[Pair]:
+    """Each GPU (in order) with its closest NIC: the best relation first (PIX, PXB, PHB, NODE), then the NIC
+    with the fewest GPUs paired so far (so two GPUs on one switch with two NICs get one each), then the lower
+    NIC. A GPU whose closest NIC is across NUMA nodes (or of an unknown NUMA node) gets none: that bundle
+    would be the slow path it exists to avoid. Deterministic: the same tree always gives the same pairs."""
+    load = dict.fromkeys(nics, 0)
+    pairs = []
+    for gpu in gpus:
+        candidates = [(RANK[topo.relation(gpu, nic)], load[nic], nic) for nic in nics]
+        if not candidates:
+            break
+        rank, _, nic = min(candidates)
+        if rank >= RANK[SYS]:
+            continue
+        load[nic] += 1
+        pairs.append(Pair(gpu, nic, topo.relation(gpu, nic)))
+    return pairs
+
+
+def _quoted(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_dot(topo: Topology) -> str:
+    """The PCIe tree as Graphviz DOT: one cluster per NUMA node holding its host bridges, the bridges (root
+    ports, switch ports) as small ellipses, devices as boxes named as in the matrix, and each GPU-NIC pair as
+    a dashed edge labelled with its relation. Host bridges whose devices' NUMA node is unknown stay outside."""
+    lines = ["digraph topology {", "  rankdir=TB;", '  node [fontname="monospace", fontsize=10];',
+             '  edge [arrowhead=none];']
+    numa_of_bridge: dict[str, set[int | None]] = {}
+    cpus_of_numa: dict[int, str] = {}
+    for place in topo.places:
+        numa_of_bridge.setdefault(place.path[0], set()).add(place.numa)
+        if place.numa is not None and place.cpus:
+            cpus_of_numa.setdefault(place.numa, place.cpus)
+    clusters: dict[int | None, list[str]] = {}
+    for bridge, numas in sorted(numa_of_bridge.items()):
+        clusters.setdefault(next(iter(numas)) if len(numas) == 1 else None, []).append(bridge)
+    for numa, bridges in sorted(clusters.items(), key=lambda item: (item[0] is None, item[0] or 0)):
+        shapes = [f"    {_quoted(b)} [shape=house, label={_quoted('host bridge ' + b.removeprefix('pci'))}];"
+                  for b in bridges]
+        if numa is None:
+            lines += [line[2:] for line in shapes]
+            continue
+        cpus = cpus_of_numa.get(numa)
+        title = f"NUMA node {numa}" + (f"\\nCPUs {cpus}" if cpus else "")
+        members: dict[str, None] = {}  # the bridges and devices under this cluster's host bridges, once each
+        for place in topo.places:
+            if place.path[0] in bridges:
+                members.update(dict.fromkeys(place.path[1:]))
+        lines += [f"  subgraph cluster_numa{numa} {{", f'    label="{title}";', "    style=rounded;", *shapes,
+                  *(f"    {_quoted(member)};" for member in members)]
+        lines.append("  }")
+    edges: dict[tuple[str, str], None] = {}
+    bridges_seen: dict[str, None] = {}
+    for label, device, place in zip(topo.labels, topo.devices, topo.places, strict=True):
+        name = f"{device.profile.kind}={device.index}"
+        lines.append(f"  {_quoted(place.address)} [shape=box, style=filled, fillcolor="
+                     f"{'palegreen' if label.startswith('GPU') else 'lightblue'}, "
+                     f"label={_quoted(label + chr(10) + name + chr(10) + place.address)}];")
+        bridges_seen.update(dict.fromkeys(place.path[1:-1]))
+        edges.update(dict.fromkeys(zip(place.path, place.path[1:], strict=False)))
+    lines += [f"  {_quoted(b)} [shape=ellipse, label={_quoted(b)}];" for b in bridges_seen]
+    lines += [f"  {_quoted(a)} -> {_quoted(b)};" for a, b in edges]
+    for pair in topo.pairs():
+        lines.append(f"  {_quoted(topo.places[pair.gpu].address)} -> {_quoted(topo.places[pair.nic].address)} "
+                     f"[style=dashed, color=darkorange, constraint=false, label={_quoted(pair.relation)}];")
+    return "\n".join([*lines, "}"]) + "\n"
 
 
 def topology(host: Host, found: list[FoundDevice]) -> Topology:

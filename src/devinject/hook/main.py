@@ -17,10 +17,11 @@ from devinject.core.paths import DEFAULT_SPEC_DIRS
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
+    from devinject.core.identity import NodeId
     from devinject.core.model import NetDevice
     from devinject.hook.cgroup import CgroupGrant
     from devinject.hook.plan import AllowDevice, Plan
-    from devinject.hook.registry import Resolved
+    from devinject.hook.registry import Registry, Resolved
     from devinject.nodestate.ledger import Booking
 
 CONFIG_FILE = "/etc/devinject/hook.json"
@@ -148,28 +149,47 @@ def _process_ids(config: dict[str, object]) -> tuple[int, int]:
     return uid, gid
 
 
+def _shareable(kinds: set[str], policy: dict[str, str]) -> bool:
+    modes = {policy[kind] for kind in kinds if kind in policy}
+    return modes == {"shared"}
+
+
 class HostParts:
     """The hook's effects on the node, one method each. `run_hook` only orchestrates them and undoes them
     in reverse on failure; a test passes recording parts, and `--dry-run` passes parts that only say."""
 
     def __init__(self, opts: HookOptions) -> None:
         self.opts = opts
+        self.registry: Registry | None = None
 
     def resolve(self, names: tuple[str, ...]) -> Resolved:
         from devinject.hook.registry import Registry
 
         cache = os.path.join(self.opts.state_dir, "spec-cache.json")
-        return Registry(self.opts.spec_dirs, cache_file=cache).resolve(names)
+        self.registry = Registry(self.opts.spec_dirs, cache_file=cache)
+        return self.registry.resolve(names)
 
     def book(self, container_id: str, pid: int, resolved: Resolved) -> Booking | None:
         if not self.opts.ledger:
             return None
         from devinject.hook.plan import node_identity
         from devinject.nodestate.ledger import Claim, Ledger
+        from devinject.nodestate.sharing import sharing_policy
 
-        claims = tuple(Claim(name, tuple(node_identity(n) for n in edits.device_nodes))
-                       for name, edits in resolved.devices)
-        return Ledger(self.opts.state_dir, profile_dirs=self.opts.profile_dirs).book(container_id, pid, claims)
+        policy = sharing_policy(self.opts.state_dir, profile_dirs=self.opts.profile_dirs)
+        offered_by: dict[str, set[str]] | None = None
+        claims = []
+        for name, edits in resolved.devices:
+            shared: tuple[NodeId, ...] = ()
+            if name.partition("=")[0] not in policy and self.registry is not None:
+                # a kind no profile describes (a gpu-nic bundle): each node is booked as the kinds that offer
+                # it alone do; shared only when every one of them is shared (a node none offers: exclusive)
+                offered_by = offered_by if offered_by is not None else self.registry.node_kinds()
+                shared = tuple(node_identity(n) for n in edits.device_nodes
+                               if _shareable(offered_by.get(n.host_path or n.path, set()), policy))
+            claims.append(Claim(name, tuple(node_identity(n) for n in edits.device_nodes), shared))
+        ledger = Ledger(self.opts.state_dir, profile_dirs=self.opts.profile_dirs)
+        return ledger.book(container_id, pid, tuple(claims), policy)
 
     def grant(self, pid: int, rules: tuple[AllowDevice, ...]) -> tuple[CgroupGrant | None, str | None]:
         """Allow `rules` in the container's device cgroup: (the grant, for revert/done; where)."""

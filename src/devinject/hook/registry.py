@@ -179,6 +179,21 @@ class Registry:
             edits = edits.merge(item)
         return Resolved(names, edits, tuple(used), tuple(device_edits))
 
+    def node_kinds(self) -> dict[str, set[str]]:
+        """Host path of every device node a spec's device offers -> the kinds offering it (from the cached
+        spec dicts: nothing is parsed). A bundle's nodes are then booked as the kinds they come from."""
+        kinds: dict[str, set[str]] = {}
+        for entry in self._index().values():
+            device = entry.raw["devices"][entry.position]
+            edits = device.get("containerEdits") if isinstance(device, dict) else None
+            nodes = edits.get("deviceNodes") if isinstance(edits, dict) else None
+            for node in nodes if isinstance(nodes, list) else ():
+                if isinstance(node, dict):
+                    path = node.get("hostPath") or node.get("path")
+                    if isinstance(path, str):
+                        kinds.setdefault(path, set()).add(entry.raw["kind"])
+        return kinds
+
     def _unresolvable(self, text: str, kind: str) -> str:
         if text in self.conflicts:
             return f"unresolvable CDI device {text}: {self.conflicts[text]} (same priority)"

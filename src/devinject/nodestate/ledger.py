@@ -51,9 +51,11 @@ def process_start_time(pid: int, proc: str = "/proc") -> int | None:
 
 
 class Claim(NamedTuple):
-    """One requested device and the identities of its nodes (`c 195:0`)."""
+    """One requested device and the identities of its nodes (`c 195:0`). For a kind without a profile (a
+    bundle), `shared` names the nodes the kinds that offer them alone share; the rest are exclusive."""
     name: QualifiedName | str
     nodes: tuple[NodeId, ...]
+    shared: tuple[NodeId, ...] = ()
 
 
 def _strings(value: object) -> bool:
@@ -256,8 +258,12 @@ class Ledger:
         exclusive: list[str] = []
         shared: list[str] = []
         for claim in claims:
-            kind = claim.name.partition("=")[0]
-            (exclusive if policy.get(kind, "exclusive") == "exclusive" else shared).extend(claim.nodes)
+            mode = policy.get(claim.name.partition("=")[0])
+            if mode is None:  # no profile for the kind: per node, as the hook found them offered
+                shared.extend(claim.shared)
+                exclusive.extend(n for n in claim.nodes if n not in claim.shared)
+            else:
+                (exclusive if mode == "exclusive" else shared).extend(claim.nodes)
         exclusive = sorted(set(exclusive))
         unhealthy = self._unhealthy_nodes() & set(exclusive + shared)
         if unhealthy:

@@ -46,11 +46,17 @@ class GenerateOptions:
     profile_dirs: tuple[str, ...] = ()
     nvml: bool | None = None
     exclude: frozenset[str] = field(default_factory=frozenset)
+    bundles: tuple[str, ...] = ()  # co-bound devices to add (specs.bundles): "gpu-nic"
 
     def check(self) -> None:
         for strategy in self.strategies:
             if strategy not in STRATEGIES:
                 raise ConfigError(f"--device-name-strategy: unknown {strategy!r} (use {', '.join(STRATEGIES)})")
+        from devinject.specs.bundles import BUNDLES
+
+        for bundle in self.bundles:
+            if bundle not in BUNDLES:
+                raise ConfigError(f"--bundles: unknown {bundle!r} (use {', '.join(BUNDLES)})")
         if self.version_cap not in KNOWN_VERSIONS:
             raise ConfigError(f"--cdi-version: unknown version {self.version_cap!r}")
         if not os.path.isdir(self.root):
@@ -188,11 +194,15 @@ def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdit
     if not devices:
         return None
     devices.append(Device("all", ContainerEdits(device_nodes=tuple(every_node))))
-    spec = Spec(kind=profile.kind, devices=tuple(devices), edits=common)
+    return versioned(Spec(kind=profile.kind, devices=tuple(devices), edits=common), opts)
+
+
+def versioned(spec: Spec, opts: GenerateOptions) -> Spec:
+    """`spec` at the lowest CDI version its content needs; an error when that is above the cap."""
     needed = required_version(spec)
     if version_key(needed) > version_key(opts.version_cap):
-        raise SpecError(f"{profile.kind}: content needs CDI {needed}, above the --cdi-version cap {opts.version_cap}")
-    return Spec(kind=spec.kind, devices=spec.devices, edits=spec.edits, cdi_version=needed)
+        raise SpecError(f"{spec.kind}: content needs CDI {needed}, above the --cdi-version cap {opts.version_cap}")
+    return spec._replace(cdi_version=needed)
 
 
 def _enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -> list[FoundDevice]:
@@ -248,6 +258,11 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
         spec = build_spec(profile, devices, common_edits(view, profile, rerooter, hook_path, ldcache), rerooter, opts)
         if spec is not None:
             specs.append(spec)
+    if "gpu-nic" in opts.bundles:
+        from devinject.specs.bundles import gpu_nic_specs
+
+        kept = [f for f in found if device_key(f.profile.kind, f.address) not in opts.exclude]
+        specs += [versioned(bundle, opts) for bundle in gpu_nic_specs(host, kept, specs)]
     return specs
 
 
