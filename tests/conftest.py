@@ -12,6 +12,8 @@ FIXTURES = Path(os.environ.get("DEVINJECT_FIXTURES") or Path(__file__).parent / 
 HOSTS = FIXTURES / "hosts"
 GOLDEN = FIXTURES / "golden"
 HOST_NAMES = sorted(p.name for p in HOSTS.iterdir() if p.is_dir())
+# Hosts described as data (fixtures/topologies/*.yaml), built on demand by fixtures/pcie_hosts.py
+TOPOLOGY_HOSTS = sorted(p.stem for p in (FIXTURES / "topologies").glob("*.yaml"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -21,6 +23,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))
+
+
+@pytest.fixture(scope="session")
+def topology_hosts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every topology host, built once per session: `topology_hosts / name` is its root."""
+    from tests.fixtures.pcie_hosts import build_topology_host
+
+    base = tmp_path_factory.mktemp("topology-hosts")
+    for name in TOPOLOGY_HOSTS:
+        build_topology_host(name, base / name)
+    return base
 
 
 @pytest.fixture

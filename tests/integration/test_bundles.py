@@ -11,22 +11,12 @@ import pytest
 
 from devinject.core.model import Spec
 from devinject.specs.generate import GenerateOptions, generate_specs, render
-from tests.conftest import FIXTURES, HOSTS
+from tests.conftest import FIXTURES, HOSTS, TOPOLOGY_HOSTS
 
 GOLDEN = FIXTURES / "golden-bundles"
 HOOK = "/usr/bin/devinject"
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
-TOPOLOGY_HOSTS = ("hgx-h100-4sw", "root-ports", "numa-unknown", "multi-level-switch")
 
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from tests.fixtures.pcie_hosts import build_topology_host
-
-    base = tmp_path_factory.mktemp("bundle-hosts")
-    for name in TOPOLOGY_HOSTS:
-        build_topology_host(name, base / name)
-    return base
 
 
 def bundle_spec(root: Path) -> Spec | None:
@@ -40,10 +30,10 @@ def summary(spec: Spec) -> dict[str, tuple[list[str], list[str]]]:
 
 
 @pytest.mark.parametrize("name", TOPOLOGY_HOSTS)
-def test_bundle_specs_match_reviewed_goldens(hosts, name: str, update_golden: bool) -> None:  # type: ignore[no-untyped-def]
-    spec = bundle_spec(hosts / name)
+def test_bundle_specs_match_reviewed_goldens(topology_hosts, name: str, update_golden: bool) -> None:  # type: ignore[no-untyped-def]
+    spec = bundle_spec(topology_hosts / name)
     assert spec is not None
-    text = render(spec, "yaml").replace(str(hosts / name), "<ROOT>")
+    text = render(spec, "yaml").replace(str(topology_hosts / name), "<ROOT>")
     golden = GOLDEN / f"{name}.yaml"
     if update_golden:
         golden.parent.mkdir(exist_ok=True)
@@ -51,8 +41,8 @@ def test_bundle_specs_match_reviewed_goldens(hosts, name: str, update_golden: bo
     assert text == golden.read_text(), f"{name}: gpu-nic spec differs from golden (make golden to review)"
 
 
-def test_switch_pairs_share_the_switch_nic_and_numa_sets_hold_the_socket(hosts) -> None:  # type: ignore[no-untyped-def]
-    spec = bundle_spec(hosts / "hgx-h100-4sw")
+def test_switch_pairs_share_the_switch_nic_and_numa_sets_hold_the_socket(topology_hosts) -> None:  # type: ignore[no-untyped-def]
+    spec = bundle_spec(topology_hosts / "hgx-h100-4sw")
     assert spec is not None and spec.cdi_version == "0.5.0"
     devices = summary(spec)
     assert list(devices) == [*map(str, range(8)), "numa0", "numa1"]
@@ -67,10 +57,10 @@ def test_switch_pairs_share_the_switch_nic_and_numa_sets_hold_the_socket(hosts) 
     assert "/dev/nvidiactl" in shared and "/dev/infiniband/rdma_cm" in shared  # both specs' common edits
 
 
-def test_no_pair_across_sockets_and_no_guessed_numa(hosts) -> None:  # type: ignore[no-untyped-def]
-    root_ports = bundle_spec(hosts / "root-ports")
+def test_no_pair_across_sockets_and_no_guessed_numa(topology_hosts) -> None:  # type: ignore[no-untyped-def]
+    root_ports = bundle_spec(topology_hosts / "root-ports")
     assert root_ports is not None and list(summary(root_ports)) == ["0", "1", "numa0"]  # GPU2: SYS only
-    unknown = bundle_spec(hosts / "numa-unknown")
+    unknown = bundle_spec(topology_hosts / "numa-unknown")
     assert unknown is not None
     assert summary(unknown) == {"0": (["/dev/nvidia0", "/dev/infiniband/uverbs0", "/dev/infiniband/issm0",
                                        "/dev/infiniband/umad0"], ["NCCL_IB_HCA==mlx5_0"])}
@@ -88,20 +78,20 @@ def test_any_vendors_gpus_pair_with_the_nic() -> None:
     assert bundles == {"intel.com/gpu-nic": ["0"], "nvidia.com/gpu-nic": ["0"]}  # NUMA unknown: no sets
 
 
-def test_written_bundle_spec_validates_and_unknown_bundle_is_an_error(hosts, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    out = tmp_path / "cdi"
-    done = subprocess.run([DEVINJECT, "generate", "--root", str(hosts / "hgx-h100-4sw"), "--output-dir", str(out),
+def test_written_bundle_spec_validates_and_unknown_bundle_is_an_error(topology_hosts, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out, four_switches = tmp_path / "cdi", str(topology_hosts / "hgx-h100-4sw")
+    done = subprocess.run([DEVINJECT, "generate", "--root", four_switches, "--output-dir", str(out),
                            "--bundles", "gpu-nic", "--hook-path", HOOK], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert (out / "nvidia.com-gpu-nic.yaml").exists()
     done = subprocess.run([DEVINJECT, "validate", str(out)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
-    done = subprocess.run([DEVINJECT, "generate", "--root", str(hosts / "hgx-h100-4sw"), "--output-dir", str(out),
+    done = subprocess.run([DEVINJECT, "generate", "--root", four_switches, "--output-dir", str(out),
                            "--bundles", "gpu-gpu"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "gpu-gpu" in done.stderr
 
 
-def test_hook_books_a_bundle_node_by_node_as_the_kinds_offering_them(hosts, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_hook_books_a_bundle_node_by_node_as_the_kinds_offering_them(topology_hosts, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """gpu-nic=0 and gpu-nic=1 share switch 0's NIC (RDMA is shared) but not a GPU: both are booked. The
     GPU inside a bundle stays exclusive against the plain GPU device and against another bundle."""
     import os
@@ -109,8 +99,8 @@ def test_hook_books_a_bundle_node_by_node_as_the_kinds_offering_them(hosts, tmp_
     from devinject.core.errors import LedgerError
     from devinject.hook.main import HookOptions, HostParts
 
-    out = tmp_path / "cdi"
-    done = subprocess.run([DEVINJECT, "generate", "--root", str(hosts / "hgx-h100-4sw"), "--output-dir", str(out),
+    out, four_switches = tmp_path / "cdi", str(topology_hosts / "hgx-h100-4sw")
+    done = subprocess.run([DEVINJECT, "generate", "--root", four_switches, "--output-dir", str(out),
                            "--bundles", "gpu-nic", "--hook-path", HOOK], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     opts = HookOptions()

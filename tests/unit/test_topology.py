@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from devinject.discovery.topology import NODE, PHB, PIX, PXB, SELF, SYS, Place, relation
-from tests.conftest import FIXTURES, HOSTS
+from tests.conftest import FIXTURES, HOSTS, TOPOLOGY_HOSTS
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 
@@ -98,17 +98,7 @@ def test_placement_never_pairs_unknown_numa_nodes_as_close() -> None:
 
 
 # --- hosts described as data (tests/fixtures/topologies), goldens reviewed by hand ------------------------
-TOPOLOGY_HOSTS = ("hgx-h100-4sw", "root-ports", "numa-unknown", "multi-level-switch")
 
-
-@pytest.fixture(scope="module")
-def topology_hosts(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from tests.fixtures.pcie_hosts import build_topology_host
-
-    base = tmp_path_factory.mktemp("topologies")
-    for name in TOPOLOGY_HOSTS:
-        build_topology_host(name, base / name)
-    return base
 
 
 def topo(*args: str) -> subprocess.CompletedProcess[str]:
@@ -177,6 +167,7 @@ def test_svg_without_graphviz_is_a_clear_error(topology_hosts, monkeypatch) -> N
     from devinject import cli
 
     monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)  # no `dot` on this host
-    result = CliRunner().invoke(cli.cli, ["topo", "--root", str(topology_hosts / "root-ports"), "--format", "svg"])
+    root = str(topology_hosts / "root-ports")
+    result = CliRunner().invoke(cli.cli, ["topo", "--root", root, "--format", "svg"])
     assert result.exit_code == 1
     assert "Graphviz's `dot` is not installed" in result.output
