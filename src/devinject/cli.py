@@ -208,10 +208,11 @@ def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_
     if not rows:
         click.echo("no devices found", err=True)
         return
-    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "NODES")
+    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "PAIRED WITH", "NODES")
     table = [header] + [
         (r["names"][0], r["pci"], r["model"], str(r["numa_node"]), r["driver"] or "-", r["health"],
-         ",".join(r["held_by"]) or "-", " ".join(n["path"] for n in r["nodes"]))
+         ",".join(r["held_by"]) or "-", ",".join(p.partition(" ")[0] for p in r["paired_with"]) or "-",
+         " ".join(n["path"] for n in r["nodes"]))
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]

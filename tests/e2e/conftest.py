@@ -142,18 +142,27 @@ def image(live_root: None, tmp_path_factory: pytest.TempPathFactory) -> str:
     return IMAGE
 
 
+@contextlib.contextmanager
+def in_cdi_dir(spec: Path) -> Iterator[Path]:
+    """Put a spec file where podman 4 looks (it has no spec-dir flag); what was there comes back after."""
+    CDI_DIR.mkdir(parents=True, exist_ok=True)
+    target = CDI_DIR / spec.name
+    backup = target.read_bytes() if target.exists() else None
+    shutil.copy(spec, target)
+    try:
+        yield target
+    finally:
+        if backup is None:
+            target.unlink()
+        else:
+            target.write_bytes(backup)
+
+
 @pytest.fixture
 def cdi_spec(spec_dir: Path) -> Iterator[Path]:
-    """Put the generated nvidia.com/gpu spec where podman 4 looks (it has no spec-dir flag)."""
-    CDI_DIR.mkdir(parents=True, exist_ok=True)
-    target = CDI_DIR / "nvidia.com-gpu.yaml"
-    backup = target.read_bytes() if target.exists() else None
-    shutil.copy(spec_dir / "nvidia.com-gpu.yaml", target)
-    yield target
-    if backup is None:
-        target.unlink()
-    else:
-        target.write_bytes(backup)
+    """The generated nvidia.com/gpu spec, installed for podman."""
+    with in_cdi_dir(spec_dir / "nvidia.com-gpu.yaml") as target:
+        yield target
 
 
 @contextlib.contextmanager

@@ -117,3 +117,15 @@ def test_hook_books_a_bundle_node_by_node_as_the_kinds_offering_them(topology_ho
         book("d", "nvidia.com/gpu=0")  # the GPU of bundle 0
     with pytest.raises(LedgerError, match="c 195:0 is held by container a"):
         book("e", "nvidia.com/gpu-nic=numa0")  # holds GPUs 0-3
+
+
+def test_list_shows_the_pairing(topology_hosts) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    done = subprocess.run([DEVINJECT, "list", "--root", str(topology_hosts / "root-ports"), "--json",
+                           "--state-dir", "/nonexistent"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    paired = {row["names"][0]: row["paired_with"] for row in json.loads(done.stdout)}
+    assert paired == {"nvidia.com/gpu=0": ["nvidia.com/rdma=0 (PHB)"], "nvidia.com/gpu=1": ["nvidia.com/rdma=0 (PHB)"],
+                      "nvidia.com/gpu=2": [],
+                      "nvidia.com/rdma=0": ["nvidia.com/gpu=0 (PHB)", "nvidia.com/gpu=1 (PHB)"]}

@@ -7,7 +7,7 @@ from typing import Any
 
 from devinject.agent.health import HealthChecker
 from devinject.core.identity import device_key, node_id_of, qualified
-from devinject.discovery.discover import discover
+from devinject.discovery.discover import FoundDevice, discover
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import load_profiles
 from devinject.nodestate.ledger import Ledger, holders_of
@@ -27,6 +27,7 @@ def inventory(root: str, *, profile_dirs: tuple[str, ...] = (), state_dir: str |
     found = discover(host, load_profiles(host, profile_dirs))
     verdicts = {v.key: v for v in HealthChecker(host, kernel_log=kernel_log).check(found)}
     allocations = _allocations(state_dir) if state_dir else {}
+    paired = _pairs(host, found)
     rows = []
     for item in found:
         pci = item.pci
@@ -53,8 +54,24 @@ def inventory(root: str, *, profile_dirs: tuple[str, ...] = (), state_dir: str |
             "held_by": held_by,
             "state": "reclaiming" if "reclaiming" in states else ("allocated" if held_by else "free"),
             "nodes": [{"path": n.path, "major": n.major, "minor": n.minor} for n in item.nodes],
+            "paired_with": paired.get(device_key(item.profile.kind, item.address), []),
         })
     return rows
+
+
+def _pairs(host: Host, found: list[FoundDevice]) -> dict[str, list[str]]:
+    """device key -> the devices it is paired with for `--bundles gpu-nic` (a GPU: its NIC; a NIC: its GPUs),
+    each as `<kind>=<index> (<relation>)`."""
+    from devinject.discovery.topology import topology
+
+    topo = topology(host, found)
+    paired: dict[str, list[str]] = {}
+    for pair in topo.pairs():
+        gpu, nic = topo.devices[pair.gpu], topo.devices[pair.nic]
+        for one, other in ((gpu, nic), (nic, gpu)):
+            paired.setdefault(device_key(one.profile.kind, one.address), []).append(
+                f"{qualified(other.profile.kind, str(other.index))} ({pair.relation})")
+    return paired
 
 
 def _command(pid: int) -> str:
