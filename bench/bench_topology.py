@@ -8,17 +8,14 @@ the growth can be read as a ratio. Prints figures; asserts nothing.
 from __future__ import annotations
 
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.bench_generate import compile_bytecode  # noqa: E402
+from bench.bench_generate import compile_bytecode, median_ms  # noqa: E402
 from tests.fixtures.pcie_hosts import build_from_description, synthetic_description  # noqa: E402
 
 from devinject.discovery.discover import discover  # noqa: E402
@@ -27,15 +24,6 @@ from devinject.discovery.profiles import load_profiles  # noqa: E402
 from devinject.discovery.topology import place_devices, topology  # noqa: E402
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
-
-
-def median_ms(fn: Callable[[], object], runs: int) -> float:
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1000)
-    return statistics.median(samples)
 
 
 def cli(*args: str) -> None:
