@@ -131,6 +131,34 @@ def test_kind_with_no_devices_left_loses_its_spec(watcher):
     assert (tmp_path / "cdi" / "nvidia.com-gpu.yaml").exists()
 
 
+def test_bundles_follow_take_outs_and_a_stale_bundle_spec_goes_even_after_a_restart(watcher):
+    from dataclasses import replace
+
+    w, root, tmp_path = watcher
+    bundled = WatchOptions(**{**w.opts.__dict__, "generate": replace(w.opts.generate, bundles=("gpu-nic",))})
+    w = Watcher(bundled)
+    w.rescan()
+    w.check()
+    w.write()
+    spec = tmp_path / "cdi" / "nvidia.com-gpu-nic.yaml"
+    assert {d.name for d in load_file(spec).devices} == {*map(str, range(8)), "numa0", "numa1"}
+    nic0 = next(f for f in w.found if f.profile.kind == "nvidia.com/rdma" and f.index == 0)
+    (root / nic0.pci.sys_path.lstrip("/") / "enable").write_text("0\n")
+    for _ in range(3):
+        _round(w)
+    gpu0 = next(d for d in load_file(spec).devices if d.name == "0")
+    nodes = [n.path for n in gpu0.edits.device_nodes]  # its switch's NIC is out: the next closest (NODE)
+    assert "/dev/infiniband/uverbs0" not in nodes and "/dev/infiniband/uverbs1" in nodes
+    for rdma in [f for f in w.found if f.profile.kind == "nvidia.com/rdma"]:
+        (root / rdma.pci.sys_path.lstrip("/") / "enable").write_text("0\n")
+    restarted = Watcher(bundled)  # a new agent process: it never wrote the bundle spec itself
+    restarted.rescan()
+    for _ in range(3):
+        restarted.check()
+    restarted.write()
+    assert not spec.exists()
+
+
 def test_run_loop_removes_and_restores_within_detection_time(watcher):
     w, root, tmp_path = watcher
     fast = WatchOptions(**{**w.opts.__dict__, "interval": 0.1, "recheck": 0.05, "rescan": 0.2})

@@ -146,7 +146,11 @@ class Watcher:
         gen = replace(self.opts.generate, exclude=self.unhealthy())
         specs = build_specs(self.host, self.profiles, self.found, gen)
         kinds = {s.kind for s in specs}
-        stale = tuple(sorted((self.written_kinds | {p.kind for p in self.profiles}) - kinds))
+        from devinject.specs.bundles import possible_bundle_kinds
+
+        offered = {p.kind for p in self.profiles}
+        offered |= possible_bundle_kinds(offered, gen.bundles)
+        stale = tuple(sorted((self.written_kinds | offered) - kinds))
         write_specs(specs, self.opts.output_dir, self.opts.fmt, managed=True, stale_kinds=stale)
         self.written_kinds = kinds
         self._write_health()

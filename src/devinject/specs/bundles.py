@@ -17,10 +17,22 @@ from __future__ import annotations
 from devinject.core.model import ContainerEdits, Device, Spec
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
-from devinject.discovery.topology import Topology, topology
+from devinject.discovery.topology import Topology, label_prefix, topology
 
 BUNDLES = ("gpu-nic",)
 NUMA_ENV = "DEVINJECT_NUMA_NODE"
+
+
+def bundle_kind(gpu_kind: str) -> str:
+    return f"{gpu_kind.partition('/')[0]}/gpu-nic"
+
+
+def possible_bundle_kinds(kinds: set[str], bundles: tuple[str, ...]) -> set[str]:
+    """Every bundle kind the GPU kinds among `kinds` could give (a spec dir's manager removes those no longer
+    offered, also when it did not write them itself)."""
+    if "gpu-nic" not in bundles:
+        return set()
+    return {bundle_kind(kind) for kind in kinds if label_prefix(kind) == "GPU"}
 
 
 def rdma_device_name(host: Host, found: FoundDevice) -> str | None:
@@ -91,6 +103,5 @@ def gpu_nic_specs(host: Host, found: list[FoundDevice], specs: list[Spec]) -> li
         common = spec_of[kind].edits
         for nic_kind in nic_kinds:
             common = common.merge(spec_of[nic_kind].edits)
-        vendor = kind.partition("/")[0]
-        bundles.append(Spec(kind=f"{vendor}/gpu-nic", devices=tuple(devices), edits=common))
+        bundles.append(Spec(kind=bundle_kind(kind), devices=tuple(devices), edits=common))
     return bundles
