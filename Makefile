@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 DEMO_HOST := tests/fixtures/hosts/hgx-h100
 SYSTEM_PACKAGES := runc podman crun busybox-static gcc libc6-dev graphviz
 
-.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation
+.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation proto
 
 $(BIN)/devinject: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,11 @@ bench: venv
 fixtures: venv
 	$(BIN)/python tests/fixtures/build_hosts.py $(HOSTS)
 	$(BIN)/pytest -q tests/integration/test_golden.py --update-golden $(if $(HOSTS),-k "$(shell echo $(HOSTS) | sed 's/ / or /g')")
+
+# The kubelet device plugin API: Python modules generated from the .proto (committed; a test checks they match).
+proto: venv
+	$(BIN)/python -m grpc_tools.protoc -Isrc --python_out=src --pyi_out=src --grpc_python_out=src \
+		src/devinject/kubelet/api/v1beta1.proto
 
 golden: venv
 	$(BIN)/pytest -q tests/integration/test_golden.py --update-golden

@@ -6,15 +6,20 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from devinject import __version__
 from devinject.core.errors import DevinjectError
 from devinject.core.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
+
+if TYPE_CHECKING:
+    from devinject.agent.watch import WatchOptions
 
 log = logging.getLogger("devinject")
 
@@ -23,9 +28,13 @@ bundles_option = click.option(
     help="Also offer co-bound devices: gpu-nic = each GPU with its closest RDMA NIC (<vendor>/gpu-nic=<index>) "
          "and each NUMA node's GPUs and NICs (=numa<N>); see `devinject topo`.")
 root_option = click.option(
-    "--root", default="/", show_default=True, type=click.Path(file_okay=False),
-    help="Read the host under this directory (a driver root or a fixture host).",
+    "--host-root", "--root", "root", default="/", show_default=True, type=click.Path(file_okay=False),
+    help="Read the host under this directory (the host's / mounted in a pod, a driver root, a fixture host).",
 )
+target_root_option = click.option(
+    "--target-root", default=None, type=click.Path(),
+    help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "
+         "instead of under --host-root.")
 
 
 class _Group(click.Group):
@@ -67,15 +76,17 @@ def cli(verbose: int, quiet: bool) -> None:
               help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d).")
 @click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
 @bundles_option
+@target_root_option
 def generate(root: str, output_dir: str, output: str | None, fmt: str, strategies: tuple[str, ...],
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
-             nvml: bool | None, bundles: tuple[str, ...]) -> None:
+             nvml: bool | None, bundles: tuple[str, ...], target_root: str | None) -> None:
     """Discover devices on the host and write CDI specs."""
     from devinject.core.spec import write_atomic
     from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 
     opts = GenerateOptions(root=root, kinds=kinds, strategies=strategies, version_cap=version_cap,
-                           hook_path=hook_path, profile_dirs=profile_dirs, nvml=nvml, bundles=bundles)
+                           hook_path=hook_path, profile_dirs=profile_dirs, nvml=nvml, bundles=bundles,
+                           target_root=target_root)
     specs = generate_specs(opts)
     if not specs:
         log.warning("no devices found under %s; nothing written", root)
@@ -282,33 +293,39 @@ def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: 
     sys.exit(0 if all(v.healthy for v in verdicts) else 1)
 
 
-@cli.command()
-@root_option
-@click.option("--output-dir", default="/var/run/cdi", show_default=True, type=click.Path(file_okay=False),
-              help="Dynamic spec dir (wins over /etc/cdi).")
-@state_dir_option
-@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
-@click.option("--interval", default=10.0, show_default=True, type=float, help="Seconds between health checks (5-60).")
-@click.option("--recheck", default=1.5, show_default=True, type=float,
-              help="Seconds between re-checks of a failing device (1-2).")
-@click.option("--threshold", default=3, show_default=True, type=click.IntRange(1, 20),
-              help="Consecutive failures (or passes) before a device is taken out (or put back).")
-@click.option("--rescan", default=60.0, show_default=True, type=click.FloatRange(0.05, 3600),
-              help="Seconds between full rediscoveries (uevents trigger one at once).")
-@click.option("--test-timings", is_flag=True, hidden=True, help="Lift the interval ranges (tests, benchmarks).")
-@kernel_log_option
-@click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks.")
-@click.option("--kind", "kinds", multiple=True, help="Only this kind (repeatable).")
-@click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents.")
-@bundles_option
-def watch(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float, threshold: int,
-          rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
-          kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...]) -> None:
-    """Keep the CDI specs true to the hardware: rescan on hot-plug, take out unhealthy devices."""
-    import signal
-    import threading
+def watch_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The health loop's options, shared by `watch` and `device-plugin` (which runs the same loop)."""
+    for option in reversed((
+        root_option,
+        click.option("--output-dir", default="/var/run/cdi", show_default=True, type=click.Path(file_okay=False),
+                     help="Dynamic spec dir (wins over /etc/cdi)."),
+        state_dir_option,
+        click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True),
+        click.option("--interval", default=10.0, show_default=True, type=float,
+                     help="Seconds between health checks (5-60)."),
+        click.option("--recheck", default=1.5, show_default=True, type=float,
+                     help="Seconds between re-checks of a failing device (1-2)."),
+        click.option("--threshold", default=3, show_default=True, type=click.IntRange(1, 20),
+                     help="Consecutive failures (or passes) before a device is taken out (or put back)."),
+        click.option("--rescan", default=60.0, show_default=True, type=click.FloatRange(0.05, 3600),
+                     help="Seconds between full rediscoveries (uevents trigger one at once)."),
+        click.option("--test-timings", is_flag=True, hidden=True, help="Lift the interval ranges (tests, benchmarks)."),
+        kernel_log_option,
+        click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks."),
+        click.option("--kind", "kinds", multiple=True, help="Only this kind (repeatable)."),
+        click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents."),
+        bundles_option,
+        target_root_option,
+    )):
+        command = option(command)
+    return command
 
-    from devinject.agent.watch import Watcher, WatchOptions
+
+def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float,
+                   threshold: int, rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
+                   kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
+                   target_root: str | None) -> WatchOptions:
+    from devinject.agent.watch import WatchOptions
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
     if not test_timings:
@@ -318,14 +335,61 @@ def watch(root: str, output_dir: str, state_dir: str, fmt: str, interval: float,
             raise DevinjectError(f"--recheck {recheck:g}: must be between 1 and 2 seconds")
     if min(interval, recheck, rescan) <= 0:
         raise DevinjectError("--interval, --recheck and --rescan must be positive")
-    gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles)
+    gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
+                          target_root=target_root)
     gen.check()
+    return WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
+                        recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log, uevents=uevents)
+
+
+def _stop_on_signals() -> threading.Event:
+    import signal
+
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    opts = WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
-                        recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log, uevents=uevents)
-    Watcher(opts).run(stop)
+    return stop
+
+
+@cli.command()
+@watch_options
+def watch(**options: Any) -> None:
+    """Keep the CDI specs true to the hardware: rescan on hot-plug, take out unhealthy devices."""
+    from devinject.agent.watch import Watcher
+
+    opts = _watch_options(**options)
+    Watcher(opts).run(_stop_on_signals())
+
+
+@cli.command("device-plugin")
+@watch_options
+@click.option("--plugin-dir", default="/var/lib/kubelet/device-plugins", show_default=True,
+              type=click.Path(file_okay=False), help="The kubelet's device-plugins directory (kubelet.sock).")
+@click.option("--resource-name", "resource_names", multiple=True, metavar="KIND=NAME",
+              help="Serve KIND as resource NAME (repeatable; default: the kind, e.g. nvidia.com/gpu).")
+@click.option("--allocate", type=click.Choice(["both", "cdi"]), default="both", show_default=True,
+              help="cdi: answer with CDI device names only; both: also devices, mounts and env for runtimes "
+                   "without CDI.")
+@click.option("--metrics-address", default="0.0.0.0:9400", show_default=True,
+              help="HOST:PORT for /metrics, /healthz and /readyz ('' to turn them off).")
+def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: str, metrics_address: str,
+                  **options: Any) -> None:
+    """Kubernetes node agent: a kubelet device plugin per kind, with watch's health loop and specs."""
+    from devinject.kubelet.agent import DevicePluginAgent, PluginOptions
+
+    names: dict[str, str] = {}
+    for item in resource_names:
+        kind, sep, name = item.partition("=")
+        if not sep or not kind or not name or "/" not in name:
+            raise DevinjectError(f"--resource-name {item!r}: expected KIND=vendor.com/name")
+        names[kind] = name
+    if metrics_address:
+        _, sep, port = metrics_address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise DevinjectError(f"--metrics-address {metrics_address!r}: expected HOST:PORT")
+    opts = PluginOptions(watch=_watch_options(**options), plugin_dir=plugin_dir, resource_names=names,
+                         fallback=allocate == "both", metrics_address=metrics_address or None)
+    DevicePluginAgent(opts).run(_stop_on_signals())
 
 
 @cli.command("events")

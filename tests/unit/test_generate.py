@@ -144,3 +144,20 @@ def test_device_with_no_nodes_is_not_emitted(host_copy):
                   "/0000:04:00.0/0000:05:00.0/drm")
     spec = {s.kind: s for s in generate_specs(GenerateOptions(root=str(root), hook_path=HOOK))}["amd.com/gpu"]
     assert spec.device("0") is None and spec.device("1") is not None
+
+
+def test_target_root_writes_host_paths_as_the_hosts_runtime_sees_them():
+    """A node agent in a pod reads the host at /host; the spec is for the host's runtime, which sees /."""
+    root = HOSTS / "hgx-h100"
+    specs = generate_specs(GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", target_root="/"))
+    seen = 0
+    for spec in specs:
+        for edits in [spec.edits, *(d.edits for d in spec.devices)]:
+            for path in [n.host_path or n.path for n in edits.device_nodes] + [m.host_path for m in edits.mounts]:
+                assert not path.startswith(str(root)), path
+                assert os.path.lexists(str(root) + path), path  # the same file, seen from the host's /
+                seen += 1
+    assert seen > 20
+    moved = generate_specs(GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", target_root="/host"))
+    gpu = next(s for s in moved if s.kind == "nvidia.com/gpu")
+    assert gpu.devices[0].edits.device_nodes[0].host_path == "/host/dev/nvidia2"

@@ -12,6 +12,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from devinject.agent.health import (
 )
 from devinject.core import jsonlite
 from devinject.core.identity import device_key
+from devinject.core.model import Spec
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.nodestate import events
@@ -79,6 +81,8 @@ class Watcher:
     found: list[FoundDevice] = field(default_factory=list)
     unbound: list[Verdict] = field(default_factory=list)
     generation: int | None = None
+    specs: list[Spec] = field(default_factory=list)  # as last written
+    listeners: list[Callable[[Watcher], None]] = field(default_factory=list)  # told after every write
 
     def __post_init__(self) -> None:
         self.host = Host(self.opts.generate.root)
@@ -153,10 +157,13 @@ class Watcher:
         stale = tuple(sorted((self.written_kinds | offered) - kinds))
         write_specs(specs, self.opts.output_dir, self.opts.fmt, managed=True, stale_kinds=stale)
         self.written_kinds = kinds
+        self.specs = specs
         self._write_health()
         from devinject.specs.generation import current
 
         self.generation = current(self.opts.output_dir)
+        for listener in self.listeners:
+            listener(self)
         return self.generation
 
     def _write_health(self) -> None:

@@ -47,6 +47,7 @@ class GenerateOptions:
     nvml: bool | None = None
     exclude: frozenset[str] = field(default_factory=frozenset)
     bundles: tuple[str, ...] = ()  # co-bound devices to add (specs.bundles): "gpu-nic"
+    target_root: str | None = None  # the host as the spec's reader sees it (None: host paths keep `root`)
 
     def check(self) -> None:
         for strategy in self.strategies:
@@ -60,7 +61,9 @@ class GenerateOptions:
         if self.version_cap not in KNOWN_VERSIONS:
             raise ConfigError(f"--cdi-version: unknown version {self.version_cap!r}")
         if not os.path.isdir(self.root):
-            raise ConfigError(f"--root: {self.root}: not a directory")
+            raise ConfigError(f"--host-root (--root): {self.root}: not a directory")
+        if self.target_root is not None and not self.target_root.startswith("/"):
+            raise ConfigError(f"--target-root: {self.target_root}: must be an absolute path")
 
 
 def default_hook_path() -> str:
@@ -84,20 +87,31 @@ def device_names(found: FoundDevice, strategies: tuple[str, ...]) -> list[str]:
 
 
 class Rerooter:
-    """Host paths carry the root prefix (the real file on this machine); container paths do not."""
+    """Host paths as the runtime that reads the spec will open them; container paths as the host names them.
 
-    def __init__(self, host: Host) -> None:
+    Without a target root, host paths carry the read root's prefix (the real file on this machine: a fixture
+    host, a driver root). With one (a node agent in a pod reads the host at /host, the host's runtime sees
+    it at /), they are the host's own path under the target root."""
+
+    def __init__(self, host: Host, target_root: str | None = None) -> None:
         self.host = host
-        self.identity = host.root == "/"
+        self.target_root = target_root
+        self.identity = (host.root if target_root is None else target_root) == "/"
+
+    def host_path(self, path: str) -> str:
+        if self.identity:
+            return path
+        if self.target_root is None:
+            return self.host.real(path)
+        return posixpath.join(self.target_root, path.lstrip("/"))
 
     def node(self, node: DeviceNode) -> DeviceNode:
         if self.identity:
             return node
-        return DeviceNode(node.path, self.host.real(node.path), node.type, node.major, node.minor,
-                          node.file_mode, node.permissions, node.uid, node.gid)
+        return node._replace(host_path=self.host_path(node.path))
 
     def mount(self, located: LocatedFile, container_path: str | None = None) -> Mount:
-        return Mount(host_path=self.host.real(located.real), container_path=container_path or located.real)
+        return Mount(host_path=self.host_path(located.real), container_path=container_path or located.real)
 
 
 def driver_version(host: Host, profile: Profile, libraries: list[LocatedFile]) -> str | None:
@@ -243,7 +257,7 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
                 view: HostView | None = None) -> list[Spec]:
     """One spec per kind with devices; devices whose `kind=address` is in `opts.exclude` are left out."""
     view = view or HostView(host)
-    rerooter = Rerooter(host)
+    rerooter = Rerooter(host, opts.target_root)
     hook_path = opts.hook_path or default_hook_path()
     ldcache = read_ldcache(host) if any(p.libraries for p in profiles) else []
     by_kind: dict[str, list[FoundDevice]] = {}

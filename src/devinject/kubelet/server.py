@@ -1,0 +1,170 @@
+"""The kubelet device plugin API (v1beta1) over gRPC on unix sockets: one `DevicePlugin` server per resource,
+and registration with the kubelet's `Registration` service."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from devinject.core.model import Spec
+from devinject.kubelet.allocation import HEALTHY, UNHEALTHY, AllocationError, PluginDevice, answer, preferred
+from devinject.kubelet.api import v1beta1_pb2 as api
+from devinject.kubelet.api import v1beta1_pb2_grpc as api_grpc
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+REGISTER_TIMEOUT = 5.0
+STREAM_POLL = 1.0  # how often an idle ListAndWatch stream checks that the kubelet is still there
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
+
+
+@dataclass
+class ResourceState:
+    """One resource's devices and spec, shared by its server's threads and the health loop."""
+
+    resource: str
+    kind: str
+    devices: dict[str, PluginDevice] = field(default_factory=dict)
+    spec: Spec | None = None
+    version: int = 0
+    changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def update(self, devices: dict[str, PluginDevice], spec: Spec | None) -> bool:
+        """New devices (or health, or spec); wakes every ListAndWatch stream when the list changed."""
+        with self.changed:
+            self.spec = spec
+            if devices == self.devices:
+                return False
+            self.devices = devices
+            self.version += 1
+            self.changed.notify_all()
+            return True
+
+    def snapshot(self) -> tuple[int, dict[str, PluginDevice], Spec | None]:
+        with self.changed:
+            return self.version, dict(self.devices), self.spec
+
+    def wait(self, seen: int, timeout: float) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: self.version != seen, timeout=timeout)
+
+
+def device_message(device: PluginDevice) -> api.Device:
+    topology = api.TopologyInfo(nodes=[api.NUMANode(ID=device.place.numa)]) if device.place.numa is not None else None
+    return api.Device(ID=device.id, health=HEALTHY if device.healthy else UNHEALTHY, topology=topology)
+
+
+class DevicePluginService(api_grpc.DevicePluginServicer):
+    def __init__(self, state: ResourceState, *, fallback: bool = True, stopping: threading.Event | None = None,
+                 on_allocate: Callable[[str, int | None], None] | None = None) -> None:
+        self.state = state
+        self.fallback = fallback
+        self.stopping = stopping or threading.Event()
+        self.on_allocate = on_allocate
+
+    def GetDevicePluginOptions(self, request: api.Empty, context: grpc.ServicerContext) -> api.DevicePluginOptions:
+        return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request: api.Empty, context: grpc.ServicerContext) -> Iterator[api.ListAndWatchResponse]:
+        seen = -1
+        while context.is_active() and not self.stopping.is_set():
+            version, devices, _ = self.state.snapshot()
+            if version != seen:
+                seen = version
+                yield api.ListAndWatchResponse(devices=[device_message(d) for _, d in sorted(devices.items())])
+            self.state.wait(seen, STREAM_POLL)
+
+    def GetPreferredAllocation(self, request: api.PreferredAllocationRequest,
+                               context: grpc.ServicerContext) -> api.PreferredAllocationResponse:
+        _, devices, _ = self.state.snapshot()
+        return api.PreferredAllocationResponse(container_responses=[
+            api.ContainerPreferredAllocationResponse(deviceIDs=preferred(
+                devices, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+            for r in request.container_requests])
+
+    def Allocate(self, request: api.AllocateRequest, context: grpc.ServicerContext) -> api.AllocateResponse:
+        _, devices, spec = self.state.snapshot()
+        responses = []
+        try:
+            if spec is None:
+                raise AllocationError(f"{self.state.resource}: no devices to allocate")
+            for container in request.container_requests:
+                given = answer(self.state.resource, spec, devices, list(container.devices_ids),
+                               fallback=self.fallback)
+                responses.append(api.ContainerAllocateResponse(
+                    envs=given.envs, annotations=given.annotations,
+                    cdi_devices=[api.CDIDevice(name=name) for name in given.cdi_devices],
+                    devices=[api.DeviceSpec(container_path=c, host_path=h, permissions=p) for c, h, p in given.devices],
+                    mounts=[api.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in given.mounts]))
+        except AllocationError as err:
+            log.warning("%s: Allocate refused: %s", self.state.resource, err.message)
+            if self.on_allocate is not None:
+                self.on_allocate(self.state.resource, None)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.state.resource}: {err.message}")
+        if self.on_allocate is not None:
+            self.on_allocate(self.state.resource, sum(len(c.devices_ids) for c in request.container_requests))
+        return api.AllocateResponse(container_responses=responses)
+
+    def PreStartContainer(self, request: api.PreStartContainerRequest,
+                          context: grpc.ServicerContext) -> api.PreStartContainerResponse:
+        return api.PreStartContainerResponse()
+
+
+class ResourceServer:
+    """A `DevicePlugin` gRPC server for one resource on `<plugin dir>/<endpoint>`."""
+
+    def __init__(self, service: DevicePluginService, plugin_dir: str, endpoint: str) -> None:
+        self.service = service
+        self.plugin_dir = plugin_dir
+        self.endpoint = endpoint
+        self.path = os.path.join(plugin_dir, endpoint)
+        self.server: grpc.Server | None = None
+        self.socket_ino: int | None = None
+
+    def start(self) -> None:
+        if len(self.path.encode()) > MAX_SOCKET_PATH:
+            raise OSError(f"{self.path}: too long for a unix socket ({MAX_SOCKET_PATH} bytes at most)")
+        self.stop()
+        try:
+            os.unlink(self.path)  # a socket left by an earlier run of the plugin
+        except FileNotFoundError:
+            pass
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"dp-{self.endpoint}"))
+        api_grpc.add_DevicePluginServicer_to_server(self.service, server)  # type: ignore[no-untyped-call]
+        try:
+            server.add_insecure_port(f"unix://{self.path}")
+        except RuntimeError:
+            raise OSError(f"{self.path}: cannot listen on this socket") from None
+        server.start()
+        self.server = server
+        self.socket_ino = os.stat(self.path).st_ino
+
+    def alive(self) -> bool:
+        """Serving, and its socket is still the one it made (the kubelet removes plugin sockets when it starts)."""
+        try:
+            return self.server is not None and os.stat(self.path).st_ino == self.socket_ino
+        except OSError:
+            return False
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self.server is not None:
+            self.server.stop(grace).wait(grace + 1)
+            self.server = None
+
+
+def register(plugin_dir: str, endpoint: str, resource: str, timeout: float = REGISTER_TIMEOUT) -> None:
+    """Register `resource` served on `endpoint` with the kubelet (raises grpc.RpcError or
+    grpc.FutureTimeoutError when the kubelet is not there or refuses)."""
+    with grpc.insecure_channel(f"unix://{os.path.join(plugin_dir, KUBELET_SOCKET)}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        api_grpc.RegistrationStub(channel).Register(api.RegisterRequest(  # type: ignore[no-untyped-call]
+            version=API_VERSION, endpoint=endpoint, resource_name=resource,
+            options=api.DevicePluginOptions(get_preferred_allocation_available=True)), timeout=timeout)
