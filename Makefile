@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_HOST := tests/fixtures/hosts/hgx-h100
-SYSTEM_PACKAGES := runc podman crun busybox-static gcc libc6-dev graphviz
+SYSTEM_PACKAGES := runc podman crun busybox-static gcc libc6-dev graphviz containerd
 
 .PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation proto
 
