@@ -361,7 +361,35 @@ def watch(**options: Any) -> None:
     Watcher(opts).run(_stop_on_signals())
 
 
+def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
+    """`--config FILE`: a YAML mapping of this command's option names (without dashes) to values, read before
+    the other options, which win over it. Unknown names are an error, not silently ignored."""
+    if path is None:
+        return None
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise click.BadParameter(f"{path}: {getattr(err, 'strerror', None) or err}") from None
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: expected a mapping of option names to values")
+    known = {p.name: p for p in ctx.command.params if isinstance(p, click.Option) and p.name}
+    names = {opt.lstrip("-").replace("-", "_"): p.name for p in known.values() for opt in p.opts if p.name}
+    defaults: dict[str, Any] = {}
+    for key, value in data.items():
+        name = names.get(str(key).replace("-", "_"))
+        if name is None or name == "config":
+            raise click.BadParameter(f"{path}: unknown option {key!r}")
+        defaults[name] = list(value) if known[name].multiple and isinstance(value, list) else value
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return path
+
+
 @cli.command("device-plugin")
+@click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False, callback=_load_config,
+              help="YAML file of option values (e.g. the DaemonSet's ConfigMap); flags given win over it.")
 @watch_options
 @click.option("--plugin-dir", default="/var/lib/kubelet/device-plugins", show_default=True,
               type=click.Path(file_okay=False), help="The kubelet's device-plugins directory (kubelet.sock).")

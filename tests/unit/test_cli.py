@@ -190,3 +190,20 @@ def test_shipped_hook_files_match_what_install_hook_writes():
     assert (hooks / "10-devinject.json").read_text() == render(hooks_d_entry(exe))
     assert (hooks / "10-devinject-env.json").read_text() == render(hooks_d_entry(exe, env_requests=True))
     assert (hooks / "runc-config-snippet.json").read_text() == render(runc_hooks(exe))
+
+
+def test_device_plugin_config_file_gives_defaults_flags_win_and_unknown_names_fail(tmp_path):
+    from devinject import cli
+
+    config = tmp_path / "dp.yaml"
+    config.write_text("plugin-dir: /x\nkind: [nvidia.com/gpu]\ninterval: 7\n")
+    command = cli.cli.commands["device-plugin"]
+    params = command.make_context("device-plugin", ["--config", str(config), "--interval", "9"]).params
+    assert (params["plugin_dir"], params["kinds"], params["interval"]) == ("/x", ("nvidia.com/gpu",), 9.0)
+    config.write_text("plugin_dirr: /x\n")
+    done = run("device-plugin", "--config", str(config))
+    assert done.returncode == 2 and "unknown option 'plugin_dirr'" in done.stderr
+    done = run("device-plugin", "--config", str(tmp_path / "absent.yaml"))
+    assert done.returncode == 2 and "absent.yaml" in done.stderr
+    done = run("device-plugin", "--resource-name", "gpu", "--root", str(tmp_path))
+    assert done.returncode == 1 and "--resource-name 'gpu'" in done.stderr

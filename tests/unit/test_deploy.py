@@ -1,0 +1,69 @@
+"""deploy/kubernetes: every manifest is valid against the Kubernetes API schemas (kubernetes-validate, offline,
+strict: unknown fields are errors), the kustomization holds them all, and the DaemonSet's command line and its
+ConfigMap are ones devinject itself accepts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from devinject import cli
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+MANIFESTS = sorted(p for p in (DEPLOY / "kubernetes").glob("*.yaml") if p.name != "kustomization.yaml")
+KUBERNETES_VERSION = "1.33.0"  # the oldest release we document; the schemas ship with kubernetes-validate
+
+
+def documents(path: Path) -> list[dict[str, object]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_is_valid_kubernetes(path: Path) -> None:
+    for doc in documents(path):
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_validation_would_catch_a_mistake() -> None:
+    daemonset = documents(DEPLOY / "kubernetes" / "daemonset.yaml")[0]
+    broken = yaml.safe_load(yaml.safe_dump(daemonset))
+    broken["spec"]["template"]["spec"]["containers"][0]["securityContext"]["privilged"] = False  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = documents(DEPLOY / "kubernetes" / "kustomization.yaml")[0]
+    assert sorted(kustomization["resources"]) == [p.name for p in MANIFESTS]  # type: ignore[call-overload]
+
+
+def test_daemonset_runs_a_command_line_devinject_accepts(tmp_path: Path) -> None:
+    daemonset = documents(DEPLOY / "kubernetes" / "daemonset.yaml")[0]
+    pod = daemonset["spec"]["template"]["spec"]  # type: ignore[index]
+    (container,) = pod["containers"]
+    assert container["command"] == ["devinject"]
+    configmap = documents(DEPLOY / "kubernetes" / "configmap.yaml")[0]
+    config = tmp_path / "device-plugin.yaml"
+    config.write_text(configmap["data"]["device-plugin.yaml"])  # type: ignore[index]
+    args = [f"--config={config}" if a.startswith("--config=") else a for a in container["args"]]
+    assert args[0] == "device-plugin"
+    command = cli.cli.commands["device-plugin"]
+    params = command.make_context("device-plugin", args[1:]).params  # raises on any unknown option or value
+    assert params["root"] == "/host" and params["target_root"] == "/"
+    assert params["plugin_dir"] == "/var/lib/kubelet/device-plugins" and params["allocate"] == "both"
+    port = container["ports"][0]
+    assert params["metrics_address"].endswith(f":{port['containerPort']}")
+    assert container["livenessProbe"]["httpGet"]["port"] == port["name"] == "metrics"
+    mounted = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/host", "/var/lib/kubelet/device-plugins", "/var/run/cdi", "/run/devinject"} <= mounted
+    assert container["securityContext"]["privileged"] is False
+
+
+def test_containerfile_copies_what_exists() -> None:
+    lines = (DEPLOY / "Containerfile").read_text().splitlines()
+    sources = [part for line in lines if line.startswith("COPY ") and "--from" not in line
+               for part in line.split()[1:-1]]
+    assert sources and all((DEPLOY.parent / s).exists() for s in sources), sources
