@@ -142,6 +142,18 @@ def test_allocate_answers_cdi_names_and_a_fallback_from_the_same_spec(node) -> N
     assert 'devinject_allocate_refusals_total{resource="nvidia.com/gpu"} 1.0' in text
 
 
+def test_hook_latency_comes_from_the_hooks_log(node) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    kubelet, running = node
+    assert "devinject_hook_duration_ms NaN" in running.get("/metrics")[1]  # no hook has run: unknown, not 0
+    log = running.root / "var/log/devinject/hook.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    records = [{"stage": "prestart", "duration_ms": 12.5}, {"stage": "poststop", "duration_ms": 3.0}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert kubelet.wait_for(lambda: "devinject_hook_duration_ms 12.5" in running.get("/metrics")[1], timeout=10)
+
+
 def test_preferred_allocation_keeps_devices_close(node) -> None:  # type: ignore[no-untyped-def]
     kubelet, _ = node
     stub = kubelet.plugins["nvidia.com/gpu"].stub

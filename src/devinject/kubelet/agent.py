@@ -13,6 +13,7 @@ so they are the same after a plugin restart, and the ledger is untouched by a re
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -31,6 +32,28 @@ from devinject.kubelet.server import KUBELET_SOCKET, DevicePluginService, Resour
 log = logging.getLogger(__name__)
 
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+HOOK_LOG = "/var/log/devinject/hook.log"  # the hook's default log, read under the host root
+HOOK_LOG_TAIL = 64 << 10
+
+
+def last_hook_duration(path: str) -> float | None:
+    """The newest prestart duration (ms) in the devinject hook's log, from its tail; None when unknown."""
+    import json
+
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, os.fstat(handle.fileno()).st_size - HOOK_LOG_TAIL))
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # the tail's first line is usually cut
+        if isinstance(record, dict) and record.get("stage") == "prestart" and "duration_ms" in record:
+            return float(record["duration_ms"])
+    return None
 
 
 @dataclass(frozen=True)
@@ -54,6 +77,8 @@ class DevicePluginAgent:
         self.metrics = Metrics()
         self.watcher = Watcher(opts.watch)
         self.watcher.listeners.append(self._published)
+        hook_log = os.path.join(opts.watch.generate.root, HOOK_LOG.lstrip("/"))
+        self.metrics.hook_latency.set_function(lambda: last_hook_duration(hook_log) or math.nan)  # read at scrape
         self.states: dict[str, ResourceState] = {}  # by kind
         self.servers: dict[str, ResourceServer] = {}  # by kind
         self.registered: set[str] = set()  # kinds registered with the current kubelet

@@ -27,7 +27,8 @@ class Metrics:
                                       ["kind"], registry=self.registry)
         self.registrations = Counter("devinject_kubelet_registrations", "Registrations with the kubelet",
                                      ["resource"], registry=self.registry)
-        self.hook_latency = Gauge("devinject_hook_duration_ms", "The devinject hook's last prestart duration",
+        self.hook_latency = Gauge("devinject_hook_duration_ms",
+                                  "The devinject hook's newest prestart duration on this node (from its log)",
                                   registry=self.registry)
 
     def text(self) -> bytes:
