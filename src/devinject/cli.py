@@ -31,6 +31,10 @@ root_option = click.option(
     "--host-root", "--root", "root", default="/", show_default=True, type=click.Path(file_okay=False),
     help="Read the host under this directory (the host's / mounted in a pod, a driver root, a fixture host).",
 )
+driver_root_option = click.option(
+    "--driver-root", default=None, type=click.Path(),
+    help="Where the driver's files are, as the host names it (a driver installed in a container, e.g. "
+         "/run/nvidia/driver): libraries, binaries and firmware come from there, device nodes from the host.")
 target_root_option = click.option(
     "--target-root", default=None, type=click.Path(),
     help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "
@@ -77,16 +81,17 @@ def cli(verbose: int, quiet: bool) -> None:
 @click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
 @bundles_option
 @target_root_option
+@driver_root_option
 def generate(root: str, output_dir: str, output: str | None, fmt: str, strategies: tuple[str, ...],
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
-             nvml: bool | None, bundles: tuple[str, ...], target_root: str | None) -> None:
+             nvml: bool | None, bundles: tuple[str, ...], target_root: str | None, driver_root: str | None) -> None:
     """Discover devices on the host and write CDI specs."""
     from devinject.core.spec import write_atomic
     from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 
     opts = GenerateOptions(root=root, kinds=kinds, strategies=strategies, version_cap=version_cap,
                            hook_path=hook_path, profile_dirs=profile_dirs, nvml=nvml, bundles=bundles,
-                           target_root=target_root)
+                           target_root=target_root, driver_root=driver_root)
     specs = generate_specs(opts)
     if not specs:
         log.warning("no devices found under %s; nothing written", root)
@@ -316,6 +321,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents."),
         bundles_option,
         target_root_option,
+        driver_root_option,
     )):
         command = option(command)
     return command
@@ -324,7 +330,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
 def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float,
                    threshold: int, rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
-                   target_root: str | None) -> WatchOptions:
+                   target_root: str | None, driver_root: str | None) -> WatchOptions:
     from devinject.agent.watch import WatchOptions
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
@@ -336,7 +342,7 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
     if min(interval, recheck, rescan) <= 0:
         raise DevinjectError("--interval, --recheck and --rescan must be positive")
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
-                          target_root=target_root)
+                          target_root=target_root, driver_root=driver_root)
     gen.check()
     return WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
                         recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log, uevents=uevents)

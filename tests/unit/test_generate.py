@@ -161,3 +161,33 @@ def test_target_root_writes_host_paths_as_the_hosts_runtime_sees_them():
     moved = generate_specs(GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", target_root="/host"))
     gpu = next(s for s in moved if s.kind == "nvidia.com/gpu")
     assert gpu.devices[0].edits.device_nodes[0].host_path == "/host/dev/nvidia2"
+
+
+def test_driver_root_takes_driver_files_from_there_and_nodes_from_the_host(host_copy):
+    """GPU-operator style: the driver's files live in a container's root on the host (/run/nvidia/driver);
+    device nodes stay the host's. Container paths are the driver root's own."""
+    import shutil
+
+    plain = {s.kind: s for s in generate_specs(GenerateOptions(root=str(HOSTS / "hgx-h100"), hook_path=HOOK))}
+    root = host_copy("hgx-h100")
+    driver = root / "run/nvidia/driver"
+    for moved in ("usr/lib/x86_64-linux-gnu", "usr/bin", "lib/firmware", "etc"):
+        (driver / moved).parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(root / moved), str(driver / moved))
+    (root / "etc").mkdir()
+    shutil.copy(driver / "etc/os-release", root / "etc/os-release")
+    without = generate_specs(GenerateOptions(root=str(root), hook_path=HOOK, kinds=("nvidia.com/gpu",)))
+    assert not without[0].edits.mounts  # nothing of the driver on the host itself
+    for target, prefix in ((None, f"{root}/run/nvidia/driver"), ("/", "/run/nvidia/driver")):
+        gpu = {s.kind: s for s in generate_specs(GenerateOptions(root=str(root), hook_path=HOOK, target_root=target,
+                                                                 driver_root="/run/nvidia/driver"))}["nvidia.com/gpu"]
+        expected = plain["nvidia.com/gpu"].edits
+        assert [m.container_path for m in gpu.edits.mounts] == [m.container_path for m in expected.mounts]
+        assert gpu.edits.mounts and all(m.host_path.startswith(prefix + "/") for m in gpu.edits.mounts)
+        assert [m.host_path.removeprefix(prefix) for m in gpu.edits.mounts] == \
+               [m.host_path.removeprefix(str(HOSTS / "hgx-h100")) for m in expected.mounts]
+        nodes = [n.host_path or n.path for n in gpu.devices[0].edits.device_nodes]
+        assert nodes == ([f"{root}/dev/nvidia2"] if target is None else ["/dev/nvidia2"])  # from the host
+        assert gpu.edits.hooks == expected.hooks  # container paths: the same links and folders
+    with pytest.raises(ConfigError, match="--driver-root"):
+        generate_specs(GenerateOptions(root=str(root), hook_path=HOOK, driver_root="/run/absent"))

@@ -48,6 +48,7 @@ class GenerateOptions:
     exclude: frozenset[str] = field(default_factory=frozenset)
     bundles: tuple[str, ...] = ()  # co-bound devices to add (specs.bundles): "gpu-nic"
     target_root: str | None = None  # the host as the spec's reader sees it (None: host paths keep `root`)
+    driver_root: str | None = None  # where the driver's files are, as the host names it (None: the host's /)
 
     def check(self) -> None:
         for strategy in self.strategies:
@@ -64,6 +65,12 @@ class GenerateOptions:
             raise ConfigError(f"--host-root (--root): {self.root}: not a directory")
         if self.target_root is not None and not self.target_root.startswith("/"):
             raise ConfigError(f"--target-root: {self.target_root}: must be an absolute path")
+        if self.driver_root is not None:
+            if not self.driver_root.startswith("/"):
+                raise ConfigError(f"--driver-root: {self.driver_root}: must be an absolute path (as the host names it)")
+            inside = os.path.join(self.root, self.driver_root.lstrip("/"))
+            if not os.path.isdir(inside):
+                raise ConfigError(f"--driver-root: {self.driver_root}: not a directory under --host-root ({inside})")
 
 
 def default_hook_path() -> str:
@@ -146,18 +153,23 @@ def _cdi_hook(hook_path: str, command: str, flag: str, values: list[str]) -> Hoo
 
 
 def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path: str,
-                 ldcache: list[LdCacheEntry] | None) -> ContainerEdits:
+                 ldcache: list[LdCacheEntry] | None, driver: tuple[Host, Rerooter] | None = None) -> ContainerEdits:
+    """The kind's spec-level edits: shared device nodes from the host; driver files (libraries, binaries,
+    firmware and other files) from `driver` (a driver root) or else the host too."""
     host = view.host
-    libraries = locate_libraries(host, ldcache or [], profile.libraries, native_arch()) if profile.libraries else []
+    files, files_rerooter = driver or (host, rerooter)
+    libraries = locate_libraries(files, ldcache or [], profile.libraries, native_arch()) if profile.libraries else []
     version = driver_version(host, profile, libraries)
     mounts: dict[str, Mount] = {}
     for library in libraries:
-        mounts.setdefault(library.real, rerooter.mount(library))
+        mounts.setdefault(library.real, files_rerooter.mount(library))
     for directory in profile.library_dirs:
-        if host.is_dir(directory):
-            mounts.setdefault(directory, rerooter.mount(LocatedFile(directory, host.resolve(directory)), directory))
-    for located in locate_binaries(host, profile.binaries) + locate_files(host, profile.files, driver_version=version):
-        mounts.setdefault(located.path, rerooter.mount(located, located.path))
+        if files.is_dir(directory):
+            mounts.setdefault(directory, files_rerooter.mount(LocatedFile(directory, files.resolve(directory)),
+                                                              directory))
+    for located in locate_binaries(files, profile.binaries) + locate_files(files, profile.files,
+                                                                           driver_version=version):
+        mounts.setdefault(located.path, files_rerooter.mount(located, located.path))
     links = [f"{_link_target(lib)}::{lib.path}" for lib in libraries if lib.real != lib.path]
     folders = sorted({posixpath.dirname(lib.real) for lib in libraries} | {
         d for d in profile.library_dirs if d in mounts})
@@ -253,13 +265,26 @@ def discover_devices(host: Host, profiles: list[Profile], opts: GenerateOptions,
     return _enrich_uuids(discover(host, profiles, view=view), opts, host)
 
 
+def _driver_files(host: Host, opts: GenerateOptions) -> tuple[Host, Rerooter] | None:
+    """With --driver-root (a driver installed in a container, GPU-operator style, at e.g. /run/nvidia/driver
+    as the host names it): its files are read under the host root and written as the host's runtime sees
+    them, under the target root (or the host root); their container paths are the driver root's own."""
+    if not opts.driver_root:
+        return None
+    inside = opts.driver_root.strip("/")
+    files = Host(posixpath.join(host.root, inside))
+    target = None if opts.target_root is None else posixpath.join(opts.target_root, inside)
+    return files, Rerooter(files, target)
+
+
 def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], opts: GenerateOptions,
                 view: HostView | None = None) -> list[Spec]:
     """One spec per kind with devices; devices whose `kind=address` is in `opts.exclude` are left out."""
     view = view or HostView(host)
     rerooter = Rerooter(host, opts.target_root)
     hook_path = opts.hook_path or default_hook_path()
-    ldcache = read_ldcache(host) if any(p.libraries for p in profiles) else []
+    driver = _driver_files(host, opts)
+    ldcache = read_ldcache(driver[0] if driver else host) if any(p.libraries for p in profiles) else []
     by_kind: dict[str, list[FoundDevice]] = {}
     for item in found:
         if device_key(item.profile.kind, item.address) not in opts.exclude:
@@ -269,7 +294,8 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
         devices = by_kind.pop(profile.kind, [])
         if not devices:
             continue
-        spec = build_spec(profile, devices, common_edits(view, profile, rerooter, hook_path, ldcache), rerooter, opts)
+        common = common_edits(view, profile, rerooter, hook_path, ldcache, driver)
+        spec = build_spec(profile, devices, common, rerooter, opts)
         if spec is not None:
             specs.append(spec)
     if "gpu-nic" in opts.bundles:
