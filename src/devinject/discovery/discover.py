@@ -17,6 +17,7 @@ from devinject.core.model import DeviceNode
 from devinject.discovery.host import Host
 from devinject.discovery.procfs import parse_key_values, parse_proc_devices
 from devinject.discovery.profiles import NodeRule, Profile, glob_names, select_profile
+from devinject.discovery.partitions import Partition, mig_partitions
 from devinject.discovery.sysfs import PciDevice, read_char_device, scan_pci
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class FoundDevice:
     functions: tuple[PciDevice, ...]
     nodes: tuple[DeviceNode, ...]
     uuid: str | None = None
+    partitions: tuple[Partition, ...] = ()  # offered instead of the whole device when there are any
 
     @property
     def address(self) -> str:
@@ -168,8 +170,24 @@ def discover(host: Host, profiles: list[Profile], *, pci_devices: list[PciDevice
                 log.warning("%s %s: device nodes not found; not offered", profile.kind, group[0].address)
                 continue
             uuid = _uuid(view, profile, group[0])
-            found.append(FoundDevice(profile, index, group, tuple(dict.fromkeys(nodes)), uuid))
+            partitions = _partitions(view, profile, nodes[0], index)
+            found.append(FoundDevice(profile, index, group, tuple(dict.fromkeys(nodes)), uuid, partitions))
     return found
+
+
+def _partitions(view: HostView, profile: Profile, parent: DeviceNode, index: int) -> tuple[Partition, ...]:
+    rule = profile.partitions
+    if rule is None or parent.minor is None:
+        return ()
+    caps_dir = rule.caps_dir.format(minor=parent.minor)
+    if not view.host.is_dir(caps_dir):
+        return ()
+    if rule.region not in view.majors:
+        log.warning("%s %s: %s has partitions but /proc/devices has no %s; offered whole", profile.kind,
+                    parent.path, caps_dir, rule.region)
+        return ()
+    return tuple(mig_partitions(view.host, caps_dir, rule.node, view.majors[rule.region], parent, index,
+                                rule.shared_caps))
 
 
 def shared_nodes(view: HostView, profile: Profile) -> list[DeviceNode]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import platform
 import posixpath
 import stat
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from devinject.core.errors import LdCacheError
 from devinject.core.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, LdCacheEntry, parse_ldcache
 from devinject.discovery.host import Host
+from devinject.discovery.profiles import DriverLibraries
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,53 @@ def locate_libraries(host: Host, entries: list[LdCacheEntry], patterns: tuple[st
             continue
         found[entry.path] = LocatedFile(entry.path, real)
     return sorted(found.values(), key=lambda f: f.path)
+
+
+def soname_of(host: Host, path: str) -> str | None:
+    """The SONAME of the ELF shared object at host `path` (None when it is not one)."""
+    from devinject.core.elfinfo import read_shared_object
+
+    try:
+        fd = os.open(host.real(host.resolve(path)), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        found = read_shared_object(fd)
+    finally:
+        os.close(fd)
+    return found.soname if found else None
+
+
+def locate_driver_libraries(host: Host, entries: list[LdCacheEntry], rule: DriverLibraries, arch: int,
+                            driver_version: str | None) -> list[LocatedFile]:
+    """Every library the driver installed next to `rule.anchor` (and in its subdirectories) whose name
+    matches a pattern: each named by its SONAME link when the host has one pointing at it."""
+    anchors = locate_libraries(host, entries, (rule.anchor,), arch)
+    if not anchors:
+        return []
+    fields = {"driver_version": driver_version} if driver_version else {}
+    patterns = []
+    for pattern in rule.patterns:
+        try:
+            patterns.append(pattern.format(**fields))
+        except KeyError:
+            log.info("%s: driver version unknown; pattern %s skipped", rule.anchor, pattern)
+    top = posixpath.dirname(anchors[0].real)
+    found: list[LocatedFile] = []
+    for directory in (top, *(posixpath.join(top, sub) for sub in rule.subdirs)):
+        names = host.listdir(directory)
+        for name in names:
+            path = posixpath.join(directory, name)
+            if (not any(fnmatch.fnmatchcase(name, p) for p in patterns)
+                    or any(fnmatch.fnmatchcase(name, x) for x in rule.exclude) or host.is_link(path)):
+                continue
+            st = host.lstat(path)
+            if st is None or not stat.S_ISREG(st.st_mode):
+                continue
+            soname = soname_of(host, path)
+            link = posixpath.join(directory, soname) if soname and soname != name and soname in names else None
+            found.append(LocatedFile(link if link and host.resolve(link) == path else path, path))
+    return sorted(found, key=lambda f: f.path)
 
 
 def locate_binaries(host: Host, names: tuple[str, ...]) -> list[LocatedFile]:

@@ -61,6 +61,40 @@ class KernelLogErrors:
 
 
 @dataclass(frozen=True, slots=True)
+class DriverLibraries:
+    """Every library the driver installed, found as the driver lays them out rather than by a fixed list:
+    in the directory of `anchor` (a SONAME found through ld.so.cache), every file matching one of `patterns`
+    (`{driver_version}` filled in), also in its `subdirs`, minus `exclude`."""
+
+    anchor: str
+    patterns: tuple[str, ...]
+    subdirs: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionRule:
+    """A device offered as its partitions when it has any (`nvidia-mig`: discovery.partitions): the
+    capability directory (`{minor}`: the device node's minor), the nodes' path (`{cap_minor}`) and their
+    /proc/devices region, and capabilities every partition gets (e.g. MIG's read-only `monitor`)."""
+
+    type: str
+    caps_dir: str
+    node: str
+    region: str
+    shared_caps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFile:
+    """A loader's configuration file (an ICD JSON, say), mounted read-only at `container`, the path the
+    loader reads in the container, from the first of `host` that exists."""
+
+    container: str
+    host: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     name: str
     kind: str
@@ -85,6 +119,10 @@ class Profile:
     driver_module: str | None = None
     driver_version_file: str | None = None
     libraries: tuple[str, ...] = ()
+    driver_libraries: DriverLibraries | None = None
+    links: tuple[tuple[str, str], ...] = ()  # (link, target) names in a mounted library's directory
+    config_files: tuple[ConfigFile, ...] = ()
+    partitions: PartitionRule | None = None
     library_dirs: tuple[str, ...] = ()
     binaries: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
@@ -236,11 +274,71 @@ def _kernel_log(raw: object, where: str) -> KernelLogErrors | None:
     return KernelLogErrors(log.text("name", "error"), pattern, tuple(fatal))
 
 
+def _driver_libraries(raw: object, where: str) -> DriverLibraries | None:
+    if raw is None:
+        return None
+    f = _Fields(raw, where, {"anchor", "patterns", "subdirs", "exclude"})
+    patterns = f.strings("patterns")
+    if not patterns:
+        raise ConfigError(f"{where}.patterns: required (e.g. '*.so.{{driver_version}}')")
+    for name in (*patterns, *f.strings("exclude")):
+        if "/" in name:
+            raise ConfigError(f"{where}: {name!r}: a file name pattern, not a path")
+    for sub in f.strings("subdirs"):
+        if sub.startswith("/") or ".." in sub.split("/"):
+            raise ConfigError(f"{where}.subdirs: {sub!r}: a directory below the anchor's, not a path")
+    return DriverLibraries(f.text("anchor", required=True), patterns, f.strings("subdirs"), f.strings("exclude"))
+
+
+def _links(raw: object, where: str) -> tuple[tuple[str, str], ...]:
+    """`{libcuda.so: libcuda.so.1}`: links made next to a mounted library (when the target is mounted)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping of link name to target name")
+    out = []
+    for link, target in raw.items():
+        if not isinstance(link, str) or not isinstance(target, str) or "/" in link + target:
+            raise ConfigError(f"{where}: {link!r}: link and target are file names in one directory")
+        out.append((link, target))
+    return tuple(out)
+
+
+PARTITION_TYPES = ("nvidia-mig",)
+
+
+def _partitions(raw: object, where: str) -> PartitionRule | None:
+    if raw is None:
+        return None
+    f = _Fields(raw, where, {"type", "caps-dir", "node", "region", "shared-caps"})
+    kind = f.text("type", required=True)
+    if kind not in PARTITION_TYPES:
+        raise ConfigError(f"{where}.type: {kind!r} unknown (known: {', '.join(PARTITION_TYPES)})")
+    node = f.text("node", required=True)
+    if "{cap_minor}" not in node or not node.startswith("/dev/"):
+        raise ConfigError(f"{where}.node: a /dev path with {{cap_minor}}")
+    return PartitionRule(kind, f.text("caps-dir", required=True), node, f.text("region", required=True),
+                         f.strings("shared-caps"))
+
+
+def _config_files(raw: object, where: str) -> tuple[ConfigFile, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError(f"{where}: expected a list")
+    out = []
+    for i, item in enumerate(raw):
+        f = _Fields(item, f"{where}[{i}]", {"container", "host"})
+        container = f.text("container", required=True)
+        hosts = f.strings("host") or (container,)
+        if not all(path.startswith("/") for path in (container, *hosts)):
+            raise ConfigError(f"{where}[{i}]: paths must be absolute")
+        out.append(ConfigFile(container, hosts))
+    return tuple(out)
+
+
 def parse_profile(data: object, source: str) -> Profile:
     f = _Fields(data, source, {"name", "kind", "description", "match", "priority", "group-by", "sharing",
                                "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
                                "library-dirs", "binaries", "files", "env", "models", "vendor-name",
-                               "request-env", "uevents", "health", "mount-options"})
+                               "request-env", "uevents", "health", "mount-options", "driver-libraries",
+                               "links", "config-files", "partitions"})
     name = f.text("name", required=True)
     kind = f.text("kind", required=True)
     problem = kind_problem(kind)
@@ -295,6 +393,10 @@ def parse_profile(data: object, source: str) -> Profile:
         driver_module=version.text("module"),
         driver_version_file=version.text("proc-file"),
         libraries=f.strings("libraries"),
+        driver_libraries=_driver_libraries(f.data.get("driver-libraries"), f"{source}.driver-libraries"),
+        links=_links(f.data.get("links", {}), f"{source}.links"),
+        config_files=_config_files(f.data.get("config-files", []), f"{source}.config-files"),
+        partitions=_partitions(f.data.get("partitions"), f"{source}.partitions"),
         library_dirs=f.strings("library-dirs"),
         binaries=f.strings("binaries"),
         files=f.strings("files"),

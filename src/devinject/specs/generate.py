@@ -7,6 +7,7 @@ import logging
 import os
 import posixpath
 import shutil
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from devinject.discovery.host import Host
 from devinject.discovery.libraries import (
     LocatedFile,
     locate_binaries,
+    locate_driver_libraries,
     locate_files,
     locate_libraries,
     native_arch,
@@ -138,6 +140,36 @@ def driver_version(host: Host, profile: Profile, libraries: list[LocatedFile]) -
     return None
 
 
+def _first_file(hosts: list[Host], candidates: tuple[str, ...]) -> tuple[Host, LocatedFile] | None:
+    """The first candidate path that is a regular file (links followed inside the root), and where."""
+    for where in hosts:
+        for path in candidates:
+            real = where.resolve(path)
+            st = where.lstat(real)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                return where, LocatedFile(path, real)
+    return None
+
+
+def _development_links(files: Host, libraries: list[LocatedFile], declared: tuple[tuple[str, str], ...]) -> list[str]:
+    """`libX.so -> libX.so.1` links next to mounted libraries (compilers and JITs link `-lcuda`): those the
+    driver made on the host, and those the profile declares (`links`), which are made whenever their target
+    is mounted. As TARGET::LINK, the target relative to the link's directory."""
+    out: dict[str, None] = {}
+    by_name = {posixpath.basename(lib.path): lib for lib in libraries}
+    for link, target in declared:
+        lib = by_name.get(target)
+        if lib is not None:
+            out[f"{target}::{posixpath.join(posixpath.dirname(lib.path), link)}"] = None
+    for lib in libraries:
+        directory, name = posixpath.split(lib.path)
+        stem = name.partition(".so")[0]
+        dev = posixpath.join(directory, stem + ".so")
+        if dev not in (lib.path, lib.real) and files.is_link(dev) and files.resolve(dev) == lib.real:
+            out[f"{name}::{dev}"] = None
+    return list(out)
+
+
 def _link_target(library: LocatedFile) -> str:
     """Relative within one directory (as ldconfig makes SONAME links), absolute otherwise."""
     same_dir = posixpath.dirname(library.real) == posixpath.dirname(library.path)
@@ -160,6 +192,11 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
     files, files_rerooter = driver or (host, rerooter)
     libraries = locate_libraries(files, ldcache or [], profile.libraries, native_arch()) if profile.libraries else []
     version = driver_version(host, profile, libraries)
+    if profile.driver_libraries:
+        known = {lib.real for lib in libraries}
+        libraries += [lib for lib in locate_driver_libraries(files, ldcache or [], profile.driver_libraries,
+                                                             native_arch(), version) if lib.real not in known]
+        libraries.sort(key=lambda lib: lib.path)
     mounts: dict[str, Mount] = {}
     for library in libraries:
         mounts.setdefault(library.real, files_rerooter.mount(library))
@@ -170,7 +207,14 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
     for located in locate_binaries(files, profile.binaries) + locate_files(files, profile.files,
                                                                            driver_version=version):
         mounts.setdefault(located.path, files_rerooter.mount(located, located.path))
+    for config in profile.config_files:
+        chosen = _first_file([files, host] if driver else [files], config.host)
+        if chosen is not None:
+            where, found = chosen
+            mounts.setdefault(config.container, (files_rerooter if where is files else rerooter).mount(
+                found, config.container))
     links = [f"{_link_target(lib)}::{lib.path}" for lib in libraries if lib.real != lib.path]
+    links += _development_links(files, libraries, profile.links)
     folders = sorted({posixpath.dirname(lib.real) for lib in libraries} | {
         d for d in profile.library_dirs if d in mounts})
     hooks = [_cdi_hook(hook_path, command, flag, values) for command, flag, values in (
@@ -212,6 +256,12 @@ def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdit
     devices: list[Device] = []
     every_node: dict[DeviceNode, None] = {}  # insertion-ordered set: `all` in one pass, not n merges
     for item in found:
+        if item.partitions:  # offered as its partitions (MIG devices) only, never whole
+            for partition in item.partitions:
+                edits = ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in partition.nodes))
+                every_node.update(dict.fromkeys(edits.device_nodes))
+                devices.append(Device(partition.name, edits))
+            continue
         edits = ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in item.nodes))
         if edits.is_empty():
             continue
@@ -284,7 +334,8 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
     rerooter = Rerooter(host, opts.target_root)
     hook_path = opts.hook_path or default_hook_path()
     driver = _driver_files(host, opts)
-    ldcache = read_ldcache(driver[0] if driver else host) if any(p.libraries for p in profiles) else []
+    wants_cache = any(p.libraries or p.driver_libraries for p in profiles)
+    ldcache = read_ldcache(driver[0] if driver else host) if wants_cache else []
     by_kind: dict[str, list[FoundDevice]] = {}
     for item in found:
         if device_key(item.profile.kind, item.address) not in opts.exclude:
