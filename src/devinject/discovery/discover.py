@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 from devinject.core.model import DeviceNode
 from devinject.discovery.host import Host
+from devinject.discovery.partitions import Partition, mig_partitions
 from devinject.discovery.procfs import parse_key_values, parse_proc_devices
 from devinject.discovery.profiles import NodeRule, Profile, glob_names, select_profile
-from devinject.discovery.partitions import Partition, mig_partitions
 from devinject.discovery.sysfs import PciDevice, read_char_device, scan_pci
 
 log = logging.getLogger(__name__)
