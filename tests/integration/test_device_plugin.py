@@ -209,3 +209,28 @@ def test_not_ready_without_a_kubelet(host_copy, tmp_path, plugin_dir) -> None:  
     finally:
         running.stop.set()
         running.thread.join(timeout=10)
+
+
+def test_mig_devices_are_offered_and_allocated_as_units(host_copy, tmp_path, plugin_dir) -> None:  # type: ignore[no-untyped-def]
+    kubelet = FakeKubelet(str(plugin_dir))
+    kubelet.start()
+    running = start_agent(host_copy("dgx-a100-mig"), plugin_dir, tmp_path)
+    try:
+        devices = kubelet.wait_for(lambda: kubelet.latest("nvidia.com/gpu"))
+        assert sorted(devices) == ["0000:07:00.0-gi1-ci0", "0000:07:00.0-gi2-ci0", "0000:87:00.0"]
+        stub = kubelet.plugins["nvidia.com/gpu"].stub
+        response = stub.Allocate(api.AllocateRequest(container_requests=[
+            api.ContainerAllocateRequest(devices_ids=["0000:07:00.0-gi2-ci0"])]), timeout=5)
+        (answer,) = response.container_responses
+        assert [d.name for d in answer.cdi_devices] == ["nvidia.com/gpu=0:1"]
+        paths = [d.container_path for d in answer.devices]
+        assert {"/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap21", "/dev/nvidia-caps/nvidia-cap22"} <= set(paths)
+        assert "/dev/nvidia-caps/nvidia-cap12" not in paths and "/dev/nvidia1" not in paths
+        preferred = stub.GetPreferredAllocation(api.PreferredAllocationRequest(container_requests=[
+            api.ContainerPreferredAllocationRequest(available_deviceIDs=sorted(devices), allocation_size=2)]),
+            timeout=5)
+        assert list(preferred.container_responses[0].deviceIDs) == sorted(devices)[:2]  # one GPU's instances
+    finally:
+        running.stop.set()
+        running.thread.join(timeout=10)
+        kubelet.stop()

@@ -178,15 +178,23 @@ class HostParts:
 
         policy = sharing_policy(self.opts.state_dir, profile_dirs=self.opts.profile_dirs)
         offered_by: dict[str, set[str]] | None = None
+        parents: dict[str, set[str]] = {}
         claims = []
         for name, edits in resolved.devices:
+            kind = name.partition("=")[0]
             shared: tuple[NodeId, ...] = ()
-            if name.partition("=")[0] not in policy and self.registry is not None:
+            if self.registry is not None and kind not in policy:
                 # a kind no profile describes (a gpu-nic bundle): each node is booked as the kinds that offer
                 # it alone do; shared only when every one of them is shared (a node none offers: exclusive)
                 offered_by = offered_by if offered_by is not None else self.registry.node_kinds()
                 shared = tuple(node_identity(n) for n in edits.device_nodes
                                if _shareable(offered_by.get(n.host_path or n.path, set()), policy))
+            elif self.registry is not None and policy[kind] == "exclusive":
+                # partitions (MIG devices) of one GPU hold its node together; their own nodes stay exclusive
+                if kind not in parents:
+                    parents[kind] = self.registry.partition_parents(kind)
+                shared = tuple(node_identity(n) for n in edits.device_nodes
+                               if (n.host_path or n.path) in parents[kind])
             claims.append(Claim(name, tuple(node_identity(n) for n in edits.device_nodes), shared))
         ledger = Ledger(self.opts.state_dir, profile_dirs=self.opts.profile_dirs)
         return ledger.book(container_id, pid, tuple(claims), policy)

@@ -179,19 +179,39 @@ class Registry:
             edits = edits.merge(item)
         return Resolved(names, edits, tuple(used), tuple(device_edits))
 
+    @staticmethod
+    def _node_paths(entry: _Entry) -> list[str]:
+        device = entry.raw["devices"][entry.position]
+        edits = device.get("containerEdits") if isinstance(device, dict) else None
+        nodes = edits.get("deviceNodes") if isinstance(edits, dict) else None
+        paths = []
+        for node in nodes if isinstance(nodes, list) else ():
+            path = node.get("hostPath") or node.get("path") if isinstance(node, dict) else None
+            if isinstance(path, str):
+                paths.append(path)
+        return paths
+
+    def partition_parents(self, kind: str) -> set[str]:
+        """Host paths of nodes that devices of `kind` with different node sets share (besides `all`): the
+        parent GPU every MIG device of it lists. Several containers may hold such a node at once; names of one
+        device (index and UUID) list the same set and share nothing."""
+        seen: dict[str, set[frozenset[str]]] = {}
+        for name, entry in self._index().items():
+            owner, _, device = name.partition("=")
+            if owner != kind or device == "all":
+                continue
+            paths = frozenset(self._node_paths(entry))
+            for path in paths:
+                seen.setdefault(path, set()).add(paths)
+        return {path for path, sets in seen.items() if len(sets) > 1}
+
     def node_kinds(self) -> dict[str, set[str]]:
         """Host path of every device node a spec's device offers -> the kinds offering it (from the cached
         spec dicts: nothing is parsed). A bundle's nodes are then booked as the kinds they come from."""
         kinds: dict[str, set[str]] = {}
         for entry in self._index().values():
-            device = entry.raw["devices"][entry.position]
-            edits = device.get("containerEdits") if isinstance(device, dict) else None
-            nodes = edits.get("deviceNodes") if isinstance(edits, dict) else None
-            for node in nodes if isinstance(nodes, list) else ():
-                if isinstance(node, dict):
-                    path = node.get("hostPath") or node.get("path")
-                    if isinstance(path, str):
-                        kinds.setdefault(path, set()).add(entry.raw["kind"])
+            for path in self._node_paths(entry):
+                kinds.setdefault(path, set()).add(entry.raw["kind"])
         return kinds
 
     def _unresolvable(self, text: str, kind: str) -> str:

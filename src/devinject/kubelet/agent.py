@@ -102,8 +102,15 @@ class DevicePluginAgent:
             key = device_key(kind, found.address)
             track = watcher.tracks.get(key)
             healthy = track is None or track.published == HEALTHY
-            by_kind.setdefault(kind, {})[found.address] = PluginDevice(
-                found.address, qualified(kind, str(found.index)), healthy, place_of(watcher.host, found))
+            place = place_of(watcher.host, found)
+            offered = by_kind.setdefault(kind, {})
+            if found.partitions:  # a MIG GPU: its MIG devices, never the whole GPU
+                for part in found.partitions:
+                    part_id = f"{found.address}-gi{part.gpu_instance}-ci{part.compute_instance}"
+                    offered[part_id] = PluginDevice(part_id, qualified(kind, part.name), healthy, place)
+            else:
+                offered[found.address] = PluginDevice(found.address, qualified(kind, str(found.index)), healthy,
+                                                      place)
             health = HEALTHY if healthy else UNHEALTHY
             counts[(kind, health)] = counts.get((kind, health), 0) + 1
             before = self.health_seen.get(key)

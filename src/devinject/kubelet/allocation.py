@@ -1,7 +1,7 @@
 """What the device plugin offers and answers, as plain data (no gRPC here, so every rule is unit-tested).
 
-Device IDs are PCI addresses: stable across plugin and kubelet restarts, unique on the node, and the same
-names `devinject list` and the kernel use. An allocation answers, per container, with
+Device IDs are PCI addresses (a MIG device: `<address>-gi<G>-ci<C>`): stable across plugin and kubelet
+restarts, unique on the node, and the names `devinject list` and the kernel use. An allocation answers, per container, with
 
 - `cdi_devices`: the CDI names (`nvidia.com/gpu=0`) for kubelets and runtimes that apply CDI specs;
 - a fallback for runtimes without CDI (containerd 1.6, CRI-O without CDI), built from the same spec: the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from devinject.core.errors import DevinjectError
 from devinject.core.model import ContainerEdits, Spec
@@ -104,7 +104,7 @@ def preferred(devices: dict[str, PluginDevice], available: list[str], must_inclu
               size: int) -> list[str]:
     """The `size` available devices closest in the PCIe/NUMA tree (same switch before same NUMA node before
     across sockets), including `must_include`; the kubelet's own choice (the first ones) if that fails."""
-    places = [devices[i].place for i in available if i in devices]
+    places = [replace(devices[i].place, address=i) for i in available if i in devices]  # by ID: MIG siblings
     chosen = place_devices(places, size, tuple(i for i in must_include if i in devices))
     if chosen:
         return chosen

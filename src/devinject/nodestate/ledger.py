@@ -51,8 +51,9 @@ def process_start_time(pid: int, proc: str = "/proc") -> int | None:
 
 
 class Claim(NamedTuple):
-    """One requested device and the identities of its nodes (`c 195:0`). For a kind without a profile (a
-    bundle), `shared` names the nodes the kinds that offer them alone share; the rest are exclusive."""
+    """One requested device and the identities of its nodes (`c 195:0`). `shared` names nodes of it that
+    other containers may hold at the same time (those its kinds share, in a bundle; the parent GPU of a MIG
+    device); the rest are booked as the kind's policy says."""
     name: QualifiedName | str
     nodes: tuple[NodeId, ...]
     shared: tuple[NodeId, ...] = ()
@@ -258,12 +259,12 @@ class Ledger:
         exclusive: list[str] = []
         shared: list[str] = []
         for claim in claims:
-            mode = policy.get(claim.name.partition("=")[0])
-            if mode is None:  # no profile for the kind: per node, as the hook found them offered
+            mode = policy.get(claim.name.partition("=")[0], "exclusive")
+            if mode == "shared":
+                shared.extend(claim.nodes)
+            else:  # `claim.shared`: nodes of an exclusive claim that others may hold too (a MIG parent GPU)
                 shared.extend(claim.shared)
                 exclusive.extend(n for n in claim.nodes if n not in claim.shared)
-            else:
-                (exclusive if mode == "exclusive" else shared).extend(claim.nodes)
         exclusive = sorted(set(exclusive))
         unhealthy = self._unhealthy_nodes() & set(exclusive + shared)
         if unhealthy:
@@ -287,7 +288,9 @@ class Ledger:
             for other_id, entry in allocations.items():
                 if entry.get("recovered") and entry["pid"] == pid:
                     continue  # evidence of this very container from an earlier run of its hook
-                clash = set(exclusive) & set(entry["exclusive"])
+                # exclusive against anything held; shared against what another holds exclusively
+                clash = (set(exclusive) & set(entry["exclusive"] + entry.get("shared", []))
+                         | set(shared) & set(entry["exclusive"]))
                 if clash:
                     state = entry.get("state", "active")
                     raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "

@@ -1,0 +1,114 @@
+"""What a real NVIDIA driver install needs in a spec (docs/driver-fidelity.md), on the dgx-a100-mig host:
+MIG devices from procfs, libraries by driver version, loader config files, links, IPC, the void env; and the
+ledger's view of MIG (each instance its own unit, the whole GPU against all of them)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from devinject.core.errors import ConfigError, LedgerError
+from devinject.core.model import Spec
+from devinject.discovery.profiles import parse_profile
+from devinject.specs.generate import GenerateOptions, generate_specs, write_specs
+from tests.conftest import HOSTS
+
+HOST = HOSTS / "dgx-a100-mig"
+LIB = "/usr/lib/x86_64-linux-gnu"
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Spec:
+    specs = generate_specs(GenerateOptions(root=str(HOST), hook_path="/usr/bin/devinject"))
+    return next(s for s in specs if s.kind == "nvidia.com/gpu")
+
+
+def nodes(spec: Spec, name: str) -> list[tuple[str, int | None]]:
+    device = next(d for d in spec.devices if d.name == name)
+    return [(n.path, n.minor) for n in device.edits.device_nodes]
+
+
+def test_a_mig_gpu_is_offered_as_its_instances_only(gpu: Spec) -> None:
+    names = [d.name for d in gpu.devices]
+    assert names == ["0:0", "0:1", "1", "GPU-a1000000-0000-4000-8000-000000000001", "all"]
+    caps = "/dev/nvidia-caps/nvidia-cap"
+    assert nodes(gpu, "0:0") == [("/dev/nvidia0", 0), (f"{caps}12", 12), (f"{caps}13", 13), (f"{caps}2", 2)]
+    assert nodes(gpu, "0:1") == [("/dev/nvidia0", 0), (f"{caps}21", 21), (f"{caps}22", 22), (f"{caps}2", 2)]
+    device = next(d for d in gpu.devices if d.name == "0:0")
+    assert {n.major for n in device.edits.device_nodes[1:]} == {235}  # nvidia-caps, from /proc/devices
+    assert all(n.file_mode == 0o444 for n in device.edits.device_nodes[1:])  # from the access files
+    assert (f"{caps}1", 1) not in nodes(gpu, "all")  # mig/config (0400) is the admin's, never handed out
+
+
+def test_every_library_of_the_driver_version_and_the_exceptions(gpu: Spec) -> None:
+    mounted = {m.container_path for m in gpu.edits.mounts}
+    for name in ("libGLX_nvidia.so.550.54.14", "libEGL_nvidia.so.550.54.14", "libnvidia-glcore.so.550.54.14",
+                 "libnvidia-rtcore.so.550.54.14", "libnvoptix.so.550.54.14", "libnvidia-ngx.so.550.54.14",
+                 "libnvidia-egl-gbm.so.1.1.1", "vdpau/libvdpau_nvidia.so.550.54.14", "libcuda.so.550.54.14"):
+        assert f"{LIB}/{name}" in mounted, name
+    assert f"{LIB}/libnvidia-gtk3.so.550.54.14" not in mounted  # the profile's exclude list
+    links = [a for h in gpu.edits.hooks if "create-symlinks" in h.args for a in h.args if "::" in a]
+    assert f"libcuda.so.1::{LIB}/libcuda.so" in links  # -lcuda for Triton and torch.compile
+    assert f"libGLX_nvidia.so.550.54.14::{LIB}/libGLX_nvidia.so.0" in links
+    assert f"libGLX_nvidia.so.0::{LIB}/libGLX_indirect.so.0" in links  # declared by the profile
+    assert f"libvdpau_nvidia.so.550.54.14::{LIB}/vdpau/libvdpau_nvidia.so.1" in links
+    folders = [a for h in gpu.edits.hooks if "update-ldcache" in h.args for a in h.args if a.startswith("/")]
+    assert folders == [LIB, f"{LIB}/vdpau"]
+
+
+def test_loader_files_land_where_loaders_look(gpu: Spec) -> None:
+    mounts = {m.container_path: m for m in gpu.edits.mounts}
+    icd = mounts["/etc/vulkan/icd.d/nvidia_icd.json"]
+    assert icd.host_path == f"{HOST}/usr/share/vulkan/icd.d/nvidia_icd.json" and "ro" in icd.options
+    assert mounts["/etc/OpenCL/vendors/nvidia.icd"].host_path == f"{HOST}/etc/OpenCL/vendors/nvidia.icd"
+    for path in ("/usr/share/glvnd/egl_vendor.d/10_nvidia.json", "/usr/share/nvidia/nvoptix.bin",
+                 "/etc/vulkan/implicit_layer.d/nvidia_layers.json",
+                 "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json"):
+        assert path in mounts, path
+    assert "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json" not in mounts  # absent on the host
+    mps = mounts["/tmp/nvidia-mps"]
+    assert "ro" not in mps.options and "rbind" in mps.options and "noexec" in mps.options  # clients write pipes
+    assert {"/usr/bin/nvidia-imex", "/usr/bin/nvidia-imex-ctl"} <= set(mounts)
+    assert gpu.edits.env == ("NVIDIA_VISIBLE_DEVICES=void",)
+    assert gpu.cdi_version == "0.5.0"
+
+
+def test_profile_fields_are_checked() -> None:
+    base = {"name": "x", "kind": "a.com/b"}
+    with pytest.raises(ConfigError, match=r"partitions.type: 'amd-xcp' unknown"):
+        parse_profile({**base, "partitions": {"type": "amd-xcp", "caps-dir": "/p", "node": "/dev/x{cap_minor}",
+                                              "region": "r"}}, "p.yaml")
+    with pytest.raises(ConfigError, match=r"links: 'a/b'"):
+        parse_profile({**base, "links": {"a/b": "c"}}, "p.yaml")
+    with pytest.raises(ConfigError, match=r"driver-libraries.patterns: required"):
+        parse_profile({**base, "driver-libraries": {"anchor": "libx.so.1"}}, "p.yaml")
+    with pytest.raises(ConfigError, match=r"config-files\[0\]: paths must be absolute"):
+        parse_profile({**base, "config-files": [{"container": "etc/x.json"}]}, "p.yaml")
+
+
+def test_ledger_mig_instances_are_units_and_the_whole_gpu_conflicts_with_them(gpu: Spec, tmp_path: Path) -> None:
+    from devinject.hook.main import HookOptions, HostParts
+
+    specs = generate_specs(GenerateOptions(root=str(HOST), hook_path="/usr/bin/devinject"))
+    write_specs(specs, tmp_path / "cdi", "yaml")
+    (tmp_path / "cdi" / "other.yaml").write_text(  # another tool's spec offering the same GPU whole
+        "cdiVersion: 0.5.0\nkind: example.com/gpu\ndevices:\n- name: whole\n  containerEdits:\n    deviceNodes:\n"
+        f"    - {{path: /dev/nvidia0, hostPath: {HOST}/dev/nvidia0, type: c, major: 195, minor: 0}}\n")
+    opts = HookOptions()
+    opts.spec_dirs, opts.state_dir = (str(tmp_path / "cdi"),), str(tmp_path / "state")
+
+    def book(container: str, *names: str) -> None:
+        parts = HostParts(opts)
+        parts.book(container, os.getpid(), parts.resolve(names))
+
+    book("a", "nvidia.com/gpu=0:0")
+    book("b", "nvidia.com/gpu=0:1")  # the other instance of the same GPU
+    with pytest.raises(LedgerError, match="held by container a"):
+        book("c", "nvidia.com/gpu=0:0")  # an instance is exclusive
+    with pytest.raises(LedgerError, match="c 195:0 is held by container a"):
+        book("d", "example.com/gpu=whole")  # the whole GPU while its instances are held
+    with pytest.raises(LedgerError):
+        book("e", "nvidia.com/gpu=all")
+    book("f", "nvidia.com/gpu=1")  # the other GPU is free
