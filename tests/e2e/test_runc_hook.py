@@ -121,3 +121,32 @@ def test_hostile_image_symlinks_never_lead_outside_the_rootfs(bundle: Bundle, tm
     assert (bundle.rootfs / "firmware/nvidia/550.54.14/gsp_ga10x.bin").is_file()
     assert (bundle.rootfs / "nvidia-smi").is_file()
     assert not os.path.exists("/firmware") and not os.path.exists("/nvidia-smi")
+
+
+@pytest.mark.parametrize(("compat_version", "wins"), [("560.35.03", True), ("545.23.08", False)],
+                         ids=["newer-compat-first", "older-compat-ignored"])
+def test_cuda_forward_compat_libraries_in_the_image_come_first_when_newer(bundle: Bundle, compat_version: str,
+                                                                          wins: bool) -> None:
+    """The host driver is 550.54.14; an image carrying /usr/local/cuda/compat/libcuda.so.<version> gets that
+    directory first in its linker cache when the version is newer, and the host's libcuda otherwise."""
+    from tests.fixtures.build_hosts import LibBuilder
+
+    compat = bundle.rootfs / "usr/local/cuda/compat"
+    compat.mkdir(parents=True)
+    builder = LibBuilder()
+    try:
+        (compat / f"libcuda.so.{compat_version}").write_bytes(builder.build("libcuda.so.1"))
+    finally:
+        import shutil
+
+        shutil.rmtree(builder.tmp, ignore_errors=True)
+    (compat / "libcuda.so.1").symlink_to(f"libcuda.so.{compat_version}")
+    bundle.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    done = bundle.run(container_name())
+    assert done.returncode == 0, done.stderr
+    cache = [e.path for e in parse_ldcache((bundle.rootfs / "etc/ld.so.cache").read_bytes())
+             if e.soname == "libcuda.so.1"]
+    first = "/usr/local/cuda/compat/libcuda.so.1" if wins else "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+    assert cache[0] == first, cache
+    (record,) = [r for r in bundle.log_records() if r.get("stage") == "prestart"]
+    assert any("forward compat" in step for step in record["steps"]) == wins

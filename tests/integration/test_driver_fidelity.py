@@ -54,8 +54,9 @@ def test_every_library_of_the_driver_version_and_the_exceptions(gpu: Spec) -> No
     assert f"libGLX_nvidia.so.550.54.14::{LIB}/libGLX_nvidia.so.0" in links
     assert f"libGLX_nvidia.so.0::{LIB}/libGLX_indirect.so.0" in links  # declared by the profile
     assert f"libvdpau_nvidia.so.550.54.14::{LIB}/vdpau/libvdpau_nvidia.so.1" in links
-    folders = [a for h in gpu.edits.hooks if "update-ldcache" in h.args for a in h.args if a.startswith("/")]
-    assert folders == [LIB, f"{LIB}/vdpau"]
+    (ldcache,) = [h.args for h in gpu.edits.hooks if "update-ldcache" in h.args]
+    assert ldcache[3:] == ("--folder", LIB, "--folder", f"{LIB}/vdpau",
+                           "--forward-compat", "/usr/local/cuda/compat:libcuda.so:550.54.14")
 
 
 def test_loader_files_land_where_loaders_look(gpu: Spec) -> None:

@@ -128,3 +128,21 @@ def test_unfillable_node_is_an_error():
 def test_plan_rejects_what_it_cannot_do_safely(edits, message):
     with pytest.raises(HookError, match=message):
         plan(edits)
+
+
+def test_forward_compat_argument_and_version_order():
+    from devinject.hook.plan import ForwardCompat, newer_than, parse_cdi_hook, parse_forward_compat
+
+    command, values = parse_cdi_hook(["update-ldcache", "--folder", "/usr/lib",
+                                      "--forward-compat=/c:libcuda.so:550.54.14"])
+    assert command == "update-ldcache" and values["--folder"] == ["/usr/lib"]
+    assert parse_forward_compat(values["--forward-compat"][0]) == ForwardCompat("/c", "libcuda.so", "550.54.14")
+    assert newer_than("560.35.03", "550.54.14") and newer_than("550.54.15", "550.54.14")
+    assert not newer_than("550.54.14", "550.54.14") and not newer_than("545.99.99", "550.54.14")
+    assert not newer_than("560.x", "550.54.14") and not newer_than("", "550.54.14")
+    assert newer_than("1000.1", "999.99.99")  # numeric, not string order
+    for bad in ("relative:libcuda.so:1.0", "/c:a/b:1.0", "/c:libcuda.so:abc", "/c"):
+        with pytest.raises(HookError, match="--forward-compat"):
+            parse_forward_compat(bad)
+    with pytest.raises(HookError, match="unexpected argument"):
+        parse_cdi_hook(["create-symlinks", "--folder", "/x"])

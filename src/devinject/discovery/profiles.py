@@ -123,6 +123,7 @@ class Profile:
     links: tuple[tuple[str, str], ...] = ()  # (link, target) names in a mounted library's directory
     config_files: tuple[ConfigFile, ...] = ()
     partitions: PartitionRule | None = None
+    forward_compat: tuple[str, str] | None = None  # (directory in images, library name): newer ones win
     library_dirs: tuple[str, ...] = ()
     binaries: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
@@ -302,6 +303,16 @@ def _links(raw: object, where: str) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
+def _forward_compat(raw: object, where: str) -> tuple[str, str] | None:
+    if raw is None:
+        return None
+    f = _Fields(raw, where, {"directory", "library"})
+    directory, library = f.text("directory", required=True), f.text("library", required=True)
+    if not directory.startswith("/") or ":" in directory or "/" in library or ":" in library:
+        raise ConfigError(f"{where}: directory is an absolute path, library a file name (no ':')")
+    return directory, library
+
+
 PARTITION_TYPES = ("nvidia-mig",)
 
 
@@ -338,7 +349,7 @@ def parse_profile(data: object, source: str) -> Profile:
                                "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
                                "library-dirs", "binaries", "files", "env", "models", "vendor-name",
                                "request-env", "uevents", "health", "mount-options", "driver-libraries",
-                               "links", "config-files", "partitions"})
+                               "links", "config-files", "partitions", "forward-compat"})
     name = f.text("name", required=True)
     kind = f.text("kind", required=True)
     problem = kind_problem(kind)
@@ -397,6 +408,7 @@ def parse_profile(data: object, source: str) -> Profile:
         links=_links(f.data.get("links", {}), f"{source}.links"),
         config_files=_config_files(f.data.get("config-files", []), f"{source}.config-files"),
         partitions=_partitions(f.data.get("partitions"), f"{source}.partitions"),
+        forward_compat=_forward_compat(f.data.get("forward-compat"), f"{source}.forward-compat"),
         library_dirs=f.strings("library-dirs"),
         binaries=f.strings("binaries"),
         files=f.strings("files"),

@@ -11,7 +11,7 @@ from devinject.core import atomicfile
 from devinject.core.errors import HookError
 from devinject.core.mountinfo import MountEntry, parse_mountinfo
 from devinject.hook import linkercache, syscalls
-from devinject.hook.plan import BindMount, MakeNode, Plan, Symlink
+from devinject.hook.plan import BindMount, ForwardCompat, MakeNode, Plan, Symlink, newer_than
 from devinject.hook.safepath import _O_PATH, Created, Root
 
 TYPE_CHECKING = False  # `typing` and `collections` cost the hook milliseconds: type checkers only
@@ -252,7 +252,27 @@ class Executor:
                 return loaders[0][len("ld-musl-"):-len(".so.1")]
         return None
 
-    def update_ldcache(self, folders: tuple[str, ...]) -> None:
+    def _forward_compat(self, compat: ForwardCompat) -> str | None:
+        """`compat.directory` when the image carries a newer `library` there than the host driver (its
+        libraries must then be found first), else None. Names only: nothing from the image is opened."""
+        dir_fd = self.root.open_dir(compat.directory)
+        if dir_fd is None:
+            return None
+        try:
+            names = os.listdir(dir_fd)
+        finally:
+            os.close(dir_fd)
+        prefix = compat.library + "."
+        versions = [n[len(prefix):] for n in names if n.startswith(prefix)]
+        newer = [v for v in versions if newer_than(v, compat.host_version)]
+        if not newer:
+            return None
+        self.log.append(f"forward compat {compat.directory} ({compat.library} {max(newer)} > {compat.host_version})")
+        return compat.directory
+
+    def update_ldcache(self, folders: tuple[str, ...], compat: tuple[ForwardCompat, ...] = ()) -> None:
+        first = tuple(d for d in (self._forward_compat(c) for c in compat) if d)
+        folders = tuple(dict.fromkeys((*first, *folders)))  # the image's newer libraries win ties
         musl_arch = self._is_musl()
         if musl_arch:
             self._write_musl_path(musl_arch, folders)
@@ -290,7 +310,7 @@ class Executor:
             for link in plan.links:
                 self.symlink(link)
             if plan.ldcache_folders:
-                self.update_ldcache(plan.ldcache_folders)
+                self.update_ldcache(plan.ldcache_folders, plan.forward_compat)
         except (OSError, HookError) as err:
             self.rollback()
             if isinstance(err, HookError):

@@ -334,15 +334,16 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
 def run_cdi_hook(args: list[str], stdin_fd: int = 0) -> list[str]:
     """A CDI createContainer hook: already inside the container's mount namespace, before pivot_root."""
     from devinject.hook.executor import Executor
-    from devinject.hook.plan import Plan, parse_cdi_hook, parse_link
+    from devinject.hook.plan import Plan, parse_cdi_hook, parse_forward_compat, parse_link
     from devinject.hook.state import load_bundle, parse_state, read_stdin
 
     command, values = parse_cdi_hook(args)
     bundle = load_bundle(parse_state(read_stdin(stdin_fd)))
     if command == "create-symlinks":
-        steps = Plan(links=tuple(parse_link(v) for v in values))
+        steps = Plan(links=tuple(parse_link(v) for v in values["--link"]))
     else:
-        steps = Plan(ldcache_folders=tuple(v for v in values if v.startswith("/")))
+        steps = Plan(ldcache_folders=tuple(v for v in values["--folder"] if v.startswith("/")),
+                     forward_compat=tuple(parse_forward_compat(v) for v in values["--forward-compat"]))
     return Executor(bundle.rootfs).apply(steps)
 
 

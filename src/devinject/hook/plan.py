@@ -74,6 +74,7 @@ class Plan(NamedTuple):
     allow: tuple[AllowDevice, ...] = ()
     warnings: tuple[str, ...] = ()
     net_devices: tuple[NetDevice, ...] = ()
+    forward_compat: tuple[ForwardCompat, ...] = ()  # checked in the image at ldcache time
 
     @property
     def size(self) -> int:
@@ -138,27 +139,60 @@ def _devinject_hook_args(hook: Hook) -> list[str] | None:
     return None
 
 
-def parse_cdi_hook(args: list[str]) -> tuple[str, list[str]]:
-    """`create-symlinks --link T::L ...` or `update-ldcache --folder F ...` -> (subcommand, values)."""
+_CDI_HOOK_FLAGS = {"create-symlinks": ("--link",), "update-ldcache": ("--folder", "--forward-compat")}
+
+
+def parse_cdi_hook(args: list[str]) -> tuple[str, dict[str, list[str]]]:
+    """`create-symlinks --link T::L ...` or `update-ldcache --folder F ... [--forward-compat DIR:LIB:VERSION]`
+    -> (subcommand, values by flag)."""
     if not args:
         raise HookError("cdi-hook: subcommand missing (create-symlinks or update-ldcache)")
     command, rest = args[0], args[1:]
-    flag = {"create-symlinks": "--link", "update-ldcache": "--folder"}.get(command)
-    if flag is None:
+    flags = _CDI_HOOK_FLAGS.get(command)
+    if flags is None:
         raise HookError(f"cdi-hook: unknown subcommand {command!r}")
-    values = []
+    values: dict[str, list[str]] = {flag: [] for flag in flags}
     i = 0
     while i < len(rest):
         arg = rest[i]
-        if arg == flag and i + 1 < len(rest):
-            values.append(rest[i + 1])
-            i += 2
-        elif arg.startswith(flag + "="):
-            values.append(arg[len(flag) + 1:])
+        flag, eq, value = arg.partition("=")
+        if flag in values and eq:
+            values[flag].append(value)
             i += 1
+        elif arg in values and i + 1 < len(rest):
+            values[arg].append(rest[i + 1])
+            i += 2
         else:
             raise HookError(f"cdi-hook {command}: unexpected argument {arg!r}")
     return command, values
+
+
+class ForwardCompat(NamedTuple):
+    """Newer user-space driver libraries an image may carry (CUDA forward compatibility): `directory` in the
+    image, `library` the name their versions follow (`libcuda.so.<version>`), `host_version` the driver's."""
+
+    directory: str
+    library: str
+    host_version: str
+
+
+def parse_forward_compat(value: str) -> ForwardCompat:
+    directory, _, rest = value.partition(":")
+    library, _, version = rest.partition(":")
+    if not directory.startswith("/") or not library or "/" in library or not _version_key(version):
+        raise HookError(f"--forward-compat {value!r}: expected /dir:library:host-version")
+    return ForwardCompat(directory, library, version)
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    parts = version.split(".")
+    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else ()
+
+
+def newer_than(version: str, host_version: str) -> bool:
+    """`560.35.03` newer than `550.54.14` (numeric, part by part); anything unparsable is not newer."""
+    mine, host = _version_key(version), _version_key(host_version)
+    return bool(mine) and bool(host) and mine > host
 
 
 def parse_link(value: str) -> Symlink:
@@ -174,6 +208,7 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
     mounts.sort(key=lambda m: posixpath.normpath(m.container_path).count("/"))  # parents before children
     links: list[Symlink] = []
     folders: list[str] = []
+    compat: list[ForwardCompat] = []
     warnings = []
     # What only the runtime can apply: the process's env and groups and its resctrl class are fixed by now.
     if edits.env:
@@ -190,13 +225,14 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
             continue
         command, values = parse_cdi_hook(args)
         if command == "create-symlinks":
-            links += [parse_link(v) for v in values]
+            links += [parse_link(v) for v in values["--link"]]
         else:
-            folders += [v for v in values if v.startswith("/")]
+            folders += [v for v in values["--folder"] if v.startswith("/")]
+            compat += [parse_forward_compat(v) for v in values["--forward-compat"]]
     allow = tuple(dict.fromkeys(AllowDevice(n.type, n.major, n.minor, _access(d.permissions))
                                 for n, d in zip(nodes, edits.device_nodes, strict=True)))
     result = Plan(tuple(nodes), tuple(mounts), tuple(dict.fromkeys(links)), tuple(dict.fromkeys(folders)), allow,
-                  tuple(warnings), edits.net_devices)
+                  tuple(warnings), edits.net_devices, tuple(dict.fromkeys(compat)))
     if result.size > MAX_ACTIONS:
         raise HookError(f"{result.size} actions requested; at most {MAX_ACTIONS}")
     return result

@@ -219,6 +219,10 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
         d for d in profile.library_dirs if d in mounts})
     hooks = [_cdi_hook(hook_path, command, flag, values) for command, flag, values in (
         ("create-symlinks", "--link", links), ("update-ldcache", "--folder", folders)) if values]
+    if profile.forward_compat and version and folders:  # e.g. CUDA's: an image's newer libcuda comes first
+        compat_dir, compat_lib = profile.forward_compat
+        hooks[-1] = hooks[-1]._replace(
+            args=(*hooks[-1].args, "--forward-compat", f"{compat_dir}:{compat_lib}:{version}"))
     ordered_mounts = sorted(_without_nested([_with_options(m, profile) for m in mounts.values()]),
                             key=lambda m: (m.container_path.count("/"), m.container_path))
     return ContainerEdits(
