@@ -113,3 +113,26 @@ def test_ledger_mig_instances_are_units_and_the_whole_gpu_conflicts_with_them(gp
     with pytest.raises(LedgerError):
         book("e", "nvidia.com/gpu=all")
     book("f", "nvidia.com/gpu=1")  # the other GPU is free
+
+
+def test_group_only_nodes_get_their_group_and_additional_gids_when_the_cap_allows(host_copy, caplog) -> None:  # type: ignore[no-untyped-def]
+    from tests.e2e.conftest import require
+
+    require(os.geteuid() == 0, "needs root (mknod, chown)")
+    root = host_copy("workstation")
+    for name, minor, gid in (("card1", 1, 44), ("renderD129", 129, 107)):  # video, render
+        node = root / "dev/dri" / name
+        node.unlink()
+        os.mknod(node, 0o020660, os.makedev(226, minor))
+        os.chown(node, 0, gid)
+    options = {"root": str(root), "hook_path": "/usr/bin/devinject", "kinds": ("nvidia.com/gpu",)}
+    (old,) = generate_specs(GenerateOptions(**options))  # type: ignore[arg-type]
+    device = next(d for d in old.devices if d.name == "0")
+    assert {n.path: n.gid for n in device.edits.device_nodes} == {
+        "/dev/nvidia0": None, "/dev/dri/card1": 44, "/dev/dri/renderD129": 107}
+    assert not device.edits.additional_gids and old.cdi_version == "0.5.0"
+    assert "--group-add 44,107" in caplog.text and "above the --cdi-version cap 0.5.0" in caplog.text
+    (new,) = generate_specs(GenerateOptions(**options, version_cap="0.7.0"))  # type: ignore[arg-type]
+    assert next(d for d in new.devices if d.name == "0").edits.additional_gids == (44, 107)
+    assert next(d for d in new.devices if d.name == "all").edits.additional_gids == (44, 107)
+    assert new.cdi_version == "0.7.0"

@@ -63,10 +63,11 @@ class HostView:
     def node(self, path: str, major: int, minor: int) -> DeviceNode:
         """A char node; file mode from the host node when one exists with these numbers."""
         st = self.host.char_device(path)
-        mode = None
+        mode = gid = None
         if st is not None and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (major, minor):
             mode = stat.S_IMODE(st.st_mode)
-        return DeviceNode(path=path, type="c", major=major, minor=minor, file_mode=mode)
+            gid = st.st_gid or None  # the host's group (render, video): the node keeps it in the container
+        return DeviceNode(path=path, type="c", major=major, minor=minor, file_mode=mode, gid=gid)
 
     def fixed_node(self, rule: NodeRule, **fields: object) -> DeviceNode | None:
         if rule.region is not None and rule.region not in self.majors:

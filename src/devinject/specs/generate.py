@@ -266,15 +266,33 @@ def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdit
                 every_node.update(dict.fromkeys(edits.device_nodes))
                 devices.append(Device(partition.name, edits))
             continue
-        edits = ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in item.nodes))
+        edits = _with_groups(ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in item.nodes)), opts,
+                             f"{profile.kind}={item.index}")
         if edits.is_empty():
             continue
         every_node.update(dict.fromkeys(edits.device_nodes))
         devices.extend(Device(name, edits) for name in device_names(item, opts.strategies))
     if not devices:
         return None
-    devices.append(Device("all", ContainerEdits(device_nodes=tuple(every_node))))
+    devices.append(Device("all", _with_groups(ContainerEdits(device_nodes=tuple(every_node)), opts, None)))
     return versioned(Spec(kind=profile.kind, devices=tuple(devices), edits=common), opts)
+
+
+def _with_groups(edits: ContainerEdits, opts: GenerateOptions, what: str | None) -> ContainerEdits:
+    """Nodes only their group may open (a DRM render node, 0660 root:render) need the container's process in
+    that group to be usable by a non-root user: `additionalGids` (CDI 0.7.0) when the cap allows it; else the
+    log says what to add (`--group-add`), and the spec stays readable by older runtimes."""
+    gids = sorted({n.gid for n in edits.device_nodes
+                   if n.gid and n.file_mode is not None and n.file_mode & 0o006 != 0o006})
+    if not gids:
+        return edits
+    if version_key(opts.version_cap) >= version_key("0.7.0"):
+        return edits._replace(additional_gids=tuple(gids))
+    if what is not None:
+        log.warning("%s: device nodes open to group %s only: a non-root container user needs it (--group-add %s); "
+                    "additionalGids needs CDI 0.7.0, above the --cdi-version cap %s", what,
+                    ",".join(map(str, gids)), ",".join(map(str, gids)), opts.version_cap)
+    return edits
 
 
 def versioned(spec: Spec, opts: GenerateOptions) -> Spec:
