@@ -79,7 +79,10 @@ def test_loader_files_land_where_loaders_look(gpu: Spec) -> None:
 def test_profile_fields_are_checked() -> None:
     base = {"name": "x", "kind": "a.com/b"}
     with pytest.raises(ConfigError, match=r"partitions.type: 'amd-xcp' unknown"):
-        parse_profile({**base, "partitions": {"type": "amd-xcp", "caps-dir": "/p", "node": "/dev/x{cap_minor}",
+        parse_profile({**base, "partitions": {"type": "amd-xcp", "source": "/p", "node": "/dev/x{minor}",
+                                              "region": "r"}}, "p.yaml")
+    with pytest.raises(ConfigError, match=r"partitions.node: a /dev path with \{minor\}"):
+        parse_profile({**base, "partitions": {"type": "amd-kfd", "source": "/p", "node": "/dev/x",
                                               "region": "r"}}, "p.yaml")
     with pytest.raises(ConfigError, match=r"links: 'a/b'"):
         parse_profile({**base, "links": {"a/b": "c"}}, "p.yaml")
@@ -136,3 +139,17 @@ def test_group_only_nodes_get_their_group_and_additional_gids_when_the_cap_allow
     assert next(d for d in new.devices if d.name == "0").edits.additional_gids == (44, 107)
     assert next(d for d in new.devices if d.name == "all").edits.additional_gids == (44, 107)
     assert new.cdi_version == "0.7.0"
+
+
+def test_amd_compute_partitions_are_offered_as_their_render_nodes() -> None:
+    """MI300X in CPX mode: one KFD node per partition (location_id low bits), each with its render node;
+    partitions 1..7 are platform devices, so the PCI function's own drm directory has only the first."""
+    (amd,) = generate_specs(GenerateOptions(root=str(HOSTS / "mi300x"), hook_path="/usr/bin/devinject",
+                                            kinds=("amd.com/gpu",)))
+    names = [d.name for d in amd.devices]
+    assert names[:2] == ["0", "0000:05:00.0"] and "7" not in names and "0000:e5:00.0" not in names
+    assert [n for n in names if n.startswith("7:")] == [f"7:{j}" for j in range(8)]
+    assert nodes(amd, "7:0") == [("/dev/dri/renderD135", 135)]
+    assert nodes(amd, "7:7") == [("/dev/dri/renderD142", 142)]
+    assert nodes(amd, "6") == [("/dev/dri/card7", 7), ("/dev/dri/renderD134", 134)]  # SPX: whole
+    assert "/dev/kfd" in [n.path for n in amd.edits.device_nodes]  # every partition needs it

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from devinject.core.model import DeviceNode
 from devinject.discovery.host import Host
-from devinject.discovery.partitions import Partition, mig_partitions
+from devinject.discovery.partitions import Partition, kfd_partitions, mig_partitions
 from devinject.discovery.procfs import parse_key_values, parse_proc_devices
 from devinject.discovery.profiles import NodeRule, Profile, glob_names, select_profile
 from devinject.discovery.sysfs import PciDevice, read_char_device, scan_pci
@@ -171,24 +171,27 @@ def discover(host: Host, profiles: list[Profile], *, pci_devices: list[PciDevice
                 log.warning("%s %s: device nodes not found; not offered", profile.kind, group[0].address)
                 continue
             uuid = _uuid(view, profile, group[0])
-            partitions = _partitions(view, profile, nodes[0], index)
+            partitions = _partitions(view, profile, nodes[0], index, group[0].address)
             found.append(FoundDevice(profile, index, group, tuple(dict.fromkeys(nodes)), uuid, partitions))
     return found
 
 
-def _partitions(view: HostView, profile: Profile, parent: DeviceNode, index: int) -> tuple[Partition, ...]:
+def _partitions(view: HostView, profile: Profile, parent: DeviceNode, index: int,
+                address: str) -> tuple[Partition, ...]:
     rule = profile.partitions
     if rule is None or parent.minor is None:
         return ()
-    caps_dir = rule.caps_dir.format(minor=parent.minor)
-    if not view.host.is_dir(caps_dir):
+    source = rule.source.format(device_minor=parent.minor)
+    if not view.host.is_dir(source):
         return ()
     if rule.region not in view.majors:
         log.warning("%s %s: %s has partitions but /proc/devices has no %s; offered whole", profile.kind,
-                    parent.path, caps_dir, rule.region)
+                    parent.path, source, rule.region)
         return ()
-    return tuple(mig_partitions(view.host, caps_dir, rule.node, view.majors[rule.region], parent, index,
-                                rule.shared_caps))
+    major = view.majors[rule.region]
+    if rule.type == "nvidia-mig":
+        return tuple(mig_partitions(view.host, source, rule.node, major, parent, index, rule.shared))
+    return tuple(kfd_partitions(view.host, source, address, rule.node, major, view.node, index))
 
 
 def shared_nodes(view: HostView, profile: Profile) -> list[DeviceNode]:

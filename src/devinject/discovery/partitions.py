@@ -1,13 +1,19 @@
-"""Partitions of a device offered instead of the whole device. NVIDIA MIG, read from procfs alone (no NVML):
-a GPU whose capability directory `/proc/driver/nvidia/capabilities/gpu<minor>/mig` holds GPU instances
-(`gi<G>/access`) with compute instances (`gi<G>/ci<C>/access`) is offered as one device per compute
-instance: the parent's `/dev/nvidia<minor>` plus the GI and CI capability nodes, whose minors the driver
-writes in each `access` file (`DeviceFileMinor: N`) under the `nvidia-caps` major (sysfs-facts §2.3)."""
+"""Partitions of a device, offered instead of the whole device (sysfs-facts §2.3, §3):
+
+- NVIDIA MIG, from procfs alone (no NVML): a GPU whose capability directory
+  `/proc/driver/nvidia/capabilities/gpu<minor>/mig` holds GPU instances (`gi<G>/access`) with compute
+  instances (`gi<G>/ci<C>/access`) is offered as one device per compute instance: the parent's
+  `/dev/nvidia<minor>` plus the GI and CI capability nodes, whose minors the driver writes in each `access`
+  file (`DeviceFileMinor: N`) under the `nvidia-caps` major.
+- AMD compute partitions (MI300 CPX, DPX, ...): every KFD topology node whose `domain` and `location_id`
+  (`bus << 8 | devfn`, the partition in the low bits of devfn) are the GPU's is one partition, with its own
+  render node (`drm_render_minor`). A GPU with one such node is not partitioned."""
 
 from __future__ import annotations
 
 import posixpath
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from devinject.core.model import DeviceNode
@@ -50,7 +56,7 @@ def mig_partitions(host: Host, caps_dir: str, node_path: str, caps_major: int, p
                    index: int, shared_caps: tuple[str, ...] = ()) -> list[Partition]:
     """The MIG devices of one GPU, or [] when it has no GPU instance (offered whole)."""
     extra = [read_capability(host, path) for path in shared_caps]
-    common = [DeviceNode(node_path.format(cap_minor=c.minor), type="c", major=caps_major, minor=c.minor,
+    common = [DeviceNode(node_path.format(minor=c.minor), type="c", major=caps_major, minor=c.minor,
                          file_mode=c.mode) for c in extra if c is not None]
     out: list[Partition] = []
     instances = sorted((int(m.group(1)), name) for name in host.listdir(caps_dir) if (m := _GI.match(name)))
@@ -64,7 +70,37 @@ def mig_partitions(host: Host, caps_dir: str, node_path: str, caps_major: int, p
             ci_cap = read_capability(host, posixpath.join(gi_dir, ci_name, "access"))
             if ci_cap is None:
                 continue
-            nodes = [parent, *(DeviceNode(node_path.format(cap_minor=c.minor), type="c", major=caps_major,
+            nodes = [parent, *(DeviceNode(node_path.format(minor=c.minor), type="c", major=caps_major,
                                           minor=c.minor, file_mode=c.mode) for c in (gi_cap, ci_cap)), *common]
             out.append(Partition(f"{index}:{len(out)}", gi, ci, tuple(dict.fromkeys(nodes))))
     return out
+
+
+def _kfd_properties(text: str) -> dict[str, int]:
+    """`key <decimal>` lines of a KFD topology node's `properties` (unparsable lines skipped)."""
+    out = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            continue
+    return out
+
+
+def kfd_partitions(host: Host, nodes_dir: str, address: str, node_path: str, major: int,
+                   node_for: Callable[[str, int, int], DeviceNode], index: int) -> list[Partition]:
+    """The compute partitions of the GPU at PCI `address` from the KFD topology, or [] when it has one."""
+    domain, bus, devfn = int(address[:4], 16), int(address[5:7], 16), int(address[8:10], 16) << 3
+    found: list[tuple[int, int]] = []  # (location_id, render minor)
+    for name in host.listdir(nodes_dir):
+        props = _kfd_properties(host.read_text(posixpath.join(nodes_dir, name, "properties")) or "")
+        location, minor = props.get("location_id"), props.get("drm_render_minor")
+        if location is None or minor is None or minor <= 0 or props.get("domain", 0) != domain:
+            continue
+        if location >> 8 == bus and (location & 0xFF) & ~0x7 == devfn:  # the low bits carry the partition
+            found.append((location, minor))
+    if len(found) < 2:
+        return []
+    return [Partition(f"{index}:{j}", j, 0, (node_for(node_path.format(minor=minor), major, minor),))
+            for j, (_, minor) in enumerate(sorted(found))]

@@ -74,15 +74,16 @@ class DriverLibraries:
 
 @dataclass(frozen=True, slots=True)
 class PartitionRule:
-    """A device offered as its partitions when it has any (`nvidia-mig`: discovery.partitions): the
-    capability directory (`{minor}`: the device node's minor), the nodes' path (`{cap_minor}`) and their
-    /proc/devices region, and capabilities every partition gets (e.g. MIG's read-only `monitor`)."""
+    """A device offered as its partitions when it has several (discovery.partitions): `nvidia-mig` reads the
+    MIG capability directory `source`, `amd-kfd` the KFD topology nodes in `source` (`{device_minor}`: the
+    device node's minor); `node` is a partition node's path (`{minor}`), its major from /proc/devices
+    `region`; `shared` lists capability files every partition gets (MIG's read-only `monitor`)."""
 
     type: str
-    caps_dir: str
+    source: str
     node: str
     region: str
-    shared_caps: tuple[str, ...] = ()
+    shared: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,21 +314,21 @@ def _forward_compat(raw: object, where: str) -> tuple[str, str] | None:
     return directory, library
 
 
-PARTITION_TYPES = ("nvidia-mig",)
+PARTITION_TYPES = ("nvidia-mig", "amd-kfd")
 
 
 def _partitions(raw: object, where: str) -> PartitionRule | None:
     if raw is None:
         return None
-    f = _Fields(raw, where, {"type", "caps-dir", "node", "region", "shared-caps"})
+    f = _Fields(raw, where, {"type", "source", "node", "region", "shared"})
     kind = f.text("type", required=True)
     if kind not in PARTITION_TYPES:
         raise ConfigError(f"{where}.type: {kind!r} unknown (known: {', '.join(PARTITION_TYPES)})")
     node = f.text("node", required=True)
-    if "{cap_minor}" not in node or not node.startswith("/dev/"):
-        raise ConfigError(f"{where}.node: a /dev path with {{cap_minor}}")
-    return PartitionRule(kind, f.text("caps-dir", required=True), node, f.text("region", required=True),
-                         f.strings("shared-caps"))
+    if "{minor}" not in node or not node.startswith("/dev/"):
+        raise ConfigError(f"{where}.node: a /dev path with {{minor}}")
+    return PartitionRule(kind, f.text("source", required=True), node, f.text("region", required=True),
+                         f.strings("shared"))
 
 
 def _config_files(raw: object, where: str) -> tuple[ConfigFile, ...]:
