@@ -153,3 +153,21 @@ def test_amd_compute_partitions_are_offered_as_their_render_nodes() -> None:
     assert nodes(amd, "7:7") == [("/dev/dri/renderD142", 142)]
     assert nodes(amd, "6") == [("/dev/dri/card7", 7), ("/dev/dri/renderD134", 134)]  # SPX: whole
     assert "/dev/kfd" in [n.path for n in amd.edits.device_nodes]  # every partition needs it
+
+
+def test_imex_channels_are_their_own_kind(host_copy) -> None:  # type: ignore[no-untyped-def]
+    specs = {s.kind: s for s in generate_specs(GenerateOptions(root=str(HOST), hook_path="/usr/bin/devinject"))}
+    imex = specs["nvidia.com/imex-channel"]
+    assert [d.name for d in imex.devices] == ["0", "1", "all"]
+    assert nodes(imex, "1") == [("/dev/nvidia-caps-imex-channels/channel1", 1)]
+    assert {n.major for d in imex.devices for n in d.edits.device_nodes} == {233}  # from /proc/devices
+    hgx = generate_specs(GenerateOptions(root=str(HOSTS / "hgx-h100"), hook_path="/usr/bin/devinject"))
+    assert "nvidia.com/imex-channel" not in {s.kind for s in hgx}  # no channels there: no spec, no PCI match
+    copy = host_copy("dgx-a100-mig")
+    devices = (copy / "proc/devices").read_text().replace("233 nvidia-caps-imex-channels\n", "")
+    (copy / "proc/devices").write_text(devices)  # the module is not loaded: nodes left behind are no devices
+    assert "nvidia.com/imex-channel" not in {s.kind for s in generate_specs(
+        GenerateOptions(root=str(copy), hook_path="/usr/bin/devinject"))}
+    with pytest.raises(ConfigError, match="matches no PCI function"):
+        parse_profile({"name": "x", "kind": "a.com/b", "match": {"vendor": ["10de"]},
+                       "channels": {"directory": "/dev/x", "prefix": "c", "region": "x"}}, "p.yaml")

@@ -87,6 +87,16 @@ class PartitionRule:
 
 
 @dataclass(frozen=True, slots=True)
+class Channels:
+    """Devices that are char nodes, not PCI functions (NVIDIA's IMEX channels): every node in `directory`
+    named `prefix<N>` is device `N`, major from /proc/devices `region`, minor N."""
+
+    directory: str
+    prefix: str
+    region: str
+
+
+@dataclass(frozen=True, slots=True)
 class ConfigFile:
     """A loader's configuration file (an ICD JSON, say), mounted read-only at `container`, the path the
     loader reads in the container, from the first of `host` that exists."""
@@ -125,6 +135,7 @@ class Profile:
     config_files: tuple[ConfigFile, ...] = ()
     partitions: PartitionRule | None = None
     forward_compat: tuple[str, str] | None = None  # (directory in images, library name): newer ones win
+    channels: Channels | None = None  # a family of char-node devices: matches no PCI function
     library_dirs: tuple[str, ...] = ()
     binaries: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
@@ -133,6 +144,8 @@ class Profile:
     description: str = ""
 
     def matches(self, pci: PciDevice) -> bool:
+        if self.channels is not None:
+            return False
         if self.vendors and pci.vendor not in self.vendors:
             return False
         if self.class_prefixes and not any(pci.class_hex.startswith(p) for p in self.class_prefixes):
@@ -314,6 +327,18 @@ def _forward_compat(raw: object, where: str) -> tuple[str, str] | None:
     return directory, library
 
 
+def _channels(raw: object, match: object, where: str) -> Channels | None:
+    if raw is None:
+        return None
+    if match:
+        raise ConfigError(f"{where}: a family of channels matches no PCI function: drop `match`")
+    f = _Fields(raw, where, {"directory", "prefix", "region"})
+    directory = f.text("directory", required=True)
+    if not directory.startswith("/dev/"):
+        raise ConfigError(f"{where}.directory: a directory under /dev")
+    return Channels(directory.rstrip("/"), f.text("prefix", required=True), f.text("region", required=True))
+
+
 PARTITION_TYPES = ("nvidia-mig", "amd-kfd")
 
 
@@ -350,7 +375,7 @@ def parse_profile(data: object, source: str) -> Profile:
                                "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
                                "library-dirs", "binaries", "files", "env", "models", "vendor-name",
                                "request-env", "uevents", "health", "mount-options", "driver-libraries",
-                               "links", "config-files", "partitions", "forward-compat"})
+                               "links", "config-files", "partitions", "forward-compat", "channels"})
     name = f.text("name", required=True)
     kind = f.text("kind", required=True)
     problem = kind_problem(kind)
@@ -410,6 +435,7 @@ def parse_profile(data: object, source: str) -> Profile:
         config_files=_config_files(f.data.get("config-files", []), f"{source}.config-files"),
         partitions=_partitions(f.data.get("partitions"), f"{source}.partitions"),
         forward_compat=_forward_compat(f.data.get("forward-compat"), f"{source}.forward-compat"),
+        channels=_channels(f.data.get("channels"), f.data.get("match"), f"{source}.channels"),
         library_dirs=f.strings("library-dirs"),
         binaries=f.strings("binaries"),
         files=f.strings("files"),

@@ -278,6 +278,26 @@ def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdit
     return versioned(Spec(kind=profile.kind, devices=tuple(devices), edits=common), opts)
 
 
+def channel_spec(view: HostView, profile: Profile, common: ContainerEdits, rerooter: Rerooter,
+                 opts: GenerateOptions) -> Spec | None:
+    """A family of char-node devices (IMEX channels): device `N` for each `<directory>/<prefix>N` on the
+    host, major from /proc/devices; none when the directory or the region is absent."""
+    rule = profile.channels
+    assert rule is not None
+    if rule.region not in view.majors:
+        return None
+    major = view.majors[rule.region]
+    numbers = sorted(int(name[len(rule.prefix):]) for name in view.host.listdir(rule.directory)
+                     if name.startswith(rule.prefix) and name[len(rule.prefix):].isdigit())
+    devices = [Device(str(n), ContainerEdits(device_nodes=(rerooter.node(
+        view.node(f"{rule.directory}/{rule.prefix}{n}", major, n)),))) for n in numbers
+        if f"{profile.kind}={n}" not in opts.exclude]
+    if not devices:
+        return None
+    every = ContainerEdits(device_nodes=tuple(n for d in devices for n in d.edits.device_nodes))
+    return versioned(Spec(kind=profile.kind, devices=(*devices, Device("all", every)), edits=common), opts)
+
+
 def _with_groups(edits: ContainerEdits, opts: GenerateOptions, what: str | None) -> ContainerEdits:
     """Nodes only their group may open (a DRM render node, 0660 root:render) need the container's process in
     that group to be usable by a non-root user: `additionalGids` (CDI 0.7.0) when the cap allows it; else the
@@ -371,6 +391,12 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
         spec = build_spec(profile, devices, common, rerooter, opts)
         if spec is not None:
             specs.append(spec)
+    for profile in profiles:
+        if profile.channels is not None:
+            common = common_edits(view, profile, rerooter, hook_path, ldcache, driver)
+            channel = channel_spec(view, profile, common, rerooter, opts)
+            if channel is not None:
+                specs.append(channel)
     if "gpu-nic" in opts.bundles:
         from devinject.specs.bundles import gpu_nic_specs
 
