@@ -69,6 +69,8 @@ def test_loader_files_land_where_loaders_look(gpu: Spec) -> None:
                  "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json"):
         assert path in mounts, path
     assert "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json" not in mounts  # absent on the host
+    assert {"/usr/share/X11/xorg.conf.d/10-nvidia.conf", "/usr/lib/xorg/modules/drivers/nvidia_drv.so",
+            "/usr/lib/xorg/modules/extensions/libglxserver_nvidia.so.550.54.14"} <= set(mounts)
     mps = mounts["/tmp/nvidia-mps"]
     assert "ro" not in mps.options and "rbind" in mps.options and "noexec" in mps.options  # clients write pipes
     assert {"/usr/bin/nvidia-imex", "/usr/bin/nvidia-imex-ctl"} <= set(mounts)
