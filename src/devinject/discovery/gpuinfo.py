@@ -45,6 +45,29 @@ class NvmlGpu(NamedTuple):
     bus_id: str
     uuid: str
     name: str
+    mig: dict[tuple[int, int], str] = {}  # (GPU instance, compute instance) -> MIG device UUID
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _mig_uuids(pynvml: object, handle: object) -> dict[tuple[int, int], str]:
+    """The MIG devices of a GPU by (GI, CI); {} for a GPU without MIG (NVML raises NotSupported)."""
+    out: dict[tuple[int, int], str] = {}
+    try:
+        count = pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)  # type: ignore[attr-defined]
+    except Exception:
+        return out
+    for index in range(count):
+        try:
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)  # type: ignore[attr-defined]
+            key = (int(pynvml.nvmlDeviceGetGpuInstanceId(mig)),  # type: ignore[attr-defined]
+                   int(pynvml.nvmlDeviceGetComputeInstanceId(mig)))  # type: ignore[attr-defined]
+            out[key] = _text(pynvml.nvmlDeviceGetUUID(mig))  # type: ignore[attr-defined]
+        except Exception:
+            continue  # an index with no MIG device behind it
+    return out
 
 
 def _query() -> dict[str, NvmlGpu]:
@@ -58,10 +81,8 @@ def _query() -> dict[str, NvmlGpu]:
             bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
             bus = bus.decode() if isinstance(bus, bytes) else bus
             bus_id = bus.lower()[-12:]  # NVML pads the domain to 8 digits
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            out[bus_id] = NvmlGpu(bus_id, uuid.decode() if isinstance(uuid, bytes) else uuid,
-                                  name.decode() if isinstance(name, bytes) else name)
+            out[bus_id] = NvmlGpu(bus_id, _text(pynvml.nvmlDeviceGetUUID(handle)),
+                                  _text(pynvml.nvmlDeviceGetName(handle)), _mig_uuids(pynvml, handle))
         return out
     finally:
         pynvml.nvmlShutdown()

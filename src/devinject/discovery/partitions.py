@@ -30,6 +30,7 @@ class Partition:
     gpu_instance: int
     compute_instance: int
     nodes: tuple[DeviceNode, ...]  # the parent node first, then the capability nodes
+    uuid: str | None = None  # a MIG device's UUID, from NVML when it answers
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import posixpath
 import shutil
 import stat
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from devinject.core.errors import ConfigError, DevinjectError, SpecError
@@ -264,7 +264,10 @@ def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdit
             for partition in item.partitions:
                 edits = ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in partition.nodes))
                 every_node.update(dict.fromkeys(edits.device_nodes))
-                devices.append(Device(partition.name, edits))
+                names = [partition.name]
+                if partition.uuid and (not opts.strategies or "uuid" in opts.strategies):
+                    names.append(partition.uuid)  # MIG-<uuid>, as NVIDIA names it
+                devices.extend(Device(name, edits) for name in names)
             continue
         edits = _with_groups(ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in item.nodes)), opts,
                              f"{profile.kind}={item.index}")
@@ -324,17 +327,23 @@ def versioned(spec: Spec, opts: GenerateOptions) -> Spec:
 
 
 def _enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -> list[FoundDevice]:
+    """UUIDs procfs does not give, from NVML (profiles with `uuid.nvml`): a GPU's, and its MIG devices'."""
     use_nvml = opts.nvml if opts.nvml is not None else host.root == "/"
-    if not use_nvml or not any(f.profile.uuid_nvml and not f.uuid for f in found):
+    wanted = [f for f in found if f.profile.uuid_nvml and (not f.uuid or any(not p.uuid for p in f.partitions))]
+    if not use_nvml or not wanted:
         return found
     from devinject.discovery.gpuinfo import nvml_gpus
 
     by_bus = nvml_gpus()
-    return [
-        FoundDevice(f.profile, f.index, f.functions, f.nodes, by_bus[f.address].uuid)
-        if f.profile.uuid_nvml and not f.uuid and f.address in by_bus else f
-        for f in found
-    ]
+    out = []
+    for item in found:
+        gpu = by_bus.get(item.address) if item.profile.uuid_nvml else None
+        if gpu is not None:
+            item = replace(item, uuid=item.uuid or gpu.uuid, partitions=tuple(
+                replace(p, uuid=p.uuid or gpu.mig.get((p.gpu_instance, p.compute_instance)))
+                for p in item.partitions))
+        out.append(item)
+    return out
 
 
 # --- the pipeline: select profiles -> discover -> edits -> specs (-> render -> write) ------------------
