@@ -26,7 +26,10 @@ from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
 
 pytestmark = pytest.mark.live
 
-KUBE = REPO.parent / "shared" / "kube"
+# The real kubelet and its scripts (see their README): beside the project, or where DEVINJECT_KUBE points.
+KUBE = next((p for p in (Path(os.environ.get("DEVINJECT_KUBE", REPO.parent / "shared" / "kube")),
+                         REPO.parent / "shared" / "kube", Path("/work/shared/kube")) if (p / "kube-up.sh").exists()),
+            REPO.parent / "shared" / "kube")
 KUBE_DIR = Path("/tmp/devinject-kube-test")
 GPU_ENABLE = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0/enable"
 
