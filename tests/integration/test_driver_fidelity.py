@@ -173,3 +173,17 @@ def test_imex_channels_are_their_own_kind(host_copy) -> None:  # type: ignore[no
     with pytest.raises(ConfigError, match="matches no PCI function"):
         parse_profile({"name": "x", "kind": "a.com/b", "match": {"vendor": ["10de"]},
                        "channels": {"directory": "/dev/x", "prefix": "c", "region": "x"}}, "p.yaml")
+
+
+def test_partition_keys_name_the_partition_stably() -> None:
+    """The device plugin's IDs for partitions: `<address>-<key>`, by GPU/compute instance for MIG."""
+    from devinject.discovery.discover import discover
+    from devinject.discovery.host import Host
+    from devinject.discovery.profiles import load_profiles
+
+    keys = {}
+    for name in ("dgx-a100-mig", "mi300x"):
+        host = Host(str(HOSTS / name))
+        keys.update({f"{f.address}-{p.key}": p.name for f in discover(host, load_profiles(host)) for p in f.partitions})
+    assert keys["0000:07:00.0-gi2-ci0"] == "0:1" and keys["0000:e5:00.0-part7"] == "7:7"
+    assert len(keys) == 2 + 8

@@ -26,11 +26,17 @@ _CI = re.compile(r"^ci(\d+)$")
 
 @dataclass(frozen=True, slots=True)
 class Partition:
+    kind: str  # "mig" or "amd"
     name: str  # `<index>:<j>`, j counting the device's partitions in (GI, CI) order, as NVIDIA names them
     gpu_instance: int
     compute_instance: int
     nodes: tuple[DeviceNode, ...]  # the parent node first, then the capability nodes
     uuid: str | None = None  # a MIG device's UUID, from NVML when it answers
+
+    @property
+    def key(self) -> str:
+        """Stable within its device while the partitioning stays: `gi1-ci0` (MIG), `part3` (AMD)."""
+        return f"gi{self.gpu_instance}-ci{self.compute_instance}" if self.kind == "mig" else f"part{self.gpu_instance}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +79,7 @@ def mig_partitions(host: Host, caps_dir: str, node_path: str, caps_major: int, p
                 continue
             nodes = [parent, *(DeviceNode(node_path.format(minor=c.minor), type="c", major=caps_major,
                                           minor=c.minor, file_mode=c.mode) for c in (gi_cap, ci_cap)), *common]
-            out.append(Partition(f"{index}:{len(out)}", gi, ci, tuple(dict.fromkeys(nodes))))
+            out.append(Partition("mig", f"{index}:{len(out)}", gi, ci, tuple(dict.fromkeys(nodes))))
     return out
 
 
@@ -103,5 +109,5 @@ def kfd_partitions(host: Host, nodes_dir: str, address: str, node_path: str, maj
             found.append((location, minor))
     if len(found) < 2:
         return []
-    return [Partition(f"{index}:{j}", j, 0, (node_for(node_path.format(minor=minor), major, minor),))
+    return [Partition("amd", f"{index}:{j}", j, 0, (node_for(node_path.format(minor=minor), major, minor),))
             for j, (_, minor) in enumerate(sorted(found))]

@@ -104,9 +104,9 @@ class DevicePluginAgent:
             healthy = track is None or track.published == HEALTHY
             place = place_of(watcher.host, found)
             offered = by_kind.setdefault(kind, {})
-            if found.partitions:  # a MIG GPU: its MIG devices, never the whole GPU
+            if found.partitions:  # a partitioned GPU (MIG, AMD CPX): its partitions, never the whole GPU
                 for part in found.partitions:
-                    part_id = f"{found.address}-gi{part.gpu_instance}-ci{part.compute_instance}"
+                    part_id = f"{found.address}-{part.key}"
                     offered[part_id] = PluginDevice(part_id, qualified(kind, part.name), healthy, place)
             else:
                 offered[found.address] = PluginDevice(found.address, qualified(kind, str(found.index)), healthy,
