@@ -50,6 +50,9 @@ def process_start_time(pid: int, proc: str = "/proc") -> int | None:
     return int(fields[19])
 
 
+MAX_FD = 1 << 20  # closerange's bound (close_range(2) makes it cheap)
+
+
 class Claim(NamedTuple):
     """One requested device and the identities of its nodes (`c 195:0`). `shared` names nodes of it that
     other containers may hold at the same time (those its kinds share, in a bundle; the parent GPU of a MIG
@@ -332,6 +335,9 @@ class Ledger:
                     null = os.open(os.devnull, os.O_RDWR)
                     for fd in (0, 1, 2):
                         os.dup2(null, fd)
+                    # nothing inherited stays open: a device node the caller holds would make this very
+                    # reclaimer look like a holder of it (and keep the booking reclaiming)
+                    os.closerange(3, MAX_FD)
                     with self.locked() as data:
                         self.reclaim(data)
                 status = 0
