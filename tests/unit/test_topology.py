@@ -171,3 +171,30 @@ def test_svg_without_graphviz_is_a_clear_error(topology_hosts, monkeypatch) -> N
     result = CliRunner().invoke(cli.cli, ["topo", "--root", root, "--format", "svg"])
     assert result.exit_code == 1
     assert "Graphviz's `dot` is not installed" in result.output
+
+
+def test_dot_tree_in_process(topology_hosts) -> None:  # type: ignore[no-untyped-def]
+    """The DOT text itself: one cluster per known NUMA node with its host bridges, each PCIe hop an edge,
+    each device a box with its CDI name, each pair a dashed edge with its relation."""
+    from devinject.discovery.discover import discover
+    from devinject.discovery.host import Host
+    from devinject.discovery.profiles import load_profiles
+    from devinject.discovery.topology import render_dot, topology
+
+    host = Host(str(topology_hosts / "multi-level-switch"))
+    dot = render_dot(topology(host, discover(host, load_profiles(host))))
+    assert dot.startswith("digraph topology {\n") and dot.endswith("}\n")
+    assert 'subgraph cluster_numa0 {\n    label="NUMA node 0\\nCPUs 0-15";' in dot
+    assert '"pci0000:00" [shape=house, label="host bridge 0000:00"];' in dot
+    for parent, child in (("pci0000:00", "0000:00:01.0"), ("0000:02:00.0", "0000:03:00.0"),
+                          ("0000:04:01.0", "0000:06:00.0"), ("0000:02:01.0", "0000:07:00.0")):
+        assert f'"{parent}" -> "{child}";' in dot
+    assert '"0000:05:00.0" [shape=box, style=filled, fillcolor=palegreen, label="GPU0\\nnvidia.com/gpu=0\\n' \
+           '0000:05:00.0"];' in dot
+    assert 'fillcolor=lightblue, label="NIC0\\nnvidia.com/rdma=0' in dot
+    pairs = [line for line in dot.splitlines() if "style=dashed" in line]
+    assert pairs == [
+        '  "0000:05:00.0" -> "0000:07:00.0" [style=dashed, color=darkorange, constraint=false, label="PXB"];',
+        '  "0000:06:00.0" -> "0000:07:00.0" [style=dashed, color=darkorange, constraint=false, label="PXB"];',
+        '  "0000:08:00.0" -> "0000:07:00.0" [style=dashed, color=darkorange, constraint=false, label="PIX"];']
+    assert dot.count('\n    "0000:00:01.0";\n') == 1  # a bridge is listed in its cluster once

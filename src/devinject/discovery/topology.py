@@ -139,7 +139,8 @@ def pair_gpus_with_nics(topo: Topology, gpus: list[int], nics: list[int]) -> lis
 
 
 def _quoted(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A DOT string: quotes and backslashes escaped, line breaks as DOT's `\\n`."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def render_dot(topo: Topology) -> str:
