@@ -130,6 +130,7 @@ def test_allocate_answers_cdi_names_and_a_fallback_from_the_same_spec(node) -> N
     cuda = "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14"
     assert mounts[cuda] == (f"{running.root}{cuda}", True)
     assert mounts["/usr/lib/x86_64-linux-gnu/libcuda.so.1"] == (f"{running.root}{cuda}", True)  # the SONAME link
+    assert mounts["/usr/lib/x86_64-linux-gnu/libcuda.so"] == (f"{running.root}{cuda}", True)  # and -lcuda's
     assert all(read_only for _, read_only in mounts.values())
     assert dict(first.annotations) == {"cdi.k8s.io/devinject_nvidia.com_gpu": "nvidia.com/gpu=0,nvidia.com/gpu=1"}
     with pytest.raises(grpc.RpcError) as unknown:

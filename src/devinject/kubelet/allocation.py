@@ -96,7 +96,15 @@ def answer(resource: str, spec: Spec, devices: dict[str, PluginDevice], ids: lis
     nodes = tuple((n.path, n.host_path or n.path, n.permissions or "rw") for n in edits.device_nodes)
     mounts = [(m.container_path, m.host_path, "ro" in m.options or "readonly" in m.options) for m in edits.mounts]
     host_of = {m[0]: m[1] for m in mounts}
-    mounts += [(link, host_of[target], True) for link, target in _links(edits) if target in host_of]
+    links = dict(_links(edits))
+    for link in links:  # a link to a link (libcuda.so -> libcuda.so.1 -> the file): follow to the mount
+        target = links[link]
+        for _ in range(8):
+            if target in host_of or target not in links:
+                break
+            target = links[target]
+        if target in host_of:
+            mounts.append((link, host_of[target], True))
     envs = dict(entry.split("=", 1) for entry in edits.env if "=" in entry)
     return ContainerAnswer(names, nodes, tuple(dict.fromkeys(mounts)), envs, annotations)
 
