@@ -207,3 +207,18 @@ def test_device_plugin_config_file_gives_defaults_flags_win_and_unknown_names_fa
     assert done.returncode == 2 and "absent.yaml" in done.stderr
     done = run("device-plugin", "--resource-name", "gpu", "--root", str(tmp_path))
     assert done.returncode == 1 and "--resource-name 'gpu'" in done.stderr
+
+
+def test_device_plugin_metrics_port_taken_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run("device-plugin", "--root", str(HOSTS / "hgx-h100"), "--plugin-dir", str(tmp_path),
+                   "--state-dir", str(tmp_path / "state"), "--output-dir", str(tmp_path / "cdi"),
+                   "--metrics-address", f"127.0.0.1:{port}", "--no-uevents")
+    assert done.returncode == 1
+    assert one_error_line(done) == f"devinject: error: --metrics-address 127.0.0.1:{port}: cannot listen: " \
+                                   "Address already in use"

@@ -9,6 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from devinject.core.errors import DevinjectError
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -59,7 +61,10 @@ def serve(address: str, metrics: Metrics, alive: Callable[[], bool], ready: Call
         def log_message(self, format: str, *args: object) -> None:
             pass  # probes every few seconds: not worth a log line
 
-    server = ThreadingHTTPServer((host or "0.0.0.0", int(port)), Handler)
+    try:
+        server = ThreadingHTTPServer((host or "0.0.0.0", int(port)), Handler)
+    except OSError as err:
+        raise DevinjectError(f"--metrics-address {address}: cannot listen: {err.strerror}") from None
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
