@@ -31,4 +31,9 @@ sys.path += _package_dirs()
 
 from devinject.entry import main  # noqa: E402
 
-sys.exit(main(sys.argv[1:]))
+status = main(sys.argv[1:])
+# Everything the hook writes is written and closed by now (its log line, the spec cache): skip the
+# interpreter's teardown of every loaded module, ~1.7 ms on each container start and stop.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(status)
