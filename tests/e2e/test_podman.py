@@ -16,7 +16,8 @@ pytestmark = pytest.mark.live
 
 def test_podman_consumes_generated_cdi_spec(image: str, cdi_spec: Path) -> None:
     script = ("stat -c '%t:%T' /dev/nvidia0; grep libcuda /proc/mounts; "
-              "readlink /usr/lib/x86_64-linux-gnu/libcuda.so.1; cat /dev/nvidia0; echo done")
+              "readlink /usr/lib/x86_64-linux-gnu/libcuda.so.1; cat /dev/nvidia0; "
+              "readlink /dev/dri/by-path/pci-0000:01:00.0-render; echo done")
     done = subprocess.run([*PODMAN, "--device", "nvidia.com/gpu=0", image, "sh", "-c", script], capture_output=True,
                           text=True, timeout=180)
     out = done.stdout + done.stderr
@@ -25,6 +26,7 @@ def test_podman_consumes_generated_cdi_spec(image: str, cdi_spec: Path) -> None:
     assert mount.split()[3].startswith("ro,nosuid,nodev")  # read-only driver file
     assert "libcuda.so.550.54.14\n" in out  # the SONAME link made by devinject's CDI createContainer hook
     assert "No such device or address" in out
+    assert "\n../renderD129\n" in out  # the GPU's DRM by-path link, made by the device's own hook
 
 
 @pytest.mark.parametrize("executable", [None, DEVINJECT], ids=["launcher", "console-script"])

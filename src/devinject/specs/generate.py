@@ -259,6 +259,7 @@ def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdit
                opts: GenerateOptions) -> Spec | None:
     devices: list[Device] = []
     every_node: dict[DeviceNode, None] = {}  # insertion-ordered set: `all` in one pass, not n merges
+    every_hook: dict[Hook, None] = {}
     for item in found:
         if item.partitions:  # offered as its partitions (MIG devices) only, never whole
             for partition in item.partitions:
@@ -269,16 +270,37 @@ def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdit
                     names.append(partition.uuid)  # MIG-<uuid>, as NVIDIA names it
                 devices.extend(Device(name, edits) for name in names)
             continue
-        edits = _with_groups(ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in item.nodes)), opts,
-                             f"{profile.kind}={item.index}")
+        edits = _with_groups(ContainerEdits(device_nodes=tuple(rerooter.node(n) for n in item.nodes),
+                                            hooks=_drm_by_path(item, opts)), opts, f"{profile.kind}={item.index}")
         if edits.is_empty():
             continue
         every_node.update(dict.fromkeys(edits.device_nodes))
+        every_hook.update(dict.fromkeys(edits.hooks))
         devices.extend(Device(name, edits) for name in device_names(item, opts.strategies))
     if not devices:
         return None
-    devices.append(Device("all", _with_groups(ContainerEdits(device_nodes=tuple(every_node)), opts, None)))
+    devices.append(Device("all", _with_groups(ContainerEdits(device_nodes=tuple(every_node),
+                                                             hooks=tuple(every_hook)), opts, None)))
     return versioned(Spec(kind=profile.kind, devices=tuple(devices), edits=common), opts)
+
+
+_DRM_BY_PATH = (("card", "card"), ("renderD", "render"))
+
+
+def _drm_by_path(item: FoundDevice, opts: GenerateOptions) -> tuple[Hook, ...]:
+    """`/dev/dri/by-path/pci-<address>-card` and `-render` links to the device's DRM nodes, as udev makes
+    them on the host (Chromium, VA-API and GStreamer find a GPU's nodes by its PCI address through them)."""
+    links = []
+    for node in item.nodes:
+        directory, name = posixpath.split(node.path)
+        if directory != "/dev/dri":
+            continue
+        for prefix, suffix in _DRM_BY_PATH:
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                links.append(f"../{name}::/dev/dri/by-path/pci-{item.address}-{suffix}")
+    if not links:
+        return ()
+    return (_cdi_hook(opts.hook_path or default_hook_path(), "create-symlinks", "--link", links),)
 
 
 def channel_spec(view: HostView, profile: Profile, common: ContainerEdits, rerooter: Rerooter,
