@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +52,19 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _mig_uuids(pynvml: object, handle: object) -> dict[tuple[int, int], str]:
+def _mig_uuids(pynvml: Any, handle: object) -> dict[tuple[int, int], str]:
     """The MIG devices of a GPU by (GI, CI); {} for a GPU without MIG (NVML raises NotSupported)."""
     out: dict[tuple[int, int], str] = {}
     try:
-        count = pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)  # type: ignore[attr-defined]
+        count = pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)
     except Exception:
         return out
     for index in range(count):
         try:
-            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)  # type: ignore[attr-defined]
-            key = (int(pynvml.nvmlDeviceGetGpuInstanceId(mig)),  # type: ignore[attr-defined]
-                   int(pynvml.nvmlDeviceGetComputeInstanceId(mig)))  # type: ignore[attr-defined]
-            out[key] = _text(pynvml.nvmlDeviceGetUUID(mig))  # type: ignore[attr-defined]
+            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+            key = (int(pynvml.nvmlDeviceGetGpuInstanceId(mig)),
+                   int(pynvml.nvmlDeviceGetComputeInstanceId(mig)))
+            out[key] = _text(pynvml.nvmlDeviceGetUUID(mig))
         except Exception:
             continue  # an index with no MIG device behind it
     return out

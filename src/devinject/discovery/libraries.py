@@ -85,13 +85,7 @@ def locate_driver_libraries(host: Host, entries: list[LdCacheEntry], rule: Drive
     anchors = locate_libraries(host, entries, (rule.anchor,), arch)
     if not anchors:
         return []
-    fields = {"driver_version": driver_version} if driver_version else {}
-    patterns = []
-    for pattern in rule.patterns:
-        try:
-            patterns.append(pattern.format(**fields))
-        except KeyError:
-            log.info("%s: driver version unknown; pattern %s skipped", rule.anchor, pattern)
+    patterns = _expanded(rule.patterns, {"driver_version": driver_version})
     top = posixpath.dirname(anchors[0].real)
     found: list[LocatedFile] = []
     for directory in (top, *(posixpath.join(top, sub) for sub in rule.subdirs)):
@@ -123,11 +117,17 @@ def locate_binaries(host: Host, names: tuple[str, ...]) -> list[LocatedFile]:
 
 def locate_files(host: Host, patterns: tuple[str, ...], **fields: str | None) -> list[LocatedFile]:
     """Globbed files and directories; a pattern whose template field is unknown is skipped."""
-    found: list[LocatedFile] = []
+    return [LocatedFile(path, host.resolve(path))
+            for pattern in _expanded(patterns, fields) for path in host.glob(pattern)]
+
+
+def _expanded(patterns: tuple[str, ...], fields: dict[str, str | None]) -> list[str]:
+    """`patterns` with their `{field}`s filled in; one naming a field that is unknown here is skipped."""
+    known = {k: v for k, v in fields.items() if v is not None}
+    out = []
     for pattern in patterns:
         try:
-            expanded = pattern.format(**{k: v for k, v in fields.items() if v is not None})
-        except KeyError:
-            continue
-        found.extend(LocatedFile(path, host.resolve(path)) for path in host.glob(expanded))
-    return found
+            out.append(pattern.format(**known))
+        except KeyError as err:
+            log.info("pattern %s skipped: {%s} is not known here", pattern, err.args[0])
+    return out

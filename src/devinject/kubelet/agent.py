@@ -23,6 +23,7 @@ import grpc
 
 from devinject.agent.health import HEALTHY, UNHEALTHY
 from devinject.agent.watch import Watcher, WatchOptions
+from devinject.core import jsonlite
 from devinject.core.identity import device_key, qualified
 from devinject.discovery.topology import place_of
 from devinject.kubelet.allocation import PluginDevice
@@ -38,8 +39,6 @@ HOOK_LOG_TAIL = 64 << 10
 
 def last_hook_duration(path: str) -> float | None:
     """The newest prestart duration (ms) in the devinject hook's log, from its tail; None when unknown."""
-    import json
-
     try:
         with open(path, "rb") as handle:
             handle.seek(max(0, os.fstat(handle.fileno()).st_size - HOOK_LOG_TAIL))
@@ -48,7 +47,7 @@ def last_hook_duration(path: str) -> float | None:
         return None
     for line in reversed(lines):
         try:
-            record = json.loads(line)
+            record = jsonlite.loads(line)
         except ValueError:
             continue  # the tail's first line is usually cut
         if isinstance(record, dict) and record.get("stage") == "prestart" and "duration_ms" in record:
