@@ -9,7 +9,6 @@ import stat
 
 from devinject.core import atomicfile
 from devinject.core.errors import HookError
-from devinject.core.mountinfo import MountEntry, parse_mountinfo
 from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, ForwardCompat, MakeNode, Plan, Symlink, newer_than
 from devinject.hook.safepath import _O_PATH, Created, Root
@@ -58,6 +57,27 @@ def _proc_fd(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
+def _read_proc(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _shared_mounts(mountinfo: bytes) -> dict[bytes, bool]:
+    """Mount id -> whether it is shared, from mountinfo's optional fields (between field 6 and " - ")."""
+    shared = {}
+    for line in mountinfo.splitlines():
+        fields = line.partition(b" - ")[0].split()
+        if len(fields) >= 6:
+            shared[fields[0]] = any(tag.startswith(b"shared:") for tag in fields[6:])
+    return shared
+
+
 class Executor:
     def __init__(self, rootfs: str) -> None:
         self.rootfs = rootfs
@@ -66,7 +86,8 @@ class Executor:
         self.created = Created()
         self.log: list[str] = []
         self.mount_api = True  # open_tree/mount_setattr/move_mount; cleared when the kernel lacks them
-        self._mounts: dict[str, MountEntry] | None = None  # by mount id, read once (again on a miss)
+        self._shared: dict[bytes, bool] = {}  # mount id -> shared, read once (again on a miss)
+        self.closed = False
 
     # --- device nodes --------------------------------------------------------------------------------
     def make_node(self, node: MakeNode) -> None:
@@ -196,18 +217,13 @@ class Executor:
         """Whether the mount holding `fd` propagates to peers (`shared:N` in mountinfo): a mount attached
         there would appear on the host too. Mounts devinject attached itself are private."""
         try:
-            with open(f"/proc/self/fdinfo/{fd}", encoding="ascii") as handle:
-                mount_id = next(line.split()[1] for line in handle if line.startswith("mnt_id:"))
+            info = _read_proc(f"/proc/self/fdinfo/{fd}")
+            mount_id = next(line.split()[1] for line in info.splitlines() if line.startswith(b"mnt_id:"))
         except (OSError, StopIteration, IndexError):
             return False  # no fdinfo (not Linux or no /proc): nothing to go on
-        for attempt in (0, 1):
-            if self._mounts is None or attempt:
-                with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
-                    self._mounts = {m.mount_id: m for m in parse_mountinfo(handle.read())}
-            entry = self._mounts.get(mount_id)
-            if entry is not None:
-                return entry.shared
-        return False
+        if mount_id not in self._shared:  # a mount not seen yet (one attached since): read the table again
+            self._shared = _shared_mounts(_read_proc("/proc/self/mountinfo"))
+        return self._shared.get(mount_id, False)
 
     @staticmethod
     def _unmount(dir_fd: int, name: str) -> None:
@@ -301,7 +317,9 @@ class Executor:
         self.log.append(f"musl path {' '.join(folders)}")
 
     # --- whole plan ----------------------------------------------------------------------------------
-    def apply(self, plan: Plan) -> list[str]:
+    def apply(self, plan: Plan, *, hold: bool = False) -> list[str]:
+        """Carry out `plan`; on failure undo everything and raise HookError. With `hold`, what was done
+        stays undoable until `close()` (keep it) or `rollback()` (take it back)."""
         try:
             for node in plan.nodes:
                 self.make_node(node)
@@ -316,10 +334,18 @@ class Executor:
             if isinstance(err, HookError):
                 raise
             raise HookError(f"{err.filename or 'container'}: {err.strerror}") from None
-        finally:
-            self.undo.close()
-            self.root.close()
+        except BaseException:
+            self.close()
+            raise
+        if not hold:
+            self.close()
         return self.log
+
+    def close(self) -> None:
+        self.undo.close()
+        if not self.closed:
+            self.closed = True
+            self.root.close()
 
     def rollback(self) -> None:
         self.undo.rollback()
@@ -334,3 +360,22 @@ class Executor:
             except OSError:
                 pass
         self.created.dirs.clear()
+        self.close()
+
+
+class PlanChange:
+    """A plan as a change the namespace child holds (nsenter.NamespaceChild): applied at once, kept or
+    rolled back when the host side has booked and granted, or failed."""
+
+    def __init__(self, rootfs: str, plan: Plan) -> None:
+        self.executor = Executor(rootfs)
+        self.plan = plan
+
+    def apply(self) -> list[str]:
+        return self.executor.apply(self.plan, hold=True)
+
+    def keep(self) -> None:
+        self.executor.close()
+
+    def undo(self) -> None:
+        self.executor.rollback()

@@ -70,6 +70,16 @@ def _already_cached(name: str, folder: str, paths: set[str], sonames: set[str]) 
     return any(".".join(parts[:k]) in sonames for k in range(2, len(parts)))
 
 
+def _names_a_sibling(dir_fd: int, name: str, present: set[str]) -> bool:
+    """`name` is a link to another library name in the same folder (each library is read once, under the
+    name that is a file, not again through every link to it)."""
+    try:
+        target = os.readlink(name, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return "/" not in target and target != name and ".so" in target and target in present
+
+
 def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry]) -> list[LdCacheEntry]:
     """Cache entries for the shared libraries in the container's `folder` (resolved in-root)."""
     folder = posixpath.normpath(folder)
@@ -86,7 +96,9 @@ def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry]) -> list[
             if ".so" not in name or _already_cached(name, folder, paths, sonames):
                 continue
             fd = open_regular(dir_fd, name)
-            if fd is None:  # a link: follow it inside the rootfs only
+            if fd is None and _names_a_sibling(dir_fd, name, present):
+                continue  # libcuda.so -> libcuda.so.1: the library it names is read under that name
+            if fd is None:  # a link elsewhere: follow it inside the rootfs only
                 try:
                     link_dir, link_leaf = root.resolve(f"{folder}/{name}")
                 except UnsafePathError:
