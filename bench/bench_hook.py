@@ -59,13 +59,18 @@ def main() -> int:
         base = json.loads((bundle / "config.json").read_text())
         base["process"].update(terminal=False, args=["true"])
 
-        def configure(hook_args: list[str] | None) -> None:
+        def configure(variant: tuple[str, list[str]] | None) -> None:
             config = json.loads(json.dumps(base))
-            if hook_args is not None:
-                hook = runc_hooks(hook_command())["hooks"]["prestart"][0]  # what `install-hook` writes
-                hook["args"] += ["--spec-dir", str(work / "cdi"), "--state-dir", str(work / "state"),
-                                 "--log-file", str(work / "hook.log"), *hook_args]
+            if variant is not None and variant[0] == "floor":  # a hook that does nothing, in each stage
+                hook = {"path": variant[1][0], "args": variant[1], "timeout": 30}
                 config["hooks"] = {"prestart": [hook], "poststop": [hook]}
+            elif variant is not None:
+                stages, hook_args = variant
+                hooks = runc_hooks(hook_command(), poststop=stages == "poststop")["hooks"]  # as install-hook
+                for hook in (entry for entries in hooks.values() for entry in entries):
+                    hook["args"] += ["--spec-dir", str(work / "cdi"), "--state-dir", str(work / "state"),
+                                     "--log-file", str(work / "hook.log"), *hook_args]
+                config["hooks"] = hooks
                 config["annotations"] = {"cdi.k8s.io/bench": "nvidia.com/gpu=all"}
             (bundle / "config.json").write_text(json.dumps(config))
 
@@ -84,7 +89,15 @@ def main() -> int:
                 time.sleep(0.001)
             return started, runc("delete", name)
 
-        labels = {"without hook": None, "hook, ledger off": ["--no-ledger"], "hook, ledger on": []}
+        interpreter = [sys.executable, "-IS", "-c", "import os; os._exit(0)"]
+        labels: dict[str, tuple[str, list[str]] | None] = {
+            "without hook": None,
+            "hook, ledger off": ("prestart", ["--no-ledger"]),
+            "hook, ledger on": ("prestart", []),  # as installed: no poststop (release follows the death)
+            "  + poststop": ("poststop", []),  # `install-hook --poststop`: the release logged at once
+            "floor: /bin/true": ("floor", ["/bin/true"]),  # any hook: runc's exec and wait
+            "floor: python -IS": ("floor", interpreter),  # a Python hook that does nothing
+        }
         starts: dict[str, list[float]] = {label: [] for label in labels}
         stops: dict[str, list[float]] = {label: [] for label in labels}
         for args in labels.values():  # warm-up: caches, page cache
@@ -101,12 +114,14 @@ def main() -> int:
         spec = (work / "cdi" / "nvidia.com-gpu.yaml").read_text()
         print(f"runc, {runs} runs each, medians (8 GPUs, {spec.count('containerPath:')} driver file mounts):")
         base_start, base_stop = statistics.median(starts["without hook"]), statistics.median(stops["without hook"])
-        for label in labels:
+        for label, variant in labels.items():
             start_ms, stop_ms = statistics.median(starts[label]), statistics.median(stops[label])
-            extra = "" if label == "without hook" else (
+            extra = "" if variant is None or variant[0] == "floor" else (
                 f"   added to start {start_ms - base_start:5.1f} ms (target <= {base_start / 2:.1f}: half the bare"
                 f" start), to delete {stop_ms - base_stop:5.1f} ms (target <= 10)")
             quartiles = statistics.quantiles(starts[label], n=4)
+            if variant is not None and variant[0] == "floor":
+                extra = f"   added to start {start_ms - base_start:5.1f} ms, to delete {stop_ms - base_stop:5.1f} ms"
             print(f"  {label:18} create+start {start_ms:6.1f} ms (IQR {quartiles[0]:.1f}-{quartiles[2]:.1f})"
                   f"  delete {stop_ms:6.1f} ms{extra}")
         log = [json.loads(line) for line in (work / "hook.log").read_text().splitlines()]
@@ -115,7 +130,8 @@ def main() -> int:
         phases = [r["ms"] for r in log if r.get("stage") == "prestart" and "ms" in r]
         for ledger in (False, True):
             chosen = [p for p in phases if ("ledger" in p) == ledger]
-            shown = "  ".join(f"{name} {statistics.median(p[name] for p in chosen):.1f}" for name in chosen[0])
+            names = sorted({name for p in chosen for name in p})
+            shown = "  ".join(f"{name} {statistics.median(p.get(name, 0) for p in chosen):.1f}" for name in names)
             print(f"    ledger {'on ' if ledger else 'off'}: {shown} (ms)")
     finally:
         subprocess.run("runc list -q | grep '^bench-' | xargs -r -n1 runc delete -f", shell=True,

@@ -251,8 +251,12 @@ def run(args: list[str]) -> int:
                    "its fast hook launcher].")
 @click.option("--env-requests", is_flag=True,
               help="Run for every container so env requests (NVIDIA_VISIBLE_DEVICES, ...) work too.")
+@click.option("--poststop", is_flag=True,
+              help="Also run at container delete, releasing devices in the ledger at once (without it they are "
+                   "freed on the ledger's next access, once the container's process is gone).")
 @click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
-def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, runc_snippet: bool) -> None:
+def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, poststop: bool,
+                 runc_snippet: bool) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
     from devinject.core.spec import write_atomic
     from devinject.hooksd import DEFAULT_HOOKS_DIR, HOOK_FILE, hook_command, hooks_d_entry, render, runc_hooks
@@ -261,7 +265,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
     if not os.access(command[0], os.X_OK):
         raise DevinjectError(f"--executable {command[0]}: not an executable file")
     if runc_snippet:
-        click.echo(render(runc_hooks(command)), nl=False)
+        click.echo(render(runc_hooks(command, poststop=poststop)), nl=False)
         return
     directory = Path(hooks_dir or DEFAULT_HOOKS_DIR)
     try:
@@ -269,7 +273,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
     except OSError as err:
         raise DevinjectError(f"{directory}: cannot create hooks dir: {err.strerror}") from None
     target = directory / HOOK_FILE
-    write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests)))
+    write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop)))
     click.echo(f"wrote {target}", err=True)
 
 

@@ -83,12 +83,17 @@ class Bundle:
         self.config["root"]["readonly"] = False
         for key in ("bounding", "effective", "permitted"):
             self.config["process"]["capabilities"][key].append("CAP_MKNOD")
-        hook = runc_hooks(hook_command())["hooks"]["prestart"][0]  # as `install-hook` writes it: the launcher
-        hook["args"] += ["--spec-dir", str(spec_dir), "--state-dir", str(state_dir), "--log-file", str(self.log)]
-        self.config["hooks"] = {"prestart": [hook], "poststop": [hook]}
+        # as `install-hook --poststop` writes it: the launcher, in both stages
+        self.config["hooks"] = runc_hooks(hook_command(), poststop=True)["hooks"]
+        for hook in self.config["hooks"]["prestart"] + self.config["hooks"]["poststop"]:
+            hook["args"] += ["--spec-dir", str(spec_dir), "--state-dir", str(state_dir), "--log-file", str(self.log)]
+
+    def without_poststop(self) -> None:
+        """As `install-hook` writes it by default: the ledger frees a dead container's devices by itself."""
+        self.config["hooks"].pop("poststop", None)
 
     def use_spec_dir(self, spec_dir: Path) -> None:
-        for hook in self.config["hooks"]["prestart"]:
+        for hook in self.config["hooks"]["prestart"] + self.config["hooks"].get("poststop", []):
             args = hook["args"]
             args[args.index("--spec-dir") + 1] = str(spec_dir)
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,56 @@ def test_second_container_waits_for_the_first_poststop(bundle: Bundle) -> None:
     assert allowed.returncode == 0, allowed.stderr
     ledger = json.loads((bundle.state_dir / "ledger.json").read_text())
     assert first not in ledger["allocations"]
+
+
+def test_without_a_poststop_hook_a_deleted_containers_device_goes_to_the_next(bundle: Bundle) -> None:
+    """The default install runs no hook at delete: the next booking finds the holder's process gone and
+    reclaims its devices (and says so in the events)."""
+    bundle.without_poststop()
+    first, second = container_name(), container_name()
+    bundle.save(["sleep", "60"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    assert _start_detached(bundle, first).returncode == 0
+    bundle.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    refused = bundle.run(second)
+    assert refused.returncode != 0 and f"is held by container {first}" in refused.stderr, refused.stderr
+    subprocess.run(["runc", "delete", "-f", first], check=True)  # no hook runs
+    subprocess.run(["runc", "delete", "-f", second], capture_output=True)
+    assert first in json.loads((bundle.state_dir / "ledger.json").read_text())["allocations"]
+    allowed = bundle.run(second)
+    assert allowed.returncode == 0, allowed.stderr
+    assert first not in json.loads((bundle.state_dir / "ledger.json").read_text())["allocations"]
+    events = [json.loads(line) for line in (bundle.state_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "container-gone" and e.get("container") == first for e in events)
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every path under `root` with its mode, size and (for a regular file) its bytes."""
+    seen = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        data = path.read_bytes() if path.is_file() and not path.is_symlink() else b""
+        seen[str(path.relative_to(root))] = (st.st_mode, st.st_size, data)
+    return seen
+
+
+def test_a_refused_booking_rolls_back_the_container_edits_made_meanwhile(bundle: Bundle, tmp_path: Path) -> None:
+    """The container's edits are made while the ledger books (they overlap); a refused booking takes them
+    all back: no mount target, directory, link or linker cache is left in the refused container's rootfs."""
+    holder = container_name()
+    bundle.save(["sleep", "60"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    assert _start_detached(bundle, holder).returncode == 0
+    other = Bundle(tmp_path / "other", bundle.spec_dir, bundle.state_dir)
+    other.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    before = _tree(other.rootfs)
+    refused = other.run(container_name())
+    assert refused.returncode != 0 and f"is held by container {holder}" in refused.stderr, refused.stderr
+    assert _tree(other.rootfs) == before
+    # and the edits were made before they were undone: the same request, granted, leaves them
+    subprocess.run(["runc", "delete", "-f", holder], check=True)
+    granted = other.run(container_name())
+    assert granted.returncode == 0, granted.stderr
+    after = _tree(other.rootfs)
+    assert "etc/ld.so.cache" in after and "usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14" in after
 
 
 def test_container_killed_without_poststop_is_reclaimed(bundle: Bundle) -> None:

@@ -129,8 +129,14 @@ def test_install_hook_writes_hooks_d_file(tmp_path):
     done = run("install-hook", "--hooks-dir", str(tmp_path), "--executable", DEVINJECT)
     assert done.returncode == 0
     entry = json.loads((tmp_path / "10-devinject.json").read_text())
-    assert entry["hook"]["path"] == DEVINJECT and entry["stages"] == ["prestart", "poststop"]
+    assert entry["hook"]["path"] == DEVINJECT and entry["stages"] == ["prestart"]  # release needs no hook
     assert entry["when"] == {"annotations": {r"^cdi\.k8s\.io/.+$": r"[^\s,]"}}
+    assert run("install-hook", "--hooks-dir", str(tmp_path), "--executable", DEVINJECT, "--poststop").returncode == 0
+    assert json.loads((tmp_path / "10-devinject.json").read_text())["stages"] == ["prestart", "poststop"]
+    snippet = json.loads(run("install-hook", "--runc-snippet", "--executable", DEVINJECT).stdout)["hooks"]
+    assert list(snippet) == ["prestart"]
+    snippet = json.loads(run("install-hook", "--runc-snippet", "--executable", DEVINJECT, "--poststop").stdout)
+    assert list(snippet["hooks"]) == ["prestart", "poststop"]
     assert "--executable" in one_error_line(run("install-hook", "--hooks-dir", str(tmp_path), "--executable",
                                                 "/nonexistent"))
 
