@@ -171,6 +171,31 @@ def test_run_loop_removes_and_restores_within_detection_time(watcher):
         assert _wait_for(lambda: "0" in _gpu_names(tmp_path))
 
 
+def test_run_loop_frees_what_a_dead_container_held(watcher):
+    """No poststop hook by default: the agent's rounds free a dead container's devices before the next
+    booking wants them, and leave a live one's alone."""
+    import subprocess
+
+    from devinject.core.identity import NodeId
+    from devinject.nodestate.ledger import Claim, Ledger
+
+    w, _, tmp_path = watcher
+    ledger = Ledger(w.opts.state_dir)
+    gone = subprocess.Popen(["sleep", "60"])
+    ledger.book("gone", gone.pid, (Claim("nvidia.com/gpu=0", (NodeId("c 195:0"),)),))
+    ledger.book("alive", os.getpid(), (Claim("nvidia.com/gpu=1", (NodeId("c 195:1"),)),))
+    gone.kill()
+    gone.wait()
+    fast = WatchOptions(**{**w.opts.__dict__, "interval": 0.05, "recheck": 0.05, "rescan": 60})
+
+    def booked() -> set[str]:
+        return set(json.loads((tmp_path / "state" / "ledger.json").read_text())["allocations"])
+
+    assert booked() == {"gone", "alive"}
+    with _running(fast):
+        assert _wait_for(lambda: booked() == {"alive"})
+
+
 @pytest.mark.live  # a real kernel uevent: root and a tun device
 def test_uevents_trigger_a_rescan(watcher):
     """A real kernel uevent (synthetic `change` on a misc device) makes the agent rediscover at once."""

@@ -28,12 +28,13 @@ from devinject.agent.health import (
     unbound_verdict,
 )
 from devinject.core import jsonlite
+from devinject.core.errors import LedgerError
 from devinject.core.identity import device_key
 from devinject.core.model import Spec
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.nodestate import events
-from devinject.nodestate.ledger import HEALTH_FILE
+from devinject.nodestate.ledger import HEALTH_FILE, Ledger
 from devinject.specs.generate import GenerateOptions, build_specs, discover_devices, select_profiles, write_specs
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,12 @@ class Watcher:
         jsonlite.replace_file(os.path.join(self.opts.state_dir, HEALTH_FILE), state, sort_keys=True)
 
     # --- the loop ------------------------------------------------------------------------------------
+    def sweep_ledger(self) -> None:
+        try:
+            Ledger(self.opts.state_dir).sweep()
+        except LedgerError as err:  # a busy or broken ledger is the hook's to handle; try again next round
+            log.warning("ledger sweep: %s", err.message)
+
     def _uevent_listener(self, stop: threading.Event) -> None:
         try:
             from pyroute2 import UeventSocket
@@ -223,4 +230,5 @@ class Watcher:
                 self.write()
                 log.info("specs rewritten (generation %s); unhealthy: %s", self.generation,
                          ", ".join(sorted(self.unhealthy())) or "none")
+            self.sweep_ledger()
 

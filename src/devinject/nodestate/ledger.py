@@ -345,6 +345,14 @@ class Ledger:
                 os._exit(status)
         os.waitpid(child, 0)
 
+    def sweep(self) -> None:
+        """Free what dead containers held (the node agent, every round): the hook runs no poststop by
+        default, and a booking should find the devices it wants already free, not pay for the scan."""
+        if not os.path.exists(self.path):
+            return  # nothing was ever booked: create nothing
+        with self.locked() as data:
+            self.reclaim(data)
+
     def snapshot(self) -> dict[str, Any]:
         with self.locked() as data:
             self.reclaim(data)
