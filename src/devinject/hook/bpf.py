@@ -6,10 +6,8 @@ starts with a marker so a second run for the same container replaces it instead 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
-import platform
 import resource
 import struct
 
@@ -111,9 +109,9 @@ def decode_rules(program: bytes) -> tuple[tuple[AllowDevice, ...], bytes]:
 
 def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
-    number = SYS_BPF.get(platform.machine())
+    number = SYS_BPF.get(os.uname().machine)
     if number is None:
-        raise HookError(f"cgroup v2 device rules: bpf(2) number unknown on {platform.machine()}")
+        raise HookError(f"cgroup v2 device rules: bpf(2) number unknown on {os.uname().machine}")
     result = libc.syscall(ctypes.c_long(number), ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr)))
     if result < 0:
         err = ctypes.get_errno()
@@ -218,16 +216,20 @@ def allow_devices(cgroup_path: str, rules: tuple[AllowDevice, ...]) -> Swap | No
 
 def restore(swap: object) -> None:
     if isinstance(swap, Swap):
-        with contextlib.suppress(OSError):
+        try:
             _replace(swap.cgroup_fd, swap.old_fd, swap.new_fd, swap.flags)
+        except OSError:
+            pass  # best effort: the rest of the rollback still runs
         release(swap)
 
 
 def release(swap: object) -> None:
     if isinstance(swap, Swap):
         for fd in (swap.cgroup_fd, swap.old_fd, swap.new_fd):
-            with contextlib.suppress(OSError):
+            try:
                 os.close(fd)
+            except OSError:
+                pass
 
 
 def granted_rules(cgroup_path: str) -> tuple[AllowDevice, ...]:
