@@ -66,6 +66,7 @@ def main() -> int:
                 config["hooks"] = {"prestart": [hook], "poststop": [hook]}
             elif variant is not None:
                 stages, hook_args = variant
+                hook_args = hook_args if "--server" in hook_args else [*hook_args, "--no-server"]
                 hooks = runc_hooks(hook_command(), poststop=stages == "poststop")["hooks"]  # as install-hook
                 for hook in (entry for entries in hooks.values() for entry in entries):
                     hook["args"] += ["--spec-dir", str(work / "cdi"), "--state-dir", str(work / "state"),
@@ -90,11 +91,19 @@ def main() -> int:
             return started, runc("delete", name)
 
         interpreter = [sys.executable, "-IS", "-c", "import os; os._exit(0)"]
+        server_socket = work / "server" / "hook.sock"
+        server = subprocess.Popen([DEVINJECT, "hook-server", "--socket", str(server_socket)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            if server_socket.exists():
+                break
+            time.sleep(0.025)
         labels: dict[str, tuple[str, list[str]] | None] = {
             "without hook": None,
             "hook, ledger off": ("prestart", ["--no-ledger"]),
             "hook, ledger on": ("prestart", []),  # as installed: no poststop (release follows the death)
             "  + poststop": ("poststop", []),  # `install-hook --poststop`: the release logged at once
+            "  via hook-server": ("prestart", ["--server", str(server_socket)]),  # `devinject hook-server`
             "floor: /bin/true": ("floor", ["/bin/true"]),  # any hook: runc's exec and wait
             "floor: python -IS": ("floor", interpreter),  # a Python hook that does nothing
         }
@@ -133,6 +142,8 @@ def main() -> int:
             names = sorted({name for p in chosen for name in p})
             shown = "  ".join(f"{name} {statistics.median(p.get(name, 0) for p in chosen):.1f}" for name in names)
             print(f"    ledger {'on ' if ledger else 'off'}: {shown} (ms)")
+        server.terminate()
+        server.wait()
     finally:
         subprocess.run("runc list -q | grep '^bench-' | xargs -r -n1 runc delete -f", shell=True,
                        capture_output=True)

@@ -244,6 +244,24 @@ def run(args: list[str]) -> int:
     return 0
 
 
+@cli.command("hook-server")
+@click.option("--socket", "socket_path", default=None, metavar="PATH",
+              help="Where to listen [default: /run/devinject/hook.sock, where the hook looks].")
+def hook_server(socket_path: str | None) -> None:
+    """Serve `devinject hook` from a resident process: each container start skips the hook's imports.
+
+    The hook hands its invocation over when the socket answers and runs in-process otherwise."""
+    from devinject.hook.client import DEFAULT_SOCKET
+    from devinject.hook.server import serve
+
+    try:
+        serve(socket_path or DEFAULT_SOCKET)
+    except OSError as err:
+        raise DevinjectError(f"{socket_path or DEFAULT_SOCKET}: cannot serve: {err.strerror}") from None
+    except KeyboardInterrupt:
+        pass
+
+
 @cli.command("install-hook")
 @click.option("--hooks-dir", default=None, help="hooks.d directory [default: /etc/containers/oci/hooks.d].")
 @click.option("--executable", default=None,

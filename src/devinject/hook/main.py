@@ -36,12 +36,14 @@ if TYPE_CHECKING:
         def commit(self) -> list[str]: ...
         def rollback(self) -> None: ...
 
+SERVED_BY: int | None = None  # the hook server's pid, when a worker of it runs this invocation
 CONFIG_FILE = "/etc/devinject/hook.json"
 DEFAULT_LOG = "/var/log/devinject/hook.log"
 DEFAULT_STATE_DIR = "/run/devinject"
 USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--log-file FILE] [--state-dir DIR]
                       [--config FILE]
                       [--env-requests | --no-env-requests] [--no-ledger] [--dry-run]
+                      [--server SOCKET | --no-server]
                       [--stage prestart|createRuntime|poststop] < state.json
        devinject cdi-hook create-symlinks --link TARGET::LINK... < state.json
        devinject cdi-hook update-ldcache --folder DIR... < state.json"""
@@ -95,7 +97,8 @@ def parse_hook_args(args: list[str]) -> HookOptions:
     while i < len(args):
         arg = args[i]
         name, eq, inline = arg.partition("=")
-        takes_value = name in ("--spec-dir", "--profile-dir", "--log-file", "--state-dir", "--config", "--stage")
+        takes_value = name in ("--spec-dir", "--profile-dir", "--log-file", "--state-dir", "--config", "--stage",
+                               "--server")
         if takes_value:
             if eq:
                 value = inline
@@ -110,6 +113,8 @@ def parse_hook_args(args: list[str]) -> HookOptions:
                 profile_dirs.append(value)
             elif name == "--config":
                 config, config_required = value, True
+            elif name == "--server":
+                pass  # the launcher's: which hook server to hand the request to (hook/client.py)
             elif name == "--stage":
                 if value not in ("prestart", "createRuntime", "poststop"):
                     raise HookError(f"--stage: {value!r} is not prestart, createRuntime or poststop")
@@ -118,6 +123,8 @@ def parse_hook_args(args: list[str]) -> HookOptions:
                 overrides[name[2:].replace("-", "_")] = str(value)
         elif arg in ("--env-requests", "--no-env-requests"):
             overrides["env_requests"] = arg == "--env-requests"
+        elif arg == "--no-server":
+            pass  # the launcher's, as --server
         elif arg == "--no-ledger":
             overrides["ledger"] = False
         elif arg == "--dry-run":
@@ -416,6 +423,8 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     opts = HookOptions()
     record: dict[str, object] = {"command": command, "time": time.time()}
+    if SERVED_BY is not None:
+        record["server"] = SERVED_BY
     try:
         if command == "cdi-hook":
             if args and args[0] in ("-h", "--help"):
