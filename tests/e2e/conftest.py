@@ -86,7 +86,12 @@ class Bundle:
         # as `install-hook --poststop` writes it: the launcher, in both stages
         self.config["hooks"] = runc_hooks(hook_command(), poststop=True)["hooks"]
         for hook in self.config["hooks"]["prestart"] + self.config["hooks"]["poststop"]:
-            hook["args"] += ["--spec-dir", str(spec_dir), "--state-dir", str(state_dir), "--log-file", str(self.log)]
+            hook["args"] += ["--spec-dir", str(spec_dir), "--state-dir", str(state_dir), "--log-file", str(self.log),
+                             "--no-server"]  # in-process, whatever runs on this machine; test_hook_server.py opts in
+
+    def use_server(self, socket: Path) -> None:
+        for hook in self.config["hooks"]["prestart"] + self.config["hooks"].get("poststop", []):
+            hook["args"] = [arg for arg in hook["args"] if arg != "--no-server"] + ["--server", str(socket)]
 
     def without_poststop(self) -> None:
         """As `install-hook` writes it by default: the ledger frees a dead container's devices by itself."""

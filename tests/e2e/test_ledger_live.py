@@ -78,9 +78,9 @@ def _tree(root: Path) -> dict[str, tuple[int, int, bytes]]:
     return seen
 
 
-def test_a_refused_booking_rolls_back_the_container_edits_made_meanwhile(bundle: Bundle, tmp_path: Path) -> None:
-    """The container's edits are made while the ledger books (they overlap); a refused booking takes them
-    all back: no mount target, directory, link or linker cache is left in the refused container's rootfs."""
+def test_a_refused_booking_leaves_the_containers_rootfs_untouched(bundle: Bundle, tmp_path: Path) -> None:
+    """A refused booking leaves nothing in the refused container's rootfs: no mount target, directory,
+    link or linker cache."""
     holder = container_name()
     bundle.save(["sleep", "60"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
     assert _start_detached(bundle, holder).returncode == 0
@@ -90,7 +90,7 @@ def test_a_refused_booking_rolls_back_the_container_edits_made_meanwhile(bundle:
     refused = other.run(container_name())
     assert refused.returncode != 0 and f"is held by container {holder}" in refused.stderr, refused.stderr
     assert _tree(other.rootfs) == before
-    # and the edits were made before they were undone: the same request, granted, leaves them
+    # and the same request, granted, does leave them
     subprocess.run(["runc", "delete", "-f", holder], check=True)
     granted = other.run(container_name())
     assert granted.returncode == 0, granted.stderr

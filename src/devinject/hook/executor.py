@@ -87,7 +87,6 @@ class Executor:
         self.log: list[str] = []
         self.mount_api = True  # open_tree/mount_setattr/move_mount; cleared when the kernel lacks them
         self._shared: dict[bytes, bool] = {}  # mount id -> shared, read once (again on a miss)
-        self.closed = False
 
     # --- device nodes --------------------------------------------------------------------------------
     def make_node(self, node: MakeNode) -> None:
@@ -317,9 +316,8 @@ class Executor:
         self.log.append(f"musl path {' '.join(folders)}")
 
     # --- whole plan ----------------------------------------------------------------------------------
-    def apply(self, plan: Plan, *, hold: bool = False) -> list[str]:
-        """Carry out `plan`; on failure undo everything and raise HookError. With `hold`, what was done
-        stays undoable until `close()` (keep it) or `rollback()` (take it back)."""
+    def apply(self, plan: Plan) -> list[str]:
+        """Carry out `plan`; on failure undo everything and raise HookError."""
         try:
             for node in plan.nodes:
                 self.make_node(node)
@@ -334,18 +332,10 @@ class Executor:
             if isinstance(err, HookError):
                 raise
             raise HookError(f"{err.filename or 'container'}: {err.strerror}") from None
-        except BaseException:
-            self.close()
-            raise
-        if not hold:
-            self.close()
-        return self.log
-
-    def close(self) -> None:
-        self.undo.close()
-        if not self.closed:
-            self.closed = True
+        finally:
+            self.undo.close()
             self.root.close()
+        return self.log
 
     def rollback(self) -> None:
         self.undo.rollback()
@@ -360,22 +350,3 @@ class Executor:
             except OSError:
                 pass
         self.created.dirs.clear()
-        self.close()
-
-
-class PlanChange:
-    """A plan as a change the namespace child holds (nsenter.NamespaceChild): applied at once, kept or
-    rolled back when the host side has booked and granted, or failed."""
-
-    def __init__(self, rootfs: str, plan: Plan) -> None:
-        self.executor = Executor(rootfs)
-        self.plan = plan
-
-    def apply(self) -> list[str]:
-        return self.executor.apply(self.plan, hold=True)
-
-    def keep(self) -> None:
-        self.executor.close()
-
-    def undo(self) -> None:
-        self.executor.rollback()

@@ -17,24 +17,12 @@ from devinject.core.paths import DEFAULT_SPEC_DIRS
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
-    from typing import Any, Protocol
-
     from devinject.core.identity import NodeId
     from devinject.core.model import NetDevice
     from devinject.hook.cgroup import CgroupGrant
-    from devinject.hook.executor import PlanChange
-    from devinject.hook.nsenter import NamespaceChild
     from devinject.hook.plan import AllowDevice, Plan
     from devinject.hook.registry import Registry, Resolved
     from devinject.nodestate.ledger import Booking
-
-    class Pending(Protocol):
-        """Container edits under way: commit() waits for them and keeps them (their log), rollback()
-        undoes them."""
-
-        def send(self, steps: Plan) -> None: ...
-        def commit(self) -> list[str]: ...
-        def rollback(self) -> None: ...
 
 SERVED_BY: int | None = None  # the hook server's pid, when a worker of it runs this invocation
 CONFIG_FILE = "/etc/devinject/hook.json"
@@ -239,61 +227,11 @@ class HostParts:
 
         netdev.move_out(pid, devices)
 
-    def begin_apply(self, pid: int, rootfs: str) -> Pending:
-        """A child in the container's mount namespace that applies the plan it is sent (importing what it
-        needs while this process resolves and plans); the edits hold until commit()."""
-        from devinject.hook.nsenter import NamespaceChild
+    def apply(self, pid: int, rootfs: str, steps: Plan) -> list[str]:
+        from devinject.hook.executor import Executor
+        from devinject.hook.nsenter import in_mount_namespace
 
-        return _InNamespace(NamespaceChild(pid, "mnt", lambda order: _plan_change(rootfs, order),
-                                           preload=_import_executor))
-
-
-class _InNamespace:
-    def __init__(self, child: NamespaceChild) -> None:
-        self.child = child
-
-    def send(self, steps: Plan) -> None:
-        self.child.send(steps.container_order())
-
-    def commit(self) -> list[str]:
-        return self.child.commit()  # type: ignore[no-any-return]
-
-    def rollback(self) -> None:
-        self.child.rollback()
-
-
-def _import_executor() -> object:
-    import devinject.hook.executor  # in the child, while the parent resolves and plans
-
-    return devinject.hook.executor
-
-
-def _plan_change(rootfs: str, order: list[Any]) -> PlanChange:
-    from devinject.hook.executor import PlanChange
-    from devinject.hook.plan import Plan
-
-    return PlanChange(rootfs, Plan.from_container_order(order))
-
-
-class _Said:
-    """--dry-run's container edits: what would be done, said and not done."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def send(self, steps: Plan) -> None:
-        self.lines = ([f"mknod {n.path} {n.type} {n.major}:{n.minor} mode {n.mode:o} owner {n.uid}:{n.gid}"
-                       for n in steps.nodes]
-                      + [f"bind {m.host_path} -> {m.container_path}{' (ro)' if m.readonly else ''}"
-                         for m in steps.mounts]
-                      + [f"symlink {link.link} -> {link.target}" for link in steps.links]
-                      + [f"ld.so.cache += {folder}" for folder in steps.ldcache_folders])
-
-    def commit(self) -> list[str]:
-        return self.lines
-
-    def rollback(self) -> None:
-        pass
+        return in_mount_namespace(pid, lambda: Executor(rootfs).apply(steps))  # type: ignore[no-any-return]
 
 
 class DryRunParts(HostParts):
@@ -308,8 +246,12 @@ class DryRunParts(HostParts):
     def move_in(self, pid: int, devices: tuple[NetDevice, ...]) -> list[NetDevice]:
         return []
 
-    def begin_apply(self, pid: int, rootfs: str) -> Pending:
-        return _Said()
+    def apply(self, pid: int, rootfs: str, steps: Plan) -> list[str]:
+        return ([f"mknod {n.path} {n.type} {n.major}:{n.minor} mode {n.mode:o} owner {n.uid}:{n.gid}"
+                 for n in steps.nodes]
+                + [f"bind {m.host_path} -> {m.container_path}{' (ro)' if m.readonly else ''}" for m in steps.mounts]
+                + [f"symlink {link.link} -> {link.target}" for link in steps.links]
+                + [f"ld.so.cache += {folder}" for folder in steps.ldcache_folders])
 
 
 def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
@@ -360,23 +302,18 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
         mark = now
 
     lap("prepare")  # arguments, state, bundle, request, imports
-    # The container's edits overlap the host's work: a child joins the container's mount namespace (and
-    # imports the executor) while this process resolves and plans; it applies the plan while this process
-    # books and grants, and keeps the edits only once all of that succeeded.
-    pending = parts.begin_apply(state.pid, bundle.rootfs)
-    booking = grant = None
+    resolved = parts.resolve(request.names)
+    lap("resolve")
+    uid, gid = _process_ids(bundle.raw)
+    steps = plan(resolved.edits, uid=uid, gid=gid)
+    record["warnings"] = list(steps.warnings)
+    lap("plan")
+    booking = parts.book(state.id, state.pid, resolved)
+    if booking is not None:
+        lap("ledger")
+    grant = None
     moved: list[NetDevice] = []  # network interfaces moved into the container, for rollback
     try:
-        resolved = parts.resolve(request.names)
-        lap("resolve")
-        uid, gid = _process_ids(bundle.raw)
-        steps = plan(resolved.edits, uid=uid, gid=gid)
-        record["warnings"] = list(steps.warnings)
-        pending.send(steps)
-        lap("plan")
-        booking = parts.book(state.id, state.pid, resolved)
-        if booking is not None:
-            lap("ledger")
         grant, where = parts.grant(state.pid, steps.allow)
         if where is not None:
             record["cgroup"] = where
@@ -385,10 +322,9 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
             moved = parts.move_in(state.pid, steps.net_devices)
             record["net_devices"] = [f"{d.host_interface_name} -> {d.name}" for d in steps.net_devices]
             lap("network")
-        record["steps"] = pending.commit()
+        record["steps"] = parts.apply(state.pid, bundle.rootfs, steps)
         lap("container")
-    except BaseException:  # undo: access first (the container's edits, interfaces, cgroup), then the booking
-        pending.rollback()
+    except BaseException:  # undo in reverse order; each undo is best effort
         if moved:
             parts.move_out(state.pid, moved)
         if grant is not None:

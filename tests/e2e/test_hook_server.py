@@ -1,0 +1,133 @@
+"""`devinject hook-server` under real runc: the hook hands its invocation over (arguments and the runtime's
+own stdin, stdout and stderr) and exits with the worker's status; without a server it runs in-process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import Bundle, container_name
+
+pytestmark = pytest.mark.live
+DEVINJECT = str(Path(sys.executable).parent / "devinject")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    path = Path(f"/tmp/di-hs-{os.getpid()}-{tmp_path.name[-12:]}") / "hook.sock"  # a short socket path
+    process = subprocess.Popen([DEVINJECT, "hook-server", "--socket", str(path)], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(400):
+            if path.exists() or process.poll() is not None:
+                break
+            time.sleep(0.025)
+        assert path.exists(), process.stderr.read() if process.poll() is not None else "no socket"
+        assert oct(path.stat().st_mode & 0o777) == "0o600"
+        yield process, path
+    finally:
+        process.terminate()
+        process.wait(10)
+        if path.parent.exists():
+            for leftover in path.parent.iterdir():
+                leftover.unlink()
+            path.parent.rmdir()
+
+
+def test_a_served_hook_injects_the_device_and_logs_who_served_it(bundle: Bundle, server) -> None:  # type: ignore[no-untyped-def]
+    process, path = server
+    bundle.use_server(path)
+    bundle.save(["sh", "-c", "stat -c %t:%T /dev/nvidia0; grep -c libcuda /proc/mounts"],
+                annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    done = bundle.run(container_name())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "c3:0" and int(done.stdout.split()[1]) >= 1
+    (record,) = [r for r in bundle.log_records() if r.get("stage") == "prestart"]
+    assert record["result"] == "ok" and record["server"] == process.pid
+
+
+def test_a_served_error_reaches_the_runtime_as_the_hooks_own(bundle: Bundle, server) -> None:  # type: ignore[no-untyped-def]
+    _, path = server
+    bundle.use_server(path)
+    bundle.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=99"})
+    done = bundle.run(container_name())
+    assert done.returncode != 0
+    assert "devinject: error: " in done.stderr and "nvidia.com/gpu=99" in done.stderr
+
+
+def test_without_a_server_the_hook_runs_in_process(bundle: Bundle, tmp_path: Path) -> None:
+    bundle.use_server(tmp_path / "nobody-listens.sock")
+    bundle.save(["sh", "-c", "stat -c %t:%T /dev/nvidia0"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    done = bundle.run(container_name())
+    assert done.returncode == 0 and done.stdout.strip() == "c3:0", done.stderr
+    (record,) = [r for r in bundle.log_records() if r.get("stage") == "prestart"]
+    assert record["result"] == "ok" and "server" not in record
+
+
+def _raw_request(path: Path, payload: bytes, *, as_nobody: bool = False) -> bytes:
+    """Talk to the server as a client that does not play by the rules: its reply (b"" when it closed the
+    connection, unread data making that a reset)."""
+    code = ("import array, socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])\n"
+            "fds = array.array('i', [0, 1, 2]).tobytes()\n"
+            "s.sendmsg([bytes.fromhex(sys.argv[2])], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])\n"
+            "try:\n    reply = s.recv(1)\nexcept ConnectionResetError:\n    reply = b''\n"
+            "sys.stdout.write(reply.hex())\n")
+    command = [sys.executable, "-c", code, str(path), payload.hex()]
+    if as_nobody:
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    return bytes.fromhex(done.stdout)
+
+
+def test_the_server_serves_only_its_own_user_and_survives_garbage(bundle: Bundle, server) -> None:  # type: ignore[no-untyped-def]
+    from devinject.hook.client import encode_request
+
+    process, path = server
+    os.chmod(path.parent, 0o755)
+    os.chmod(path, 0o666)  # let another user reach it: the server itself must refuse
+    dry_run = encode_request(["hook", "--dry-run", "--no-server", "--log-file", "/dev/null"])
+    assert _raw_request(path, dry_run, as_nobody=True) == b""  # refused: closed without an answer
+    assert _raw_request(path, b"\x00\x00\x00\x09garbage") == b""
+    assert _raw_request(path, encode_request(["cdi-hook", "create-symlinks"])) == b""  # only `hook` is served
+    assert process.poll() is None
+    bundle.use_server(path)
+    bundle.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    done = bundle.run(container_name())
+    assert done.returncode == 0, done.stderr
+    assert [r["server"] for r in bundle.log_records() if r.get("stage") == "prestart"] == [process.pid]
+
+
+def test_the_hook_does_not_use_a_server_run_by_another_user(tmp_path: Path) -> None:
+    """A socket that answers as somebody else is not trusted with the request: in-process instead."""
+    from devinject.hook.client import run_via_server
+
+    path = Path(f"/tmp/di-other-{os.getpid()}.sock")
+    listener = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+         "import socket, sys, time\ns = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(1)\n"
+         "print('ready', flush=True)\nc, _ = s.accept(); time.sleep(30)\n", str(path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout is not None and listener.stdout.readline().strip() == "ready"
+        assert run_via_server(["hook", "--server", str(path)]) is None
+    finally:
+        listener.kill()
+        listener.wait()
+        path.unlink(missing_ok=True)
+
+
+def test_server_arguments() -> None:
+    from devinject.hook.client import DEFAULT_SOCKET, decode_request, encode_request, server_socket
+
+    assert server_socket([]) == DEFAULT_SOCKET
+    assert server_socket(["--server", "/x.sock"]) == "/x.sock" and server_socket(["--server=/y"]) == "/y"
+    assert server_socket(["--server", "/x.sock", "--no-server"]) is None and server_socket(["--server="]) is None
+    assert decode_request(encode_request(["hook", "--spec-dir", "/a b"])) == ["hook", "--spec-dir", "/a b"]
+    assert decode_request(b"\x00\x00\x00\x05abc") is None
