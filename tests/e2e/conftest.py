@@ -188,6 +188,22 @@ def stand_ins(count: int, *command: str) -> Iterator[list[subprocess.Popen[bytes
             process.wait()
 
 
+@contextlib.contextmanager
+def held_in_a_container(path: str) -> Iterator[int]:
+    """`path` held open by a process in a mount namespace of its own (as a container's process holds its
+    device node); its pid. Needs root."""
+    require(os.geteuid() == 0, "needs root (a mount namespace)")
+    holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
+                               "import sys, time\nheld = open(sys.argv[1])\nprint('held', flush=True)\n"
+                               "time.sleep(120)\n", path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def write_spec_dir(directory: Path, name: str, text: str) -> Path:
     """A CDI spec dir holding one spec file."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import pytest
 
 from devinject.core.errors import LedgerError
 from devinject.nodestate.ledger import Claim, Ledger, holders_of, process_start_time
+from tests.e2e.conftest import held_in_a_container
 
 POLICY = {"vendor.com/gpu": "exclusive", "vendor.com/nic": "shared"}
 
@@ -86,18 +87,33 @@ def test_dead_container_is_reclaimed_even_with_a_reused_pid(tmp_path):
     assert events.count("container-gone") == 2
 
 
-def test_released_device_stays_reclaiming_while_a_process_holds_its_node(tmp_path):
+def test_released_device_stays_reclaiming_while_a_container_process_holds_its_node(tmp_path):
     st = os.stat("/dev/full")  # a node nobody else here holds (pytest keeps /dev/null open)
     node = f"c {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
     claims = (Claim("vendor.com/gpu=0", (node,)),)
     ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
     ledger.book("c1", os.getpid(), claims, POLICY)
-    with open("/dev/full"):  # a host process still holds the node after the container's poststop
+    with held_in_a_container("/dev/full") as holder:  # a container's process outlives its poststop
         assert ledger.release("c1") == "released"
-        assert os.getpid() in holders_of({node})[node]
+        assert holder in holders_of({node}, containers_only=True)[node]
         with pytest.raises(LedgerError, match=r"held by container c1 \(reclaiming"):
             ledger.book("c2", os.getpid(), claims, POLICY)
     assert ledger.book("c2", os.getpid(), claims, POLICY).new  # closed: the next booking finishes the release
+    assert "c1" not in ledger.snapshot()["allocations"]
+
+
+def test_a_host_daemon_holding_the_node_does_not_keep_a_release_waiting(tmp_path):
+    """A persistence daemon keeps every GPU open on the host: not a container's use. It does not stop the
+    first booking, so it does not stop the next one either."""
+    st = os.stat("/dev/full")
+    node = f"c {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    claims = (Claim("vendor.com/gpu=0", (node,)),)
+    ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
+    with open("/dev/full"):  # this process: the host's mount namespace
+        ledger.book("c1", os.getpid(), claims, POLICY)
+        assert ledger.release("c1") == "released"
+        assert os.getpid() in holders_of({node})[node] and holders_of({node}, containers_only=True) == {}
+        assert ledger.book("c2", os.getpid(), claims, POLICY).new
     assert "c1" not in ledger.snapshot()["allocations"]
 
 

@@ -17,7 +17,7 @@ from devinject.core.model import DeviceNode
 from devinject.hook.plan import node_identity
 from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger, process_start_time
-from tests.e2e.conftest import require, stand_ins
+from tests.e2e.conftest import held_in_a_container, require, stand_ins
 
 POLICY = {"vendor.com/gpu": "exclusive"}
 NULL = os.stat("/dev/null")
@@ -124,7 +124,7 @@ def test_a_reused_container_id_is_not_waved_through(tmp_path: Path) -> None:
     finally:
         other.kill()
         other.wait()
-    with open("/dev/null"):  # the dead container's node is still held: its booking stays, reclaiming
+    with held_in_a_container("/dev/null"):  # the dead container's node is still held: it stays reclaiming
         ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
         dead = subprocess.Popen(["sleep", "60"])
         ledger.book("reused", dead.pid, claim(NULL_NODE), POLICY)

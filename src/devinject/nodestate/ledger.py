@@ -4,7 +4,8 @@ twice. One JSON file under the state dir, rewritten atomically under an exclusiv
 A device's identity is its own char nodes (`c 195:2`, taken from the host node when a spec leaves the
 numbers out), so `gpu=0`, `gpu=GPU-…` and `gpu=all` that share a node conflict with each other. Allocations
 of dead containers (pid + start time, so pid reuse cannot fool it; a zombie is dead) are reclaimed on every
-access; a released device stays `reclaiming` while a host process still holds one of its nodes open.
+access; a released device stays `reclaiming` while a process in another mount namespace (a container's,
+not a host daemon's) still holds one of its nodes open.
 
 A ledger file that cannot be read or fails validation never wedges the node: it is moved aside (kept for
 forensics, with an event) and the bookings are rebuilt from live evidence (see evidence.py).
@@ -85,8 +86,10 @@ def ledger_problem(data: object) -> str | None:
     return None
 
 
-def holders_of(nodes: set[str], proc: str = "/proc") -> dict[str, list[int]]:
-    """Host processes with one of `nodes` ("c 195:2") open: node -> pids. Scans /proc/*/fd."""
+def holders_of(nodes: set[str], proc: str = "/proc", *, containers_only: bool = False) -> dict[str, list[int]]:
+    """Processes with one of `nodes` ("c 195:2") open: node -> pids. Scans /proc/*/fd. `containers_only`:
+    only processes in another mount namespace than this one's (a host daemon such as a persistence daemon
+    keeping every GPU open is not a container's use, and costs one stat instead of one per open file)."""
     from devinject.nodestate.evidence import open_device_nodes
 
     found: dict[str, list[int]] = {}
@@ -94,9 +97,16 @@ def holders_of(nodes: set[str], proc: str = "/proc") -> dict[str, list[int]]:
         return found
     try:
         pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+        own = os.stat(f"{proc}/self/ns/mnt").st_ino if containers_only else None
     except OSError:
         return found
     for pid in pids:
+        if own is not None:
+            try:
+                if os.stat(f"{proc}/{pid}/ns/mnt").st_ino == own:
+                    continue
+            except OSError:
+                continue  # gone, or its namespace hidden from us
         for key in open_device_nodes(pid, proc):
             if key in nodes:
                 found.setdefault(key, []).append(pid)
@@ -233,7 +243,8 @@ class Ledger:
                      and (wanted is None or wanted & set(e["exclusive"]))}
         if not releasing:
             return
-        held = holders_of({n for e in releasing.values() for n in e.get("exclusive", [])}, self.proc)
+        held = holders_of({n for e in releasing.values() for n in e.get("exclusive", [])}, self.proc,
+                          containers_only=True)
         for cid, entry in releasing.items():
             mine = {n: pids for n, pids in held.items() if n in entry.get("exclusive", [])}
             if not mine:
