@@ -134,14 +134,17 @@ def main() -> int:
             print(f"  {label:18} create+start {start_ms:6.1f} ms (IQR {quartiles[0]:.1f}-{quartiles[2]:.1f})"
                   f"  delete {stop_ms:6.1f} ms{extra}")
         log = [json.loads(line) for line in (work / "hook.log").read_text().splitlines()]
-        own = [r["duration_ms"] for r in log if r.get("stage") == "prestart"]
-        print(f"  hook's own duration (its log, median of {len(own)}): {statistics.median(own):.1f} ms; phases:")
-        phases = [r["ms"] for r in log if r.get("stage") == "prestart" and "ms" in r]
-        for ledger in (False, True):
-            chosen = [p for p in phases if ("ledger" in p) == ledger]
+        print("  the hook's own duration and its phases (its log, medians):")
+        groups = {"ledger off": lambda r: "ledger" not in r["ms"],
+                  "ledger on": lambda r: "ledger" in r["ms"] and "server" not in r,
+                  "via server": lambda r: "server" in r}
+        for group, belongs in groups.items():
+            chosen = [r["ms"] for r in log if r.get("stage") == "prestart" and "ms" in r and belongs(r)]
             names = sorted({name for p in chosen for name in p})
             shown = "  ".join(f"{name} {statistics.median(p.get(name, 0) for p in chosen):.1f}" for name in names)
-            print(f"    ledger {'on ' if ledger else 'off'}: {shown} (ms)")
+            own_ms = statistics.median(r["duration_ms"] for r in log if r.get("stage") == "prestart"
+                                       and "ms" in r and belongs(r))
+            print(f"    {group:10}: {own_ms:.1f} ms; {shown} (ms)")
         server.terminate()
         server.wait()
     finally:

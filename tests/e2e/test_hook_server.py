@@ -131,3 +131,36 @@ def test_server_arguments() -> None:
     assert server_socket(["--server", "/x.sock", "--no-server"]) is None and server_socket(["--server="]) is None
     assert decode_request(encode_request(["hook", "--spec-dir", "/a b"])) == ["hook", "--spec-dir", "/a b"]
     assert decode_request(b"\x00\x00\x00\x05abc") is None
+
+
+def test_a_burst_of_container_starts_is_served_beyond_the_spare_workers(bundle: Bundle, server) -> None:  # type: ignore[no-untyped-def]
+    """More containers at once than workers wait: each request gets one (replacements are forked as
+    workers take requests), and each container gets its device."""
+    process, path = server
+    bundle.use_server(path)
+    bundle.config["hooks"]["prestart"][0]["args"].append("--no-ledger")  # one GPU for all of them
+    bundle.save(["sh", "-c", "stat -c %t:%T /dev/nvidia0"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    names = [container_name() for _ in range(6)]
+    runs = [subprocess.Popen(["runc", "run", name], cwd=bundle.path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, text=True) for name in names]
+    outputs = [run.communicate(timeout=60) for run in runs]
+    assert [run.returncode for run in runs] == [0] * 6, outputs
+    assert [out.strip() for out, _ in outputs] == ["c3:0"] * 6
+    served = [r for r in bundle.log_records() if r.get("stage") == "prestart"]
+    assert len(served) == 6 and {r["server"] for r in served} == {process.pid}
+
+
+def test_the_servers_waiting_workers_do_not_outlive_it(server) -> None:  # type: ignore[no-untyped-def]
+    import signal
+
+    process, _ = server
+    children = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    assert len(children) >= 2  # the spares
+    process.send_signal(signal.SIGKILL)  # no cleanup of its own
+    process.wait()
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in children if Path(f"/proc/{pid}/stat").exists()
+             and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert alive == []

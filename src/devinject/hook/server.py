@@ -1,9 +1,9 @@
 """`devinject hook-server`: a resident process the hook hands its invocation to (hook/client.py).
 
-What it saves is what every container start pays before doing any work: the hook's imports and, in the
-namespace child, ctypes and the executor. It keeps no state: each request is served by a fresh worker
-forked from the server (a single-threaded process, so it may join namespaces), which runs exactly what
-the hook runs in-process — the same arguments, the same config file, specs, ledger and log, with the
+What it saves is what every container start pays before doing any work: the hook's imports, ctypes
+and the executor's. It keeps no state: each request is served by a fresh worker forked from the server
+in advance (a single-threaded process, so it may join namespaces), which runs exactly what the hook runs
+in-process — the same arguments, the same config file, specs, ledger and log, with the
 runtime's own stdin, stdout and stderr passed over the socket — and reports the exit status.
 
 Only a peer running as the server's own user is served (SO_PEERCRED), and the socket is created mode 0600
@@ -12,8 +12,10 @@ in a directory only that user can write. A new devinject version takes effect wh
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import select
 import signal
 import socket
 import stat
@@ -31,6 +33,8 @@ PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.reques
            "devinject.hook.bpf", "devinject.nodestate.ledger", "devinject.nodestate.sharing",
            "devinject.nodestate.evidence")
 RECEIVE_TIMEOUT = 5.0
+SPARES = 2  # workers waiting for a request: container starts come in bursts
+PR_SET_PDEATHSIG = 1
 
 
 def preload() -> None:
@@ -69,29 +73,43 @@ def listen(path: str) -> socket.socket:
     return server
 
 
-def serve(path: str, stop: threading.Event | None = None, ready: threading.Event | None = None) -> None:
-    """Serve hook requests on `path` until `stop` is set (or forever)."""
+def serve(path: str, stop: threading.Event | None = None, ready: threading.Event | None = None, *,
+          spares: int = SPARES) -> None:
+    """Serve hook requests on `path` until `stop` is set (or SIGTERM, or forever).
+
+    Pre-forking: `spares` workers wait in accept() on the socket, each serves one request and exits, and
+    the server forks a replacement as soon as one takes a request — so the fork (~2 ms for a process with
+    everything loaded) is never on a container's start path."""
     preload()
     server = listen(path)
-    server.settimeout(0.5)  # wake up to reap workers and to see `stop`
+    gc.freeze()  # what preloading made is never collected: no collection in a worker touches (copies) it
+    taken_r, taken_w = os.pipe()  # a worker that accepted a connection says so with its pid
+    idle: set[int] = set()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     log.info("hook server on %s", path)
     if ready is not None:
         ready.set()
     try:
         while stop is None or not stop.is_set():
-            _reap()
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                continue
-            try:
-                _take(server, conn)
-            except OSError as err:
-                log.warning("hook request dropped: %s", err)
-            finally:
-                conn.close()
+            while len(idle) < spares:
+                idle.add(_spawn(server, taken_w))
+            readable, _, _ = select.select([taken_r], [], [], 0.5)
+            if readable:
+                data = os.read(taken_r, 4096)
+                for i in range(0, len(data) - 3, 4):
+                    idle.discard(int.from_bytes(data[i:i + 4], sys.byteorder))
+            for pid in _reap():
+                idle.discard(pid)  # a worker that died before taking anything
     finally:
+        for pid in idle:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         server.close()
+        os.close(taken_r)
+        os.close(taken_w)
         try:
             os.unlink(path)
         except OSError:
@@ -99,15 +117,51 @@ def serve(path: str, stop: threading.Event | None = None, ready: threading.Event
         _reap()
 
 
-def _reap() -> None:
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # through serve()'s cleanup: idle workers stopped, the socket removed
+
+
+def _reap() -> list[int]:
+    gone = []
     try:
-        while os.waitpid(-1, os.WNOHANG)[0] > 0:
-            pass
+        while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:
+            gone.append(pid)
     except ChildProcessError:
         pass
+    return gone
 
 
-def _take(server: socket.socket, conn: socket.socket) -> None:
+def _spawn(server: socket.socket, taken_w: int) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1  # pragma: no cover - the worker, from here on
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        from devinject.hook import syscalls
+
+        syscalls.libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # never outlive the server
+        if os.getppid() != parent:
+            os._exit(0)
+        server.settimeout(None)
+        conn, _ = server.accept()
+        os.write(taken_w, os.getpid().to_bytes(4, sys.byteorder))
+        server.close()
+        os.close(taken_w)
+        with conn:
+            _take(conn)
+        status = 0
+    except BaseException as err:  # a worker never raises into the server's code
+        log.warning("hook request dropped: %s", err)
+    finally:
+        os._exit(status)
+
+
+def _take(conn: socket.socket) -> None:  # pragma: no cover - runs in a worker
     peer = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
     uid = int.from_bytes(peer[4:8], sys.byteorder)
     if uid != os.geteuid():
@@ -118,37 +172,21 @@ def _take(server: socket.socket, conn: socket.socket) -> None:
     fds = [int.from_bytes(cmsg[2][i:i + 4], sys.byteorder, signed=True)
            for cmsg in ancillary if cmsg[:2] == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
            for i in range(0, len(cmsg[2]) - 3, 4)]
-    try:
-        args = decode_request(data)
-        if args is None or len(fds) != 3 or not args or args[0] != "hook":
-            log.warning("malformed hook request refused")
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if os.fork() == 0:  # pragma: no cover - the worker
-            _work(server, conn, fds, args)
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
-def _work(server: socket.socket, conn: socket.socket, fds: list[int], args: list[str]) -> None:  # pragma: no cover
+    args = decode_request(data)
+    if args is None or len(fds) != 3 or not args or args[0] != "hook":
+        log.warning("malformed hook request refused")
+        return
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)  # the runtime's stdin (the OCI state), stdout, stderr
+        os.close(fd)
     status = 2
     try:
-        server.close()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)  # the runtime's stdin (the OCI state), stdout, stderr
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from devinject.hook import main as hook
 
         hook.SERVED_BY = os.getppid()
         status = hook.main(args)
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            conn.settimeout(RECEIVE_TIMEOUT)
-            conn.sendall(bytes([status & 0xFF]))
-        finally:
-            os._exit(0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.settimeout(RECEIVE_TIMEOUT)
+        conn.sendall(bytes([status & 0xFF]))
