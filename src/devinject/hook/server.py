@@ -147,6 +147,7 @@ def _spawn(server: socket.socket, taken_w: int) -> int:
         syscalls.libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # never outlive the server
         if os.getppid() != parent:
             os._exit(0)
+        _touch_heap()
         server.settimeout(None)
         conn, _ = server.accept()
         os.write(taken_w, os.getpid().to_bytes(4, sys.byteorder))
@@ -159,6 +160,16 @@ def _spawn(server: socket.socket, taken_w: int) -> int:
         log.warning("hook request dropped: %s", err)
     finally:
         os._exit(status)
+
+
+def _touch_heap() -> None:  # pragma: no cover - runs in a worker
+    """Take this worker's copies of the server's pages now, while it waits: every object a request uses
+    would otherwise be copied on first write (its reference count), a page fault at a time, during the
+    container's start."""
+    gc.unfreeze()
+    for obj in gc.get_objects():
+        type(obj)
+    gc.freeze()
 
 
 def _take(conn: socket.socket) -> None:  # pragma: no cover - runs in a worker
@@ -188,5 +199,11 @@ def _take(conn: socket.socket) -> None:  # pragma: no cover - runs in a worker
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        # Let go of the runtime's pipes before answering: the runtime reads the hook's output to its end,
+        # and would otherwise wait for this worker's exit too, not just the hook's.
+        null = os.open(os.devnull, os.O_RDWR)
+        for target in (0, 1, 2):
+            os.dup2(null, target)
+        os.close(null)
         conn.settimeout(RECEIVE_TIMEOUT)
         conn.sendall(bytes([status & 0xFF]))
