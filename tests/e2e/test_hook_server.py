@@ -75,8 +75,11 @@ def _raw_request(path: Path, payload: bytes, *, as_nobody: bool = False) -> byte
     code = ("import array, socket, sys\n"
             "s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])\n"
             "fds = array.array('i', [0, 1, 2]).tobytes()\n"
-            "s.sendmsg([bytes.fromhex(sys.argv[2])], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])\n"
-            "try:\n    reply = s.recv(1)\nexcept ConnectionResetError:\n    reply = b''\n"
+            "try:\n"
+            "    s.sendmsg([bytes.fromhex(sys.argv[2])], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])\n"
+            "    reply = s.recv(1)\n"
+            "except (BrokenPipeError, ConnectionResetError):  # closed on us before or after the request\n"
+            "    reply = b''\n"
             "sys.stdout.write(reply.hex())\n")
     command = [sys.executable, "-c", code, str(path), payload.hex()]
     if as_nobody:
