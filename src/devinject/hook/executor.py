@@ -87,6 +87,7 @@ class Executor:
         self.log: list[str] = []
         self.mount_api = True  # open_tree/mount_setattr/move_mount; cleared when the kernel lacks them
         self._shared: dict[bytes, bool] = {}  # mount id -> shared, read once (again on a miss)
+        self.closed = False
 
     # --- device nodes --------------------------------------------------------------------------------
     def make_node(self, node: MakeNode) -> None:
@@ -316,8 +317,9 @@ class Executor:
         self.log.append(f"musl path {' '.join(folders)}")
 
     # --- whole plan ----------------------------------------------------------------------------------
-    def apply(self, plan: Plan) -> list[str]:
-        """Carry out `plan`; on failure undo everything and raise HookError."""
+    def apply(self, plan: Plan, *, hold: bool = False) -> list[str]:
+        """Carry out `plan`; on failure undo everything and raise HookError. With `hold`, what was done
+        stays undoable until `close()` (keep it) or `rollback()` (take it back)."""
         try:
             for node in plan.nodes:
                 self.make_node(node)
@@ -332,10 +334,19 @@ class Executor:
             if isinstance(err, HookError):
                 raise
             raise HookError(f"{err.filename or 'container'}: {err.strerror}") from None
-        finally:
-            self.undo.close()
-            self.root.close()
+        except BaseException:
+            self.close()
+            raise
+        if not hold:
+            self.close()
         return self.log
+
+    def close(self) -> None:
+        """Keep what was done: let go of the undo steps and the directories they need."""
+        self.undo.close()
+        if not self.closed:
+            self.closed = True
+            self.root.close()
 
     def rollback(self) -> None:
         self.undo.rollback()
@@ -350,3 +361,4 @@ class Executor:
             except OSError:
                 pass
         self.created.dirs.clear()
+        self.close()
