@@ -167,26 +167,3 @@ def test_the_servers_waiting_workers_do_not_outlive_it(server) -> None:  # type:
     alive = [pid for pid in children if Path(f"/proc/{pid}/stat").exists()
              and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
     assert alive == []
-
-
-def test_a_refused_booking_takes_back_the_edits_the_helper_made_meanwhile(bundle: Bundle, server, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Served, the container's edits are made by the worker's helper while the worker books: a refused
-    booking rolls them back, and the refused container's rootfs is as it was."""
-    from tests.e2e.test_ledger_live import _start_detached, _tree
-
-    _, path = server
-    holder = container_name()
-    bundle.save(["sleep", "60"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
-    assert _start_detached(bundle, holder).returncode == 0
-    other = Bundle(tmp_path / "other", bundle.spec_dir, bundle.state_dir)
-    other.use_server(path)
-    other.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
-    before = _tree(other.rootfs)
-    refused = other.run(container_name())
-    assert refused.returncode != 0 and f"is held by container {holder}" in refused.stderr, refused.stderr
-    assert _tree(other.rootfs) == before
-    subprocess.run(["runc", "delete", "-f", holder], check=True)
-    granted = other.run(container_name())
-    assert granted.returncode == 0, granted.stderr
-    assert "etc/ld.so.cache" in _tree(other.rootfs)
-    assert [r.get("server") for r in other.log_records() if r.get("result") == "ok"] == [server[0].pid]

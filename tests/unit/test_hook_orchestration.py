@@ -65,26 +65,9 @@ class Recorder(HostParts):
     def move_out(self, pid, devices):  # type: ignore[no-untyped-def]
         self.calls.append("move out " + ",".join(d.name for d in devices))
 
-    def resolve(self, names):  # type: ignore[no-untyped-def]
-        self._step("resolve")
-        return super().resolve(names)
-
-    def begin_apply(self, pid, rootfs):  # type: ignore[no-untyped-def]
-        self._step("begin container edits")
-        recorder = self
-
-        class Pending:
-            def send(self, steps) -> None:  # type: ignore[no-untyped-def]
-                recorder._step(f"send {len(steps.nodes)} node, {len(steps.mounts)} mount")
-
-            def commit(self) -> list[str]:
-                recorder._step("commit container edits")
-                return ["done"]
-
-            def rollback(self) -> None:
-                recorder.calls.append("roll back container edits")
-
-        return Pending()
+    def apply(self, pid, rootfs, steps):  # type: ignore[no-untyped-def]
+        self._step("apply")
+        return ["done"]
 
 
 @pytest.fixture
@@ -117,20 +100,14 @@ def test_steps_run_in_order(setup) -> None:  # type: ignore[no-untyped-def]
     opts, state, _ = setup
     parts = Recorder(opts)
     record = _run(opts, state, parts)
-    # the container's edits start first (in a child, overlapping the host's work) and are kept last
-    assert parts.calls == ["begin container edits", "resolve", "send 1 node, 1 mount", "book", "grant c 1:7 rwm",
-                           "move in net0", "commit container edits", "grant done"]
-    assert record["result"] == "ok" and record["cgroup"] == "v1 /fake" and record["steps"] == ["done"]
+    assert parts.calls == ["book", "grant c 1:7 rwm", "move in net0", "apply", "grant done"]
+    assert record["result"] == "ok" and record["cgroup"] == "v1 /fake"
 
 
 @pytest.mark.parametrize(("fail_at", "undone"), [
-    # access goes first (the container's edits, its interfaces, its cgroup), the booking last
-    ("commit container edits", ["roll back container edits", "move out net0", "revert grant", "cancel booking"]),
-    ("move in net0", ["roll back container edits", "revert grant", "cancel booking"]),
-    ("grant c 1:7 rwm", ["roll back container edits", "cancel booking"]),
-    ("book", ["roll back container edits"]),
-    ("resolve", ["roll back container edits"]),
-    ("begin container edits", []),
+    ("apply", ["move out net0", "revert grant", "cancel booking"]),
+    ("move in net0", ["revert grant", "cancel booking"]),
+    ("grant c 1:7 rwm", ["cancel booking"]),
 ])
 def test_a_failing_step_undoes_everything_before_it_in_reverse(setup, fail_at: str, undone: list[str]) -> None:  # type: ignore[no-untyped-def]
     opts, state, _ = setup

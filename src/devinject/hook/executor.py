@@ -87,7 +87,6 @@ class Executor:
         self.log: list[str] = []
         self.mount_api = True  # open_tree/mount_setattr/move_mount; cleared when the kernel lacks them
         self._shared: dict[bytes, bool] = {}  # mount id -> shared, read once (again on a miss)
-        self.closed = False
 
     # --- device nodes --------------------------------------------------------------------------------
     def make_node(self, node: MakeNode) -> None:
@@ -317,9 +316,8 @@ class Executor:
         self.log.append(f"musl path {' '.join(folders)}")
 
     # --- whole plan ----------------------------------------------------------------------------------
-    def apply(self, plan: Plan, *, hold: bool = False) -> list[str]:
-        """Carry out `plan`; on failure undo everything and raise HookError. With `hold`, what was done
-        stays undoable until `close()` (keep it) or `rollback()` (take it back)."""
+    def apply(self, plan: Plan) -> list[str]:
+        """Carry out `plan`; on failure undo everything and raise HookError."""
         try:
             for node in plan.nodes:
                 self.make_node(node)
@@ -334,19 +332,10 @@ class Executor:
             if isinstance(err, HookError):
                 raise
             raise HookError(f"{err.filename or 'container'}: {err.strerror}") from None
-        except BaseException:
-            self.close()
-            raise
-        if not hold:
-            self.close()
-        return self.log
-
-    def close(self) -> None:
-        """Keep what was done: let go of the undo steps and the directories they need."""
-        self.undo.close()
-        if not self.closed:
-            self.closed = True
+        finally:
+            self.undo.close()
             self.root.close()
+        return self.log
 
     def rollback(self) -> None:
         self.undo.rollback()
@@ -361,4 +350,3 @@ class Executor:
             except OSError:
                 pass
         self.created.dirs.clear()
-        self.close()

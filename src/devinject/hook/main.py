@@ -17,26 +17,14 @@ from devinject.core.paths import DEFAULT_SPEC_DIRS
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
-    from typing import Protocol
-
     from devinject.core.identity import NodeId
     from devinject.core.model import NetDevice
     from devinject.hook.cgroup import CgroupGrant
-    from devinject.hook.helper import PreparedHelper
     from devinject.hook.plan import AllowDevice, Plan
     from devinject.hook.registry import Registry, Resolved
     from devinject.nodestate.ledger import Booking
 
-    class Pending(Protocol):
-        """The container's edits: send() gives the plan, commit() makes sure they are made and kept (their
-        log), rollback() undoes whatever was made."""
-
-        def send(self, steps: Plan) -> None: ...
-        def commit(self) -> list[str]: ...
-        def rollback(self) -> None: ...
-
 SERVED_BY: int | None = None  # the hook server's pid, when a worker of it runs this invocation
-PREPARED_HELPER: PreparedHelper | None = None  # a server worker's helper for the container's edits
 CONFIG_FILE = "/etc/devinject/hook.json"
 DEFAULT_LOG = "/var/log/devinject/hook.log"
 DEFAULT_STATE_DIR = "/run/devinject"
@@ -239,69 +227,11 @@ class HostParts:
 
         netdev.move_out(pid, devices)
 
-    def begin_apply(self, pid: int, rootfs: str) -> Pending:
-        """The container's edits: by a server worker's prepared helper, which makes them while this process
-        books and grants; else by this process, once it has."""
-        global PREPARED_HELPER
-        helper, PREPARED_HELPER = PREPARED_HELPER, None
-        if helper is not None:
-            return _Helped(helper, pid, rootfs)
-        return _InProcess(pid, rootfs)
-
-
-class _InProcess:
-    def __init__(self, pid: int, rootfs: str) -> None:
-        self.pid, self.rootfs = pid, rootfs
-        self.steps: Plan | None = None
-
-    def send(self, steps: Plan) -> None:
-        self.steps = steps
-
-    def commit(self) -> list[str]:
+    def apply(self, pid: int, rootfs: str, steps: Plan) -> list[str]:
         from devinject.hook.executor import Executor
         from devinject.hook.nsenter import in_mount_namespace
 
-        steps = self.steps
-        assert steps is not None, "commit before send"
-        return in_mount_namespace(self.pid, lambda: Executor(self.rootfs).apply(steps))  # type: ignore[no-any-return]
-
-    def rollback(self) -> None:
-        pass  # nothing is made before commit(), and a failing commit undoes its own edits
-
-
-class _Helped:
-    def __init__(self, helper: PreparedHelper, pid: int, rootfs: str) -> None:
-        self.helper, self.pid, self.rootfs = helper, pid, rootfs
-
-    def send(self, steps: Plan) -> None:
-        self.helper.send(self.pid, self.rootfs, steps)
-
-    def commit(self) -> list[str]:
-        return self.helper.commit()
-
-    def rollback(self) -> None:
-        self.helper.rollback()
-
-
-class _Said:
-    """--dry-run's container edits: what would be done, said and not done."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def send(self, steps: Plan) -> None:
-        self.lines = ([f"mknod {n.path} {n.type} {n.major}:{n.minor} mode {n.mode:o} owner {n.uid}:{n.gid}"
-                       for n in steps.nodes]
-                      + [f"bind {m.host_path} -> {m.container_path}{' (ro)' if m.readonly else ''}"
-                         for m in steps.mounts]
-                      + [f"symlink {link.link} -> {link.target}" for link in steps.links]
-                      + [f"ld.so.cache += {folder}" for folder in steps.ldcache_folders])
-
-    def commit(self) -> list[str]:
-        return self.lines
-
-    def rollback(self) -> None:
-        pass
+        return in_mount_namespace(pid, lambda: Executor(rootfs).apply(steps))  # type: ignore[no-any-return]
 
 
 class DryRunParts(HostParts):
@@ -316,8 +246,12 @@ class DryRunParts(HostParts):
     def move_in(self, pid: int, devices: tuple[NetDevice, ...]) -> list[NetDevice]:
         return []
 
-    def begin_apply(self, pid: int, rootfs: str) -> Pending:
-        return _Said()
+    def apply(self, pid: int, rootfs: str, steps: Plan) -> list[str]:
+        return ([f"mknod {n.path} {n.type} {n.major}:{n.minor} mode {n.mode:o} owner {n.uid}:{n.gid}"
+                 for n in steps.nodes]
+                + [f"bind {m.host_path} -> {m.container_path}{' (ro)' if m.readonly else ''}" for m in steps.mounts]
+                + [f"symlink {link.link} -> {link.target}" for link in steps.links]
+                + [f"ld.so.cache += {folder}" for folder in steps.ldcache_folders])
 
 
 def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
@@ -368,20 +302,18 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
         mark = now
 
     lap("prepare")  # arguments, state, bundle, request, imports
-    pending = parts.begin_apply(state.pid, bundle.rootfs)
-    booking = grant = None
+    resolved = parts.resolve(request.names)
+    lap("resolve")
+    uid, gid = _process_ids(bundle.raw)
+    steps = plan(resolved.edits, uid=uid, gid=gid)
+    record["warnings"] = list(steps.warnings)
+    lap("plan")
+    booking = parts.book(state.id, state.pid, resolved)
+    if booking is not None:
+        lap("ledger")
+    grant = None
     moved: list[NetDevice] = []  # network interfaces moved into the container, for rollback
     try:
-        resolved = parts.resolve(request.names)
-        lap("resolve")
-        uid, gid = _process_ids(bundle.raw)
-        steps = plan(resolved.edits, uid=uid, gid=gid)
-        record["warnings"] = list(steps.warnings)
-        pending.send(steps)  # a server worker's helper starts on the edits now
-        lap("plan")
-        booking = parts.book(state.id, state.pid, resolved)
-        if booking is not None:
-            lap("ledger")
         grant, where = parts.grant(state.pid, steps.allow)
         if where is not None:
             record["cgroup"] = where
@@ -390,10 +322,9 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
             moved = parts.move_in(state.pid, steps.net_devices)
             record["net_devices"] = [f"{d.host_interface_name} -> {d.name}" for d in steps.net_devices]
             lap("network")
-        record["steps"] = pending.commit()  # in-process: the edits are made now, booked and granted
+        record["steps"] = parts.apply(state.pid, bundle.rootfs, steps)
         lap("container")
-    except BaseException:  # undo: access first (the container's edits, interfaces, cgroup), then the booking
-        pending.rollback()
+    except BaseException:  # undo in reverse order; each undo is best effort
         if moved:
             parts.move_out(state.pid, moved)
         if grant is not None:

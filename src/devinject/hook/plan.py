@@ -14,7 +14,7 @@ from devinject.core.model import ContainerEdits, DeviceNode, Hook, NetDevice
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, NamedTuple
+    from typing import NamedTuple
 
     from devinject.core.identity import NodeId
 
@@ -79,18 +79,6 @@ class Plan(NamedTuple):
     @property
     def size(self) -> int:
         return len(self.nodes) + len(self.mounts) + len(self.links) + len(self.allow) + len(self.net_devices)
-
-    def container_order(self) -> list[object]:
-        """What is done in the container's mount namespace, as JSON data (`from_container_order` reads
-        it back): for a helper process that does it."""
-        return [self.nodes, self.mounts, self.links, self.ldcache_folders, self.forward_compat]
-
-    @classmethod
-    def from_container_order(cls, order: list[Any]) -> Plan:
-        nodes, mounts, links, folders, compat = order
-        return cls(nodes=tuple(MakeNode(*n) for n in nodes), mounts=tuple(BindMount(*m) for m in mounts),
-                   links=tuple(Symlink(*link) for link in links), ldcache_folders=tuple(folders),
-                   forward_compat=tuple(ForwardCompat(*c) for c in compat))
 
 
 

@@ -1,11 +1,10 @@
 """`devinject hook-server`: a resident process the hook hands its invocation to (hook/client.py).
 
-What it saves is what every container start pays before doing any work: the hook's imports, ctypes and
-the executor's, and a fork. It keeps no state: each request is served by a fresh worker forked from the
-server in advance (a single-threaded process, so it may join namespaces), with a helper of its own forked
-in advance too, which makes the container's edits while the worker books and grants (hook/helper.py).
-The worker runs exactly what the hook runs in-process — the same arguments, config file, specs, ledger and
-log, with the runtime's own stdin, stdout and stderr passed over the socket — and reports the exit status.
+What it saves is what every container start pays before doing any work: the hook's imports, ctypes
+and the executor's. It keeps no state: each request is served by a fresh worker forked from the server
+in advance (a single-threaded process, so it may join namespaces), which runs exactly what the hook runs
+in-process — the same arguments, the same config file, specs, ledger and log, with the
+runtime's own stdin, stdout and stderr passed over the socket — and reports the exit status.
 
 Only a peer running as the server's own user is served (SO_PEERCRED), and the socket is created mode 0600
 in a directory only that user can write. A new devinject version takes effect when the server restarts.
@@ -26,17 +25,13 @@ import threading
 from devinject.core.errors import DevinjectError
 from devinject.hook.client import MAX_REQUEST, decode_request
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from devinject.hook.helper import PreparedHelper
-
 log = logging.getLogger("devinject.hook-server")
 
 # What a container start loads: imported once here, so no worker imports anything.
-PRELOAD = ("devinject.hook.main", "devinject.hook.helper", "devinject.hook.state", "devinject.hook.request",
-           "devinject.hook.registry", "devinject.hook.plan", "devinject.hook.nsenter", "devinject.hook.executor",
-           "devinject.hook.cgroup", "devinject.hook.bpf", "devinject.nodestate.ledger",
-           "devinject.nodestate.sharing", "devinject.nodestate.evidence")
+PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.request", "devinject.hook.registry",
+           "devinject.hook.plan", "devinject.hook.nsenter", "devinject.hook.executor", "devinject.hook.cgroup",
+           "devinject.hook.bpf", "devinject.nodestate.ledger", "devinject.nodestate.sharing",
+           "devinject.nodestate.evidence")
 RECEIVE_TIMEOUT = 5.0
 SPARES = 2  # workers waiting for a request: container starts come in bursts
 PR_SET_PDEATHSIG = 1
@@ -153,19 +148,13 @@ def _spawn(server: socket.socket, taken_w: int) -> int:
         if os.getppid() != parent:
             os._exit(0)
         _touch_heap()
-        from devinject.hook.helper import PreparedHelper
-
-        helper = PreparedHelper(warm=_touch_heap)  # forked now, not on a container's start path
-        try:
-            server.settimeout(None)
-            conn, _ = server.accept()
-            os.write(taken_w, os.getpid().to_bytes(4, sys.byteorder))
-            server.close()
-            os.close(taken_w)
-            with conn:
-                _take(conn, helper)
-        finally:
-            helper.discard()  # unused (no request for devices, or an error first): it exits
+        server.settimeout(None)
+        conn, _ = server.accept()
+        os.write(taken_w, os.getpid().to_bytes(4, sys.byteorder))
+        server.close()
+        os.close(taken_w)
+        with conn:
+            _take(conn)
         status = 0
     except BaseException as err:  # a worker never raises into the server's code
         log.warning("hook request dropped: %s", err)
@@ -183,7 +172,7 @@ def _touch_heap() -> None:  # pragma: no cover - runs in a worker
     gc.freeze()
 
 
-def _take(conn: socket.socket, helper: PreparedHelper) -> None:  # pragma: no cover - runs in a worker
+def _take(conn: socket.socket) -> None:  # pragma: no cover - runs in a worker
     peer = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
     uid = int.from_bytes(peer[4:8], sys.byteorder)
     if uid != os.geteuid():
@@ -206,7 +195,6 @@ def _take(conn: socket.socket, helper: PreparedHelper) -> None:  # pragma: no co
         from devinject.hook import main as hook
 
         hook.SERVED_BY = os.getppid()
-        hook.PREPARED_HELPER = helper
         status = hook.main(args)
     finally:
         sys.stdout.flush()
