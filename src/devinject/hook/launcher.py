@@ -1,5 +1,6 @@
 """The hook's launcher: `python3 -IS <this file> hook ...` (what `devinject install-hook` writes). Isolated
-(-I) and without `site` (-S), the interpreter starts ~3 ms sooner on every container start and stop.
+(-I) and without `site` (-S), the interpreter starts ~3 ms sooner on every container start and stop. A
+`devinject hook-server` that answers gets the invocation before anything else is loaded (hook/client.py).
 
 Without `site`, the package is found from this file's own location (a wheel install and a source checkout
 alike), and the package directories are added as `site` would add them (a virtual environment's, found by its
@@ -10,6 +11,14 @@ import os
 import sys
 
 sys.path.insert(0, __file__.rsplit("/", 3)[0])
+
+if sys.argv[1:2] == ["hook"]:  # a hook server takes it when one answers: nothing else to load
+    from devinject.hook.client import run_via_server
+
+    served = run_via_server(sys.argv[1:])
+    if served is not None:
+        sys.stderr.flush()
+        os._exit(served)
 
 
 def _package_dirs() -> list[str]:
@@ -29,7 +38,10 @@ def _package_dirs() -> list[str]:
 
 sys.path += _package_dirs()
 
-from devinject.entry import main  # noqa: E402
+if sys.argv[1:2] == ["hook"]:
+    from devinject.hook.main import main  # the server was tried above
+else:
+    from devinject.entry import main
 
 status = main(sys.argv[1:])
 # Everything the hook writes is written and closed by now (its log line, the spec cache): skip the
