@@ -136,21 +136,24 @@ def test_server_arguments() -> None:
     assert decode_request(b"\x00\x00\x00\x05abc") is None
 
 
-def test_a_burst_of_container_starts_is_served_beyond_the_spare_workers(bundle: Bundle, server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("served", [True, False], ids=["served", "in-process"])
+def test_a_burst_of_container_starts_on_one_rootfs(bundle: Bundle, server, served: bool) -> None:  # type: ignore[no-untyped-def]
     """More containers at once than workers wait: each request gets one (replacements are forked as
-    workers take requests), and each container gets its device."""
+    workers take requests). They share one rootfs directory, so their hooks race to make the same mount
+    targets: each container still gets its device."""
     process, path = server
-    bundle.use_server(path)
+    if served:
+        bundle.use_server(path)
     bundle.config["hooks"]["prestart"][0]["args"].append("--no-ledger")  # one GPU for all of them
     bundle.save(["sh", "-c", "stat -c %t:%T /dev/nvidia0"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
-    names = [container_name() for _ in range(6)]
+    names = [container_name() for _ in range(8)]
     runs = [subprocess.Popen(["runc", "run", name], cwd=bundle.path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, text=True) for name in names]
     outputs = [run.communicate(timeout=60) for run in runs]
-    assert [run.returncode for run in runs] == [0] * 6, outputs
-    assert [out.strip() for out, _ in outputs] == ["c3:0"] * 6
-    served = [r for r in bundle.log_records() if r.get("stage") == "prestart"]
-    assert len(served) == 6 and {r["server"] for r in served} == {process.pid}
+    assert [run.returncode for run in runs] == [0] * 8, outputs
+    assert [out.strip() for out, _ in outputs] == ["c3:0"] * 8
+    records = [r for r in bundle.log_records() if r.get("stage") == "prestart"]
+    assert len(records) == 8 and {r.get("server") for r in records} == {process.pid if served else None}
 
 
 def test_the_servers_waiting_workers_do_not_outlive_it(server) -> None:  # type: ignore[no-untyped-def]

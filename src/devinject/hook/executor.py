@@ -145,17 +145,13 @@ class Executor:
             raise HookError(f"mount source {mount.host_path}: {err.strerror}") from None
         dir_fd, name = self.root.resolve(mount.container_path, create_dirs=True, created=self.created)
         self.undo.keep(dir_fd)
+        target: os.stat_result | None
         try:
             target = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
-            target = None
+            target = self._make_target(dir_fd, name, stat.S_ISDIR(source.st_mode))
         if target is None:
-            if stat.S_ISDIR(source.st_mode):
-                os.mkdir(name, 0o755, dir_fd=dir_fd)
-                self.undo.add(lambda: os.rmdir(name, dir_fd=dir_fd))
-            else:
-                os.close(os.open(name, atomicfile.NEW_FILE, 0o644, dir_fd=dir_fd))
-                self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
+            pass  # made here, empty: the mount goes on it
         elif (target.st_dev, target.st_ino) == (source.st_dev, source.st_ino):
             self.log.append(f"mount {mount.container_path} present")
             return  # the hook already ran for this container: never stack a second mount
@@ -165,6 +161,20 @@ class Executor:
                  | syscalls.MS_NODEV * mount.nodev | syscalls.MS_NOEXEC * mount.noexec)
         self._mount_on(mount.host_path, dir_fd, name, flags, mount.container_path, recursive=mount.recursive)
         self.log.append(f"bind {mount.host_path} -> {mount.container_path}")
+
+    def _make_target(self, dir_fd: int, name: str, directory: bool) -> os.stat_result | None:
+        """An empty file or directory to mount on (None); what is there when another container's hook on a
+        shared rootfs made it meanwhile (its stat: checked as any existing target, and not ours to undo)."""
+        try:
+            if directory:
+                os.mkdir(name, 0o755, dir_fd=dir_fd)
+                self.undo.add(lambda: os.rmdir(name, dir_fd=dir_fd))
+            else:
+                os.close(os.open(name, atomicfile.NEW_FILE, 0o644, dir_fd=dir_fd))
+                self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
+        except FileExistsError:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return None
 
     def _mount_on(self, source: str, dir_fd: int, name: str, flags: int, shown: str, *,
                   recursive: bool = False) -> None:

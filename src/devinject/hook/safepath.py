@@ -124,9 +124,13 @@ class Root:
                 except FileNotFoundError:
                     if not create:
                         raise UnsafePathError(f"{path}: {part} does not exist in the container") from None
-                    os.mkdir(part, 0o755, dir_fd=stack[-1])
-                    if created is not None:
-                        created.dirs.append((os.dup(stack[-1]), part))
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=stack[-1])
+                    except FileExistsError:
+                        pass  # made meanwhile (another container's hook on a shared rootfs): not ours to undo
+                    else:
+                        if created is not None:
+                            created.dirs.append((os.dup(stack[-1]), part))
                     fd = os.open(part, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=stack[-1])
                 st = os.fstat(fd)
                 if stat.S_ISLNK(st.st_mode):
