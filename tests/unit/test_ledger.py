@@ -2,7 +2,6 @@ import json
 import multiprocessing
 import os
 import subprocess
-import time
 
 import pytest
 
@@ -65,7 +64,7 @@ def test_poststop_releases_once_and_second_is_a_noop(tmp_path):
     ledger = Ledger(str(tmp_path))
     ledger.book("c1", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
     assert ledger.release("c1") == "released"
-    assert ledger.release("c1") in ("already released", "not allocated")  # the detached reclaim may be done
+    assert ledger.release("c1") == "already released"
     assert ledger.release("never") == "not allocated"
     ledger.book("c2", os.getpid(), _claims("vendor.com/gpu=0"), POLICY)
     events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
@@ -188,23 +187,3 @@ def test_sharing_honours_profile_dirs(tmp_path):
         again.book("d", os.getpid(), other)
 
 
-def test_the_detached_reclaimer_keeps_nothing_the_hook_had_open(tmp_path, monkeypatch):
-    """poststop forks a reclaimer that scans /proc for holders of the released nodes: it must not itself
-    hold a node the hook process had open, or the booking it is finishing looks held (a race seen under load)."""
-    st = os.stat("/dev/full")
-    node = f"c {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
-    ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
-    ledger.book("c1", os.getpid(), (Claim("vendor.com/gpu=0", (node,)),), POLICY)
-    test_pid = os.getpid()
-    original = Ledger.reclaim
-
-    def slow_in_the_reclaimer(self, data, wanted=None):  # type: ignore[no-untyped-def]
-        if os.getpid() != test_pid:
-            time.sleep(3)  # the detached reclaimer, still alive while the test looks
-        return original(self, data, wanted)
-
-    monkeypatch.setattr(Ledger, "reclaim", slow_in_the_reclaimer)
-    with open("/dev/full"):
-        assert ledger.release("c1") == "released"
-    time.sleep(0.2)  # the reclaimer is forked and sleeping
-    assert holders_of({node}).get(node, set()) == set()

@@ -51,7 +51,6 @@ def process_start_time(pid: int, proc: str = "/proc") -> int | None:
     return int(fields[19])
 
 
-MAX_FD = 1 << 20  # closerange's bound (close_range(2) makes it cheap)
 
 
 class Claim(NamedTuple):
@@ -316,9 +315,9 @@ class Ledger:
         return Booking(self, container_id, new=True)
 
     def release(self, container_id: str) -> str:
-        """poststop: idempotent and quick. The booking ends here; its nodes are free once no host process
-        holds them open, which a detached child checks after the hook has returned (and any booking that
-        wants those nodes checks again, under the lock)."""
+        """poststop: idempotent and quick. The booking ends here; its nodes are free once no container's
+        process holds them open, which the next access checks (a booking that wants them, `watch`'s sweep,
+        `list`): no scan of /proc, and no process left behind, on the runtime's delete path."""
         if not os.path.exists(self.path):
             return "not allocated"  # nothing was ever booked: touch nothing
         with self.locked() as data:
@@ -331,30 +330,7 @@ class Ledger:
             entry["released_at"] = time.time()
             self.event("poststop", container=container_id, devices=entry["devices"])
             self.reclaim(data, wanted=set())
-        self._reclaim_detached()
         return "released"
-
-    def _reclaim_detached(self) -> None:
-        """Finish releases (the /proc scan) in a grandchild in its own session, stdio on /dev/null: the
-        runtime waits for neither it nor its pipes. Bounded by the ledger lock's deadline."""
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the detached reclaimer
-            status = 1
-            try:
-                os.setsid()
-                if os.fork() == 0:
-                    null = os.open(os.devnull, os.O_RDWR)
-                    for fd in (0, 1, 2):
-                        os.dup2(null, fd)
-                    # nothing inherited stays open: a device node the caller holds would make this very
-                    # reclaimer look like a holder of it (and keep the booking reclaiming)
-                    os.closerange(3, MAX_FD)
-                    with self.locked() as data:
-                        self.reclaim(data)
-                status = 0
-            finally:
-                os._exit(status)
-        os.waitpid(child, 0)
 
     def sweep(self) -> None:
         """Free what dead containers held (the node agent, every round): the hook runs no poststop by
