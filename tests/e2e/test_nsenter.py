@@ -65,5 +65,5 @@ def test_work_that_outlasts_its_deadline_is_interrupted_and_the_process_comes_ba
 
 
 def test_a_gone_container_is_one_clear_error() -> None:
-    with pytest.raises(HookError, match="cannot open its mount namespace"):
+    with pytest.raises(HookError, match="cannot open the container process's mount namespace"):
         in_mount_namespace(2**22 + 1, lambda: None)

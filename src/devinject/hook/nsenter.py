@@ -32,12 +32,18 @@ _NAMESPACES = {"mnt": ("mount", syscalls.CLONE_NEWNS), "net": ("network", syscal
 def in_mount_namespace(pid: int, fn: Callable[[], Any], *, timeout: float = CHILD_TIMEOUT) -> Any:
     """`fn()` in process `pid`'s mount namespace, then back in this process's own. Out of time, `fn` is
     interrupted with HookError (its own rollback runs) by SIGALRM; not coming back is fatal."""
+    fds: list[int] = []
     try:
-        target = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        fds.append(os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
+        fds.append(os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))  # the way back
+        fds.append(os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
     except OSError as err:
-        raise HookError(f"container process {pid}: cannot open its mount namespace: {err.strerror}") from None
-    home = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
-    cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        for fd in fds:
+            os.close(fd)
+        what = "the container process's" if not fds else "this process's own"
+        raise HookError(f"container process {pid}: cannot open {what} mount namespace or directory: "
+                        f"{err.strerror}") from None
+    target, home, cwd = fds
 
     def out_of_time(signum: int, frame: object) -> None:
         raise HookError(f"work in the container's mount namespace did not finish in {timeout:g}s")
@@ -64,7 +70,7 @@ def in_mount_namespace(pid: int, fn: Callable[[], Any], *, timeout: float = CHIL
     finally:
         _signal.setitimer(_signal.ITIMER_REAL, 0)
         _signal.signal(_signal.SIGALRM, previous)
-        for fd in (target, home, cwd):
+        for fd in fds:
             os.close(fd)
 
 

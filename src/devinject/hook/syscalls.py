@@ -1,16 +1,9 @@
-"""The few syscalls Python 3.11's os module lacks (mount, umount2, setns), through ctypes.
-
-ctypes is imported on first use, not with this module: it costs ~2 ms, and the constants are wanted
-where no syscall is made (the hook's parent process only forks the child that makes them)."""
+"""The few syscalls Python 3.11's os module lacks (mount, umount2, setns), through ctypes."""
 
 from __future__ import annotations
 
+import ctypes
 import os
-import sys
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    import ctypes
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -30,23 +23,17 @@ _libc: ctypes.CDLL | None = None
 def libc() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        import ctypes
-
         _libc = ctypes.CDLL(None, use_errno=True)
     return _libc
 
 
 def _check(result: int, what: str) -> None:
     if result != 0:
-        import ctypes
-
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def mount(source: str | None, target: str, flags: int) -> None:
-    import ctypes
-
     _check(libc().mount(source.encode() if source else None, target.encode(), None, ctypes.c_ulong(flags), None),
            f"mount {source or ''} on {target}")
 
@@ -79,14 +66,12 @@ MOUNT_ATTR_NOEXEC = 0x8
 MS_PRIVATE = 1 << 18
 
 
-def _mount_attr(attr_set: int, propagation: int) -> bytes:
-    """struct mount_attr {u64 attr_set, attr_clr, propagation, userns_fd}, native byte order."""
-    return b"".join(value.to_bytes(8, sys.byteorder) for value in (attr_set, 0, propagation, 0))
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
 
 
 def _syscall(number: int, *args: object, what: str) -> int:
-    import ctypes
-
     result: int = libc().syscall(ctypes.c_long(number), *args)
     if result < 0:
         err = ctypes.get_errno()
@@ -96,25 +81,19 @@ def _syscall(number: int, *args: object, what: str) -> int:
 
 def open_tree_clone(path: str, *, recursive: bool = False) -> int:
     """A detached copy of the mount at `path` (a bind mount not yet attached anywhere); close-on-exec."""
-    import ctypes
-
     flags = OPEN_TREE_CLONE | os.O_CLOEXEC | (AT_RECURSIVE if recursive else 0)
     return _syscall(_SYS_OPEN_TREE, ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(flags),
                     what=f"open_tree {path}")
 
 
 def mount_setattr(tree_fd: int, attr_set: int, *, private: bool = True, recursive: bool = False) -> None:
-    import ctypes
-
-    attr = _mount_attr(attr_set, MS_PRIVATE if private else 0)
+    attr = _MountAttr(attr_set, 0, MS_PRIVATE if private else 0, 0)
     flags = AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0)
-    _syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree_fd), b"", ctypes.c_uint(flags), attr,
-             ctypes.c_size_t(len(attr)), what="mount_setattr")
+    _syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree_fd), b"", ctypes.c_uint(flags), ctypes.byref(attr),
+             ctypes.c_size_t(ctypes.sizeof(attr)), what="mount_setattr")
 
 
 def move_mount(tree_fd: int, target_fd: int) -> None:
     """Attach the detached mount `tree_fd` on the object `target_fd` refers to (no path is resolved)."""
-    import ctypes
-
     _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree_fd), b"", ctypes.c_int(target_fd), b"",
              ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH), what="move_mount")

@@ -51,8 +51,6 @@ def process_start_time(pid: int, proc: str = "/proc") -> int | None:
     return int(fields[19])
 
 
-
-
 class Claim(NamedTuple):
     """One requested device and the identities of its nodes (`c 195:0`). `shared` names nodes of it that
     other containers may hold at the same time (those its kinds share, in a bundle; the parent GPU of a MIG
