@@ -168,7 +168,7 @@ def _touch_heap() -> None:  # pragma: no cover - runs in a worker
     container's start."""
     gc.unfreeze()
     for obj in gc.get_objects():
-        type(obj)
+        gc.get_referents(obj)  # the object and what it holds (code, strings, numbers are not tracked)
     gc.freeze()
 
 
