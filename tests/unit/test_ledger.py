@@ -2,6 +2,8 @@ import json
 import multiprocessing
 import os
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +101,43 @@ def test_released_device_stays_reclaiming_while_a_container_process_holds_its_no
             ledger.book("c2", os.getpid(), claims, POLICY)
     assert ledger.book("c2", os.getpid(), claims, POLICY).new  # closed: the next booking finishes the release
     assert "c1" not in ledger.snapshot()["allocations"]
+
+
+def test_a_dead_container_with_its_own_pid_namespace_is_freed_without_a_scan(tmp_path, monkeypatch):
+    """The kernel ends every process of a pid namespace before its init's exit completes: once such a
+    container's init is gone, nothing of it can hold a node, and its devices are free without a /proc scan."""
+    import signal
+
+    from devinject.nodestate import ledger as ledger_module
+    from tests.e2e.conftest import require
+
+    require(os.geteuid() == 0, "needs root (a pid namespace)")
+    unshare = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sleep", "60"])
+    try:
+        children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
+        for _ in range(200):
+            if children.read_text().split():
+                break
+            time.sleep(0.01)
+        init = int(children.read_text().split()[0])  # pid 1 of the new namespace
+        ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
+        ledger.book("c1", init, _claims("vendor.com/gpu=0"), POLICY)
+        assert ledger.snapshot()["allocations"]["c1"]["own_pid_ns"] is True
+        os.kill(init, signal.SIGKILL)
+        unshare.wait(10)
+
+        def no_scan(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("scanned /proc for a container that left nobody behind")
+
+        monkeypatch.setattr(ledger_module, "holders_of", no_scan)
+        assert ledger.book("c2", os.getpid(), _claims("vendor.com/gpu=0"), POLICY).new
+        assert "c1" not in ledger.snapshot()["allocations"]
+        assert ledger.snapshot()["allocations"]["c2"]["own_pid_ns"] is False  # this process: the host's
+    finally:
+        unshare.kill()
+        unshare.wait()
+    events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert events[-2:] == ["released", "allocated"]
 
 
 def test_a_host_daemon_holding_the_node_does_not_keep_a_release_waiting(tmp_path):

@@ -5,7 +5,8 @@ A device's identity is its own char nodes (`c 195:2`, taken from the host node w
 numbers out), so `gpu=0`, `gpu=GPU-…` and `gpu=all` that share a node conflict with each other. Allocations
 of dead containers (pid + start time, so pid reuse cannot fool it; a zombie is dead) are reclaimed on every
 access; a released device stays `reclaiming` while a process in another mount namespace (a container's,
-not a host daemon's) still holds one of its nodes open.
+not a host daemon's) still holds one of its nodes open — unless the container had a pid namespace of its
+own: once its init is gone, the kernel has ended all its other processes.
 
 A ledger file that cannot be read or fails validation never wedges the node: it is moved aside (kept for
 forensics, with an event) and the bookings are rebuilt from live evidence (see evidence.py).
@@ -51,6 +52,15 @@ def process_start_time(pid: int, proc: str = "/proc") -> int | None:
     return int(fields[19])
 
 
+def has_own_pid_namespace(pid: int, proc: str = "/proc") -> bool:
+    """Whether process `pid` is in another pid namespace than this process (a container's init usually
+    is). False when either cannot be read."""
+    try:
+        return os.stat(f"{proc}/{pid}/ns/pid").st_ino != os.stat(f"{proc}/self/ns/pid").st_ino
+    except OSError:
+        return False
+
+
 class Claim(NamedTuple):
     """One requested device and the identities of its nodes (`c 195:0`). `shared` names nodes of it that
     other containers may hold at the same time (those its kinds share, in a bundle; the parent GPU of a MIG
@@ -80,6 +90,8 @@ def ledger_problem(data: object) -> str | None:
                 return f"allocation {cid}: {key} is not an integer"
         if entry.get("state") not in ("active", "reclaiming"):
             return f"allocation {cid}: state is not active or reclaiming"
+        if not isinstance(entry.get("own_pid_ns", False), bool):
+            return f"allocation {cid}: own_pid_ns is not a boolean"
     return None
 
 
@@ -238,6 +250,12 @@ class Ledger:
                 self.event("container-gone", container=cid, devices=entry.get("devices"))
         releasing = {cid: e for cid, e in allocations.items() if e.get("state") == "reclaiming"
                      and (wanted is None or wanted & set(e["exclusive"]))}
+        for cid, entry in list(releasing.items()):
+            # A container with a pid namespace of its own leaves nobody behind: the kernel ends every other
+            # process of the namespace before its init's exit completes. No scan for it.
+            if entry.get("own_pid_ns") and not self._alive(entry):
+                del allocations[cid], releasing[cid]
+                self.event("released", container=cid, devices=entry.get("devices"))
         if not releasing:
             return
         held = holders_of({n for e in releasing.values() for n in e.get("exclusive", [])}, self.proc,
@@ -308,7 +326,7 @@ class Ledger:
                                       f"{other_id} ({state}, pid {entry.get('pid')})")
             allocations[container_id] = {"devices": list(names), "exclusive": exclusive, "shared": sorted(set(shared)),
                                          "pid": pid, "start_time": start_time, "time": time.time(),
-                                         "state": "active"}
+                                         "state": "active", "own_pid_ns": has_own_pid_namespace(pid, self.proc)}
             self.event("allocated", container=container_id, devices=list(names))
         return Booking(self, container_id, new=True)
 
