@@ -21,6 +21,7 @@ import socket
 import stat
 import sys
 import threading
+import time
 
 from devinject.core.errors import DevinjectError
 from devinject.hook.client import MAX_REQUEST, decode_request
@@ -34,6 +35,7 @@ PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.reques
            "devinject.nodestate.evidence")
 RECEIVE_TIMEOUT = 5.0
 SPARES = 2  # workers waiting for a request: container starts come in bursts
+REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one
 PR_SET_PDEATHSIG = 1
 
 
@@ -91,12 +93,18 @@ def serve(path: str, stop: threading.Event | None = None, ready: threading.Event
     if ready is not None:
         ready.set()
     try:
+        last_taken = 0.0
         while stop is None or not stop.is_set():
-            while len(idle) < spares:
+            # Replace a worker that took a request once the container start it serves is over (a fork
+            # then competes with it for the CPU), at once when none waits.
+            settled = time.monotonic() - last_taken >= REPLACE_AFTER
+            while len(idle) < spares and (settled or not idle):
                 idle.add(_spawn(server, taken_w))
-            readable, _, _ = select.select([taken_r], [], [], 0.5)
+            wait = 0.5 if len(idle) >= spares else max(REPLACE_AFTER - (time.monotonic() - last_taken), 0.001)
+            readable, _, _ = select.select([taken_r], [], [], wait)
             if readable:
                 data = os.read(taken_r, 4096)
+                last_taken = time.monotonic()
                 for i in range(0, len(data) - 3, 4):
                     idle.discard(int.from_bytes(data[i:i + 4], sys.byteorder))
             for pid in _reap():
