@@ -108,15 +108,22 @@ class CgroupGrant:
         except OSError:
             pass
         allow_file = os.path.join(self.cgroup.path, "devices.allow")
-        for rule in rules:
-            if rule.rule in listed or "a *:* rwm" in listed:
-                continue
-            try:
-                with open(allow_file, "w") as handle:
-                    handle.write(rule.rule)
-            except OSError as err:
-                raise HookError(f"{allow_file}: cannot add {rule.rule!r}: {err.strerror}") from None
-            self.added_v1.append(rule.rule)
+        wanted = [rule.rule for rule in rules if rule.rule not in listed and "a *:* rwm" not in listed]
+        if not wanted:
+            return
+        try:
+            fd = os.open(allow_file, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as err:
+            raise HookError(f"{allow_file}: cannot add {wanted[0]!r}: {err.strerror}") from None
+        try:
+            for rule in wanted:  # one rule per write(2): the kernel parses each write on its own
+                try:
+                    os.write(fd, rule.encode())
+                except OSError as err:
+                    raise HookError(f"{allow_file}: cannot add {rule!r}: {err.strerror}") from None
+                self.added_v1.append(rule)
+        finally:
+            os.close(fd)
 
     def revert(self) -> None:
         if self.cgroup.version == 1:
