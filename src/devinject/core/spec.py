@@ -287,7 +287,7 @@ def edits_from_dict(data: object, where: str) -> ContainerEdits:
     )
 
 
-def _device_from(data: object, where: str) -> Device:
+def device_from_dict(data: object, where: str) -> Device:
     r = _Reader(data, where, ("name", "annotations", "containerEdits"))
     edits = r.get("containerEdits", dict)  # an empty `containerEdits:` is no edits (checked later)
     return Device(name=r.get("name", str, required=True),
@@ -304,7 +304,7 @@ def spec_from_dict(data: object) -> Spec:
     return Spec(
         cdi_version=r.get("cdiVersion", str, required=True),
         kind=r.get("kind", str, required=True),
-        devices=r.items("devices", _device_from),
+        devices=r.items("devices", device_from_dict),
         edits=edits_from_dict(edits, "containerEdits") if edits is not None else ContainerEdits(),
         annotations=r.annotations("annotations"),
     )

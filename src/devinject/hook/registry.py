@@ -1,8 +1,9 @@
 """CDI specs as the hook sees them: every spec dir scanned, later dirs win, names resolved all-or-nothing.
 
 Parsed specs are cached as JSON under the state dir, keyed by each file's size, mtime and inode, so a
-container start does not pay for a YAML parser; the index reads only kinds and device names from it, and a
-spec becomes a `Spec` only when one of its devices is asked for. Every file's trust is checked on every start.
+container start does not pay for a YAML parser; the index reads only kinds and device names from it, and
+only the spec-level edits and the devices asked for are decoded. Every file's trust is checked on every
+start.
 """
 
 from __future__ import annotations
@@ -12,15 +13,16 @@ import os
 from devinject.core import jsonlite
 from devinject.core.errors import ResolveError, SpecError
 from devinject.core.identity import qualified
-from devinject.core.model import ContainerEdits, Spec
+from devinject.core.model import ContainerEdits
 from devinject.core.names import parse_qualified_name
 from devinject.core.paths import DEFAULT_SPEC_DIRS
 from devinject.core.spec import (
+    device_from_dict,
+    edits_from_dict,
     list_spec_files,
     load_text,
     read_spec_text,
     spec_dir_problem,
-    spec_from_dict,
     spec_to_dict,
     trust_problem,
 )
@@ -37,7 +39,6 @@ else:
 class Resolved(NamedTuple):
     names: tuple[str, ...]
     edits: ContainerEdits
-    specs: tuple[Spec, ...]
     devices: tuple[tuple[str, ContainerEdits], ...] = ()  # each requested name with its own edits
 
 
@@ -71,7 +72,7 @@ def _load(path: str, cache: dict[str, object] | None) -> tuple[dict[str, Any], s
 
 
 class _Entry(NamedTuple):
-    raw: dict[str, Any]  # the spec, as a dict: turned into a Spec only when one of its devices is asked for
+    raw: dict[str, Any]  # the spec, as a dict: its parts decoded only when one of its devices is asked for
     position: int  # the device's place in the spec
     priority: int
     path: str
@@ -158,26 +159,27 @@ class Registry:
         return max(i for i, d in enumerate(self.spec_dirs) if os.path.normpath(d) == os.path.normpath(directory))
 
     def resolve(self, names: tuple[str, ...]) -> Resolved:
-        """Spec-level edits once per spec, then each device's edits; any unknown name fails before anything."""
+        """Spec-level edits once per spec, then each device's edits; any unknown name fails before anything.
+        Only what is asked for is decoded from the (already checked) spec dicts, not every device of a spec."""
         devices = self._index()
-        edits = ContainerEdits()
-        specs: dict[str, Spec] = {}  # by file: each spec built once, and only when asked for
+        spec_edits: dict[str, ContainerEdits] = {}  # by file, in first-use order
         device_edits: list[tuple[str, ContainerEdits]] = []
         for text in names:
             name = parse_qualified_name(text)
             entry = devices.get(str(name))
             if entry is None:
                 raise ResolveError(self._unresolvable(text, name.kind))
-            spec = specs.get(entry.path)
-            if spec is None:
-                spec = specs[entry.path] = spec_from_dict(entry.raw)
-            device_edits.append((text, spec.devices[entry.position].edits))
-        used = list(specs.values())
-        for spec in used:
-            edits = edits.merge(spec.edits)
+            if entry.path not in spec_edits:
+                level = entry.raw.get("containerEdits")
+                spec_edits[entry.path] = edits_from_dict(level, "containerEdits") if level else ContainerEdits()
+            device = device_from_dict(entry.raw["devices"][entry.position], f"devices[{entry.position}]")
+            device_edits.append((text, device.edits))
+        edits = ContainerEdits()
+        for level_edits in spec_edits.values():
+            edits = edits.merge(level_edits)
         for _, item in device_edits:
             edits = edits.merge(item)
-        return Resolved(names, edits, tuple(used), tuple(device_edits))
+        return Resolved(names, edits, tuple(device_edits))
 
     @staticmethod
     def _node_paths(entry: _Entry) -> list[str]:
