@@ -34,7 +34,7 @@ PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.reques
            "devinject.hook.bpf", "devinject.nodestate.ledger", "devinject.nodestate.sharing",
            "devinject.nodestate.evidence")
 RECEIVE_TIMEOUT = 5.0
-SPARES = 2  # workers waiting for a request: container starts come in bursts
+SPARES = 3  # workers waiting for a request: container starts come in bursts, and a poststop takes one too
 REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one
 PR_SET_PDEATHSIG = 1
 
