@@ -21,18 +21,22 @@ DEVINJECT = str(Path(sys.executable).parent / "devinject")
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     path = Path(f"/tmp/di-hs-{os.getpid()}-{tmp_path.name[-12:]}") / "hook.sock"  # a short socket path
-    process = subprocess.Popen([DEVINJECT, "hook-server", "--socket", str(path)], stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "hook-server.log"
+    with open(log, "w") as errors:
+        process = subprocess.Popen([DEVINJECT, "hook-server", "--socket", str(path)], stderr=errors, text=True)
     try:
         for _ in range(400):
             if path.exists() or process.poll() is not None:
                 break
             time.sleep(0.025)
-        assert path.exists(), process.stderr.read() if process.poll() is not None else "no socket"
+        assert path.exists(), log.read_text()
         assert oct(path.stat().st_mode & 0o777) == "0o600"
         yield process, path
     finally:
+        running = process.poll() is None
         process.terminate()
         process.wait(10)
+        assert not (running and path.exists())  # on SIGTERM the server removes its socket
         if path.parent.exists():
             for leftover in path.parent.iterdir():
                 leftover.unlink()

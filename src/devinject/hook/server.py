@@ -20,7 +20,6 @@ import signal
 import socket
 import stat
 import sys
-import threading
 import time
 
 from devinject.core.errors import DevinjectError
@@ -75,26 +74,23 @@ def listen(path: str) -> socket.socket:
     return server
 
 
-def serve(path: str, stop: threading.Event | None = None, ready: threading.Event | None = None, *,
-          spares: int = SPARES) -> None:
-    """Serve hook requests on `path` until `stop` is set (or SIGTERM, or forever).
+def serve(path: str, *, spares: int = SPARES) -> None:
+    """Serve hook requests on `path` until SIGTERM (from the main thread).
 
-    Pre-forking: `spares` workers wait in accept() on the socket, each serves one request and exits, and
-    the server forks a replacement as soon as one takes a request — so the fork (~2 ms for a process with
-    everything loaded) is never on a container's start path."""
+    Pre-forking: `spares` workers wait in accept() on the socket, and each serves one request and exits.
+    The server forks replacements once requests have paused for REPLACE_AFTER (at once when none waits),
+    so a fork (~2 ms for a process with everything loaded) is neither on a container's start path nor
+    competing with it for the CPU."""
     preload()
     server = listen(path)
     gc.freeze()  # what preloading made is never collected: no collection in a worker touches (copies) it
     taken_r, taken_w = os.pipe()  # a worker that accepted a connection says so with its pid
     idle: set[int] = set()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     log.info("hook server on %s", path)
-    if ready is not None:
-        ready.set()
     try:
         last_taken = 0.0
-        while stop is None or not stop.is_set():
+        while True:
             # Replace a worker that took a request once the container start it serves is over (a fork
             # then competes with it for the CPU), at once when none waits.
             settled = time.monotonic() - last_taken >= REPLACE_AFTER
@@ -156,7 +152,6 @@ def _spawn(server: socket.socket, taken_w: int) -> int:
         if os.getppid() != parent:
             os._exit(0)
         _touch_heap()
-        server.settimeout(None)
         conn, _ = server.accept()
         os.write(taken_w, os.getpid().to_bytes(4, sys.byteorder))
         server.close()
