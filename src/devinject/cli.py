@@ -257,7 +257,7 @@ def hook_server(socket_path: str | None) -> None:
     try:
         serve(socket_path or DEFAULT_SOCKET)
     except OSError as err:
-        raise DevinjectError(f"{socket_path or DEFAULT_SOCKET}: cannot serve: {err.strerror}") from None
+        raise DevinjectError(f"{socket_path or DEFAULT_SOCKET}: cannot serve: {err.strerror or err}") from None
     except KeyboardInterrupt:
         pass
 

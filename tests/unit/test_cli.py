@@ -141,6 +141,19 @@ def test_install_hook_writes_hooks_d_file(tmp_path):
                                                 "/nonexistent"))
 
 
+def test_hook_server_refuses_an_unsafe_or_impossible_socket_in_one_line(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # others could replace the socket
+    assert "must be owned by this user and not writable by others" in one_error_line(
+        run("hook-server", "--socket", str(shared / "hook.sock")))
+    (tmp_path / "file").write_text("")
+    assert "exists and is not a socket" in one_error_line(run("hook-server", "--socket", str(tmp_path / "file")))
+    long = tmp_path / ("x" * 120) / "hook.sock"
+    assert "too long for a unix socket" in one_error_line(run("hook-server", "--socket", str(long)))
+    assert not long.parent.exists()  # nothing made on the way to the error
+
+
 def test_install_hook_default_runs_the_launcher_isolated_and_it_works(tmp_path):
     """The default hooks.d entry runs this interpreter with -IS on the launcher; without `site` the launcher
     must still find the package and yaml (a fresh state dir is a spec-cache miss, which parses YAML)."""

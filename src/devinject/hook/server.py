@@ -36,6 +36,7 @@ RECEIVE_TIMEOUT = 5.0
 SPARES = 3  # workers waiting for a request: container starts come in bursts, and a poststop takes one too
 REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one
 PR_SET_PDEATHSIG = 1
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 
 
 def preload() -> None:
@@ -51,6 +52,8 @@ def preload() -> None:
 def listen(path: str) -> socket.socket:
     """The server socket at `path`: its directory created (0755) when missing and refused when others can
     write it; a stale socket replaced, anything else at `path` refused."""
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise DevinjectError(f"{path}: too long for a unix socket ({MAX_SOCKET_PATH} bytes at most)")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, mode=0o755, exist_ok=True)
     st = os.stat(directory)
