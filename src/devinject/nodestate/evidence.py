@@ -87,20 +87,30 @@ def _v2_nodes(directory: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(node_id(r.type, r.major, r.minor) for r in bpf.granted_rules(directory)))
 
 
-def open_node_holdings(proc: str = "/proc") -> list[Holding]:
-    """Device nodes held open by processes in a mount namespace other than this process's."""
+def processes(proc: str = "/proc", *, other_mount_namespaces: bool = False) -> list[int]:
+    """Every process's pid; with `other_mount_namespaces`, only those in a mount namespace other than this
+    process's (containers: a host daemon such as a persistence daemon keeping every GPU open is not one)."""
     try:
-        own = os.stat(f"{proc}/self/ns/mnt").st_ino
         pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+        own = os.stat(f"{proc}/self/ns/mnt").st_ino if other_mount_namespaces else None
     except OSError:
         return []
-    found = []
+    if own is None:
+        return pids
+    others = []
     for pid in pids:
         try:
-            if os.stat(f"{proc}/{pid}/ns/mnt").st_ino == own:
-                continue
+            if os.stat(f"{proc}/{pid}/ns/mnt").st_ino != own:
+                others.append(pid)
         except OSError:
-            continue
+            continue  # gone, or its namespace hidden from us
+    return others
+
+
+def open_node_holdings(proc: str = "/proc") -> list[Holding]:
+    """Device nodes held open by processes in a mount namespace other than this process's."""
+    found = []
+    for pid in processes(proc, other_mount_namespaces=True):
         nodes = open_device_nodes(pid, proc)
         if nodes:
             found.append(Holding(f"open by pid {pid}", pid, nodes))

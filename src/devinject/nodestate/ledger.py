@@ -99,23 +99,12 @@ def holders_of(nodes: set[str], proc: str = "/proc", *, containers_only: bool = 
     """Processes with one of `nodes` ("c 195:2") open: node -> pids. Scans /proc/*/fd. `containers_only`:
     only processes in another mount namespace than this one's (a host daemon such as a persistence daemon
     keeping every GPU open is not a container's use, and costs one stat instead of one per open file)."""
-    from devinject.nodestate.evidence import open_device_nodes
+    from devinject.nodestate.evidence import open_device_nodes, processes
 
     found: dict[str, list[int]] = {}
     if not nodes:
         return found
-    try:
-        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
-        own = os.stat(f"{proc}/self/ns/mnt").st_ino if containers_only else None
-    except OSError:
-        return found
-    for pid in pids:
-        if own is not None:
-            try:
-                if os.stat(f"{proc}/{pid}/ns/mnt").st_ino == own:
-                    continue
-            except OSError:
-                continue  # gone, or its namespace hidden from us
+    for pid in processes(proc, other_mount_namespaces=containers_only):
         for key in open_device_nodes(pid, proc):
             if key in nodes:
                 found.setdefault(key, []).append(pid)
