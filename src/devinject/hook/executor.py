@@ -9,6 +9,7 @@ import stat
 
 from devinject.core import atomicfile
 from devinject.core.errors import HookError
+from devinject.core.mountinfo import parse_mountinfo
 from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, ForwardCompat, MakeNode, Plan, Symlink, newer_than
 from devinject.hook.safepath import _O_PATH, Created, Root
@@ -68,16 +69,6 @@ def _read_proc(path: str) -> bytes:
         os.close(fd)
 
 
-def _shared_mounts(mountinfo: bytes) -> dict[bytes, bool]:
-    """Mount id -> whether it is shared, from mountinfo's optional fields (between field 6 and " - ")."""
-    shared = {}
-    for line in mountinfo.splitlines():
-        fields = line.partition(b" - ")[0].split()
-        if len(fields) >= 6:
-            shared[fields[0]] = any(tag.startswith(b"shared:") for tag in fields[6:])
-    return shared
-
-
 class Executor:
     def __init__(self, rootfs: str) -> None:
         self.rootfs = rootfs
@@ -86,7 +77,7 @@ class Executor:
         self.created = Created()
         self.log: list[str] = []
         self.mount_api = True  # open_tree/mount_setattr/move_mount; cleared when the kernel lacks them
-        self._shared: dict[bytes, bool] = {}  # mount id -> shared, read once (again on a miss)
+        self._shared: dict[str, bool] = {}  # mount id -> shared, read once (again on a miss)
 
     # --- device nodes --------------------------------------------------------------------------------
     def make_node(self, node: MakeNode) -> None:
@@ -150,13 +141,12 @@ class Executor:
             target = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             target = self._make_target(dir_fd, name, stat.S_ISDIR(source.st_mode))
-        if target is None:
-            pass  # made here, empty: the mount goes on it
-        elif (target.st_dev, target.st_ino) == (source.st_dev, source.st_ino):
-            self.log.append(f"mount {mount.container_path} present")
-            return  # the hook already ran for this container: never stack a second mount
-        elif stat.S_ISDIR(target.st_mode) != stat.S_ISDIR(source.st_mode):
-            raise HookError(f"mount {mount.container_path}: file/directory mismatch with {mount.host_path}")
+        if target is not None:  # None: made here, empty, and the mount goes on it
+            if (target.st_dev, target.st_ino) == (source.st_dev, source.st_ino):
+                self.log.append(f"mount {mount.container_path} present")
+                return  # the hook already ran for this container: never stack a second mount
+            if stat.S_ISDIR(target.st_mode) != stat.S_ISDIR(source.st_mode):
+                raise HookError(f"mount {mount.container_path}: file/directory mismatch with {mount.host_path}")
         flags = (syscalls.MS_RDONLY * mount.readonly | syscalls.MS_NOSUID * mount.nosuid
                  | syscalls.MS_NODEV * mount.nodev | syscalls.MS_NOEXEC * mount.noexec)
         self._mount_on(mount.host_path, dir_fd, name, flags, mount.container_path, recursive=mount.recursive)
@@ -226,12 +216,13 @@ class Executor:
         """Whether the mount holding `fd` propagates to peers (`shared:N` in mountinfo): a mount attached
         there would appear on the host too. Mounts devinject attached itself are private."""
         try:
-            info = _read_proc(f"/proc/self/fdinfo/{fd}")
-            mount_id = next(line.split()[1] for line in info.splitlines() if line.startswith(b"mnt_id:"))
+            info = _read_proc(f"/proc/self/fdinfo/{fd}").decode("ascii", "replace")
+            mount_id = next(line.split()[1] for line in info.splitlines() if line.startswith("mnt_id:"))
         except (OSError, StopIteration, IndexError):
             return False  # no fdinfo (not Linux or no /proc): nothing to go on
         if mount_id not in self._shared:  # a mount not seen yet (one attached since): read the table again
-            self._shared = _shared_mounts(_read_proc("/proc/self/mountinfo"))
+            mountinfo = _read_proc("/proc/self/mountinfo").decode("utf-8", "replace")
+            self._shared = {m.mount_id: m.shared for m in parse_mountinfo(mountinfo)}
         return self._shared.get(mount_id, False)
 
     @staticmethod
