@@ -44,9 +44,9 @@ def preload() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    from devinject.hook import syscalls
+    from devinject.core.libc import libc
 
-    syscalls.libc()  # ctypes and libc, loaded once
+    libc()  # ctypes and libc, loaded once
 
 
 def listen(path: str) -> socket.socket:
@@ -149,9 +149,9 @@ def _spawn(server: socket.socket, taken_w: int) -> int:
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        from devinject.hook import syscalls
+        from devinject.core.libc import libc
 
-        syscalls.libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # never outlive the server
+        libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # never outlive the server
         if os.getppid() != parent:
             os._exit(0)
         _touch_heap()

@@ -1,9 +1,12 @@
-"""The few syscalls Python 3.11's os module lacks (mount, umount2, setns), through ctypes."""
+"""The mount and namespace syscalls Python 3.11's os module lacks (mount, umount2, setns, the new mount API),
+through ctypes."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+
+from devinject.core.libc import libc
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -16,16 +19,6 @@ MNT_DETACH = 2
 CLONE_NEWNS = 0x00020000
 CLONE_NEWNET = 0x40000000
 SIGKILL = 9  # not from `signal`: it imports `enum`, a millisecond on every container start
-
-_libc: ctypes.CDLL | None = None
-
-
-def libc() -> ctypes.CDLL:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
-
 
 def _check(result: int, what: str) -> None:
     if result != 0:
