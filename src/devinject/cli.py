@@ -272,27 +272,36 @@ def hook_server(socket_path: str | None) -> None:
 @click.option("--poststop", is_flag=True,
               help="Also run at container delete, releasing devices in the ledger at once (without it they are "
                    "freed on the ledger's next access, once the container's process is gone).")
+@click.option("--server", "server_socket", default=None, metavar="SOCKET",
+              help="The hook server's socket the hook hands container starts to [default: "
+                   "/run/devinject/hook.sock].")
 @click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
 def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, poststop: bool,
-                 runc_snippet: bool) -> None:
+                 server_socket: str | None, runc_snippet: bool) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
     from devinject.core.spec import write_atomic
+    from devinject.hook.client import DEFAULT_SOCKET, server_answers
     from devinject.hooksd import DEFAULT_HOOKS_DIR, HOOK_FILE, hook_command, hooks_d_entry, render, runc_hooks
 
     command = hook_command(executable and os.path.abspath(executable))
     if not os.access(command[0], os.X_OK):
         raise DevinjectError(f"--executable {command[0]}: not an executable file")
+    server = os.path.abspath(server_socket) if server_socket else DEFAULT_SOCKET
     if runc_snippet:
-        click.echo(render(runc_hooks(command, poststop=poststop)), nl=False)
-        return
-    directory = Path(hooks_dir or DEFAULT_HOOKS_DIR)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DevinjectError(f"{directory}: cannot create hooks dir: {err.strerror}") from None
-    target = directory / HOOK_FILE
-    write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop)))
-    click.echo(f"wrote {target}", err=True)
+        click.echo(render(runc_hooks(command, poststop=poststop, server=server)), nl=False)
+    else:
+        directory = Path(hooks_dir or DEFAULT_HOOKS_DIR)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DevinjectError(f"{directory}: cannot create hooks dir: {err.strerror}") from None
+        target = directory / HOOK_FILE
+        write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop,
+                                                  server=server)))
+        click.echo(f"wrote {target}", err=True)
+    if not server_answers(server):  # the hook still works: in-process, ~8 ms slower on each container start
+        click.echo(f"note: no hook server answers at {server}: each container start will load the hook itself; "
+                   f"run `devinject hook-server --socket {server}` (deploy/devinject-hook-server.service)", err=True)
 
 
 @cli.command()

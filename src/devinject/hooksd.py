@@ -37,21 +37,29 @@ def _stages(poststop: bool) -> list[str]:
     return ["prestart", "poststop"] if poststop else ["prestart"]
 
 
-def hooks_d_entry(command: list[str], *, env_requests: bool = False, poststop: bool = False) -> dict[str, Any]:
+def _server_args(server: str | None) -> list[str]:
+    """The hook's `--server` when it is not the default socket the hook tries anyway."""
+    from devinject.hook.client import DEFAULT_SOCKET
+
+    return [] if server in (None, DEFAULT_SOCKET) else ["--server", server]
+
+
+def hooks_d_entry(command: list[str], *, env_requests: bool = False, poststop: bool = False,
+                  server: str | None = None) -> dict[str, Any]:
     """hooks.d cannot match environment variables: the env variant turns env requests on and runs for every
     container (exiting at once when nothing is requested); the default runs only when a `cdi.k8s.io/`
     annotation names something (a blank or comma-only value is no request)."""
     when: dict[str, Any] = {"always": True} if env_requests else {"annotations": {ANNOTATION_KEY: ANNOTATION_VALUE}}
     return {
         "version": "1.0.0",
-        "hook": _hook(command, *(["--env-requests"] if env_requests else [])),
+        "hook": _hook(command, *(["--env-requests"] if env_requests else []), *_server_args(server)),
         "when": when,
         "stages": _stages(poststop),
     }
 
 
-def runc_hooks(command: list[str], *, poststop: bool = False) -> dict[str, Any]:
-    return {"hooks": {stage: [_hook(command)] for stage in _stages(poststop)}}
+def runc_hooks(command: list[str], *, poststop: bool = False, server: str | None = None) -> dict[str, Any]:
+    return {"hooks": {stage: [_hook(command, *_server_args(server))] for stage in _stages(poststop)}}
 
 
 def render(data: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@ own stdin, stdout and stderr) and exits with the worker's status; without a serv
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -205,3 +206,24 @@ def test_a_served_start_imports_nothing_but_the_client(server, tmp_path: Path) -
                        "--log-file", str(tmp_path / "hook.log")], state)
     # (had the server not taken it, the in-process hook's imports would be here too)
     assert served - bare == {"devinject", "devinject.hook", "devinject.hook.client", "_socket"}
+
+
+def test_install_hook_points_the_hook_at_the_server_and_says_when_none_answers(server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from devinject.hook.client import encode_request
+
+    _, path = server
+    done = subprocess.run([DEVINJECT, "install-hook", "--hooks-dir", str(tmp_path), "--server", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "no hook server answers" not in done.stderr, done.stderr
+    args = json.loads((tmp_path / "10-devinject.json").read_text())["hook"]["args"]
+    assert args[-2:] == ["--server", str(path)]
+    absent = tmp_path / "absent.sock"
+    done = subprocess.run([DEVINJECT, "install-hook", "--runc-snippet", "--server", str(absent)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"note: no hook server answers at {absent}" in done.stderr
+    assert json.loads(done.stdout)["hooks"]["prestart"][0]["args"][-2:] == ["--server", str(absent)]
+    # the probes were no requests: nothing refused, and the server serves on (a garbage request is refused)
+    assert _raw_request(path, b"\x00\x00\x00\x09garbage") == b""
+    served = _raw_request(path, encode_request(["hook", "--dry-run", "--no-server", "--log-file", "/dev/null"]))
+    assert served == b"\x01"  # served: the hook's own status (no OCI state on its stdin)
+    assert (tmp_path / "hook-server.log").read_text().count("refused") == 1

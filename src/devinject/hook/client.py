@@ -47,6 +47,23 @@ def decode_request(data: bytes) -> list[str] | None:
         return None
 
 
+def server_answers(path: str) -> bool:
+    """Whether a hook server run by this user listens on `path` (it takes a connection that sends nothing
+    as a probe, not as a request)."""
+    import _socket
+
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(CONNECT_TIMEOUT)
+        sock.connect(path)
+        peer = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
+        return int.from_bytes(peer[4:8], sys.byteorder) == posix.geteuid()
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
 def run_via_server(args: list[str]) -> int | None:
     """The hook's exit status as the server's worker gives it; None when no server takes the request."""
     path = server_socket(args[1:])

@@ -189,6 +189,8 @@ def _take(conn: socket.socket) -> None:  # pragma: no cover - runs in a worker
     fds = [int.from_bytes(cmsg[2][i:i + 4], sys.byteorder, signed=True)
            for cmsg in ancillary if cmsg[:2] == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
            for i in range(0, len(cmsg[2]) - 3, 4)]
+    if not data and not ancillary:
+        return  # a probe (`install-hook` asking whether a server answers), not a request
     args = decode_request(data)
     if args is None or len(fds) != 3 or not args or args[0] != "hook":
         log.warning("malformed hook request refused")
