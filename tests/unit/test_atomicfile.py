@@ -2,37 +2,11 @@
 
 from __future__ import annotations
 
-import errno
-import os
 import threading
 
 import pytest
 
-from devinject.core import atomicfile, libc
-
-
-def _dir_fd(path):
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-
-
-def test_an_existing_file_is_swapped_in_by_exchange_not_renamed_over(tmp_path, monkeypatch):
-    target = tmp_path / "ld.so.cache"
-    target.write_bytes(b"old")
-    old_inode = target.stat().st_ino
-
-    def no_rename_over(*args, **kwargs):
-        raise AssertionError("a rename over an existing file makes ext4 write the new file back first")
-
-    monkeypatch.setattr(atomicfile.os, "replace", no_rename_over)
-    fd = _dir_fd(tmp_path)
-    try:
-        atomicfile.replace_at(fd, "ld.so.cache", b"new", 0o600)
-    finally:
-        os.close(fd)
-    assert target.read_bytes() == b"new"
-    assert target.stat().st_ino != old_inode
-    assert target.stat().st_mode & 0o777 == 0o600
-    assert [p.name for p in tmp_path.iterdir()] == ["ld.so.cache"]  # the old file is gone, no temp left
+from devinject.core import atomicfile
 
 
 def test_a_new_file_and_a_link_in_the_way(tmp_path):
@@ -54,18 +28,6 @@ def test_a_directory_in_the_way_is_refused_and_left_as_it_was(tmp_path):
         atomicfile.replace(str(tmp_path / "cache"), b"data")
     assert (tmp_path / "cache" / "inside").read_text() == "kept"
     assert [p.name for p in tmp_path.iterdir()] == ["cache"]
-
-
-@pytest.mark.parametrize("missing", [errno.EINVAL, errno.ENOSYS])
-def test_without_the_exchange_it_is_a_plain_rename(tmp_path, monkeypatch, missing):
-    def unavailable(*args):
-        raise OSError(missing, os.strerror(missing))
-
-    monkeypatch.setattr(libc, "rename_exchange", unavailable)
-    (tmp_path / "file").write_bytes(b"old")
-    atomicfile.replace(str(tmp_path / "file"), b"new")
-    assert (tmp_path / "file").read_bytes() == b"new"
-    assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
 def test_a_reader_never_finds_the_file_missing_or_partial(tmp_path):
