@@ -115,7 +115,9 @@ from devinject.hook import syscalls
 from devinject.hook.executor import Executor
 from devinject.hook.plan import BindMount, Plan
 
-rootfs, host_file, volume = sys.argv[1], sys.argv[2], sys.argv[3]
+rootfs, host_file, volume, lookup = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+if lookup == "fdinfo":  # a kernel or C library without statx's mount id
+    syscalls.mount_id = lambda fd: None
 inside = os.path.join(rootfs, "vol")
 syscalls.mount(volume, volume, syscalls.MS_BIND)
 syscalls.mount(None, volume, 1 << 20)  # MS_SHARED: the host side of an rshared volume
@@ -130,15 +132,17 @@ print("host side:", sorted(os.listdir(volume)),
 """
 
 
-def test_a_mount_inside_a_shared_volume_is_refused_not_propagated(tmp_path: Path) -> None:
-    """The image links its library dir into an rshared volume: a mount there would appear on the host."""
+@pytest.mark.parametrize("lookup", ["statx", "fdinfo"])
+def test_a_mount_inside_a_shared_volume_is_refused_not_propagated(tmp_path: Path, lookup: str) -> None:
+    """The image links its library dir into an rshared volume: a mount there would appear on the host. The
+    target's mount is found by statx, or from /proc/self/fdinfo where statx cannot tell."""
     rootfs, host_file = _rootfs_with_driver(tmp_path)
     volume = tmp_path / "volume"
     volume.mkdir()
     (rootfs / "vol").mkdir()
     (rootfs / "usr").mkdir()
     (rootfs / "usr" / "lib").symlink_to("/vol")
-    done = _private_ns(SHARED, str(rootfs), str(host_file), str(volume))
+    done = _private_ns(SHARED, str(rootfs), str(host_file), str(volume), lookup)
     assert done.returncode == 0, done.stderr
     assert "hook error: mount /usr/lib/driver.so: the target is inside a shared mount" in done.stdout
     assert "host side: [] False" in done.stdout  # no mount and no leftover mount point on the host side
@@ -176,3 +180,17 @@ def test_device_nodes_get_their_exact_mode_and_a_swapped_name_is_never_followed(
         Executor(str(rootfs)).apply(Plan(nodes=(MakeNode("/dev/fake1", "c", 1, 3, 0o666, 1000, 44, "/dev/null"),)))
     st = host_file.stat()
     assert (oct(st.st_mode & 0o7777), st.st_uid) == ("0o600", 0)  # the host file kept its mode and owner
+
+
+def test_statx_and_fdinfo_name_the_same_mount() -> None:
+    from devinject.hook import executor, syscalls
+
+    for path in ("/", "/proc", "/dev", "/sys/fs/cgroup"):
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        try:
+            info = Path(f"/proc/self/fdinfo/{fd}").read_text()
+            expected = next(line.split()[1] for line in info.splitlines() if line.startswith("mnt_id:"))
+            assert str(syscalls.mount_id(fd)) == expected == executor._mount_id(fd), path
+        finally:
+            os.close(fd)
+

@@ -69,6 +69,18 @@ def _read_proc(path: str) -> bytes:
         os.close(fd)
 
 
+def _mount_id(fd: int) -> str | None:
+    """The id of the mount holding `fd`: one statx call (Linux >= 5.8), else from /proc/self/fdinfo."""
+    found = syscalls.mount_id(fd)
+    if found is not None:
+        return str(found)
+    try:
+        info = _read_proc(f"/proc/self/fdinfo/{fd}").decode("ascii", "replace")
+        return next(line.split()[1] for line in info.splitlines() if line.startswith("mnt_id:"))
+    except (OSError, StopIteration, IndexError):
+        return None
+
+
 class Executor:
     def __init__(self, rootfs: str) -> None:
         self.rootfs = rootfs
@@ -215,11 +227,9 @@ class Executor:
     def _in_shared_mount(self, fd: int) -> bool:
         """Whether the mount holding `fd` propagates to peers (`shared:N` in mountinfo): a mount attached
         there would appear on the host too. Mounts devinject attached itself are private."""
-        try:
-            info = _read_proc(f"/proc/self/fdinfo/{fd}").decode("ascii", "replace")
-            mount_id = next(line.split()[1] for line in info.splitlines() if line.startswith("mnt_id:"))
-        except (OSError, StopIteration, IndexError):
-            return False  # no fdinfo (not Linux or no /proc): nothing to go on
+        mount_id = _mount_id(fd)
+        if mount_id is None:
+            return False  # no statx mount id and no fdinfo (not Linux or no /proc): nothing to go on
         if mount_id not in self._shared:  # a mount not seen yet (one attached since): read the table again
             mountinfo = _read_proc("/proc/self/mountinfo").decode("utf-8", "replace")
             self._shared = {m.mount_id: m.shared for m in parse_mountinfo(mountinfo)}

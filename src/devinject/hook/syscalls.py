@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 from devinject.core.libc import libc
 
@@ -90,3 +91,23 @@ def move_mount(tree_fd: int, target_fd: int) -> None:
     """Attach the detached mount `tree_fd` on the object `target_fd` refers to (no path is resolved)."""
     _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree_fd), b"", ctypes.c_int(target_fd), b"",
              ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH), what="move_mount")
+
+
+# --- statx: the mount a file is on (Linux >= 5.8) ---------------------------------------------------------
+STATX_MNT_ID = 0x1000
+_STATX_SIZE = 256
+_STATX_MNT_ID_OFFSET = 144  # struct statx: after mask .. dev_minor (include/uapi/linux/stat.h)
+
+
+def mount_id(fd: int) -> int | None:
+    """The id of the mount `fd` is on, as /proc/self/mountinfo numbers it, in one statx call; None where the
+    kernel or the C library cannot tell (the caller reads /proc/self/fdinfo then)."""
+    buffer = ctypes.create_string_buffer(_STATX_SIZE)
+    try:
+        result = libc().statx(ctypes.c_int(fd), b"", ctypes.c_int(AT_EMPTY_PATH), ctypes.c_uint(STATX_MNT_ID), buffer)
+    except AttributeError:  # a C library without the wrapper
+        return None
+    if result != 0 or not int.from_bytes(buffer.raw[0:4], sys.byteorder) & STATX_MNT_ID:
+        return None
+    return int.from_bytes(buffer.raw[_STATX_MNT_ID_OFFSET:_STATX_MNT_ID_OFFSET + 8], sys.byteorder)
+
