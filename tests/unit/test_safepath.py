@@ -108,3 +108,23 @@ def test_symlinks_replace_image_files_atomically_and_refuse_directories(tmp_path
         Executor(str(rootfs)).apply(Plan(links=(Symlink("y", "/usr/lib/made/y.so.1"),
                                                 Symlink("x", "/usr/lib/dir.so.1"))))
     assert not (lib / "made").exists()  # rolled back: the link and the directory made for it are gone
+
+
+def test_the_executor_leaves_no_descriptor_open_whether_it_succeeds_or_rolls_back(tmp_path):
+    """The hook server's worker and a long-lived caller run it in their own process: every directory fd it
+    took (walks, the directories it made) is closed again."""
+    from devinject.core.errors import HookError
+    from devinject.hook.executor import Executor
+    from devinject.hook.plan import Plan, Symlink
+
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    (rootfs / "taken.so.1").mkdir()
+    before = sorted(os.listdir("/proc/self/fd"))
+    Executor(str(rootfs)).apply(Plan(links=(Symlink("x", "/usr/lib/new/deeper/libx.so.1"),
+                                            Symlink("y", "/opt/lib/liby.so.1"))))
+    assert (rootfs / "usr" / "lib" / "new" / "deeper" / "libx.so.1").is_symlink()
+    with pytest.raises(HookError):
+        Executor(str(rootfs)).apply(Plan(links=(Symlink("z", "/srv/made/libz.so.1"), Symlink("t", "/taken.so.1"))))
+    assert not (rootfs / "srv").exists()
+    assert sorted(os.listdir("/proc/self/fd")) == before

@@ -346,6 +346,7 @@ class Executor:
         finally:
             self.undo.close()
             self.root.close()
+            self.created.close()
         return self.log
 
     def rollback(self) -> None:
@@ -355,9 +356,3 @@ class Executor:
                 os.rmdir(name, dir_fd=dir_fd)
             except OSError:
                 pass
-        for dir_fd, _ in self.created.dirs:
-            try:
-                os.close(dir_fd)
-            except OSError:
-                pass
-        self.created.dirs.clear()

@@ -21,7 +21,15 @@ class Created:
     """What a walk created, so a failed hook can remove it again (deepest first)."""
 
     def __init__(self) -> None:
-        self.dirs: list[tuple[int, str]] = []
+        self.dirs: list[tuple[int, str]] = []  # (an fd on the parent, the name made there)
+
+    def close(self) -> None:
+        for dir_fd, _ in self.dirs:
+            try:
+                os.close(dir_fd)
+            except OSError:
+                pass
+        self.dirs.clear()
 
 
 class Root:
