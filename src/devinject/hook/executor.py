@@ -248,17 +248,15 @@ class Executor:
         dir_fd, name = self.root.walk_parent(link.link, create=True, created=self.created)
         self.undo.keep(dir_fd)
         try:
-            if os.readlink(name, dir_fd=dir_fd) == link.target:
-                return
-        except FileNotFoundError:
-            pass
-        except OSError:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                raise HookError(f"link {link.link}: a directory is in the way in the container") from None
-        try:
             os.symlink(link.target, name, dir_fd=dir_fd)  # the usual case: nothing there yet
-        except FileExistsError:  # an image file in the way: replace it atomically, never write through it
+        except FileExistsError:
+            try:
+                if os.readlink(name, dir_fd=dir_fd) == link.target:
+                    return  # made by an earlier run of the hook for this container
+            except OSError:  # not a link
+                if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                    raise HookError(f"link {link.link}: a directory is in the way in the container") from None
+            # an image file or link in the way: replace it atomically, never write through it
             tmp = f".{name}.devinject-{os.getpid()}"
             os.symlink(link.target, tmp, dir_fd=dir_fd)
             os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

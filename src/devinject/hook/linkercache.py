@@ -87,7 +87,9 @@ def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry]) -> list[
     if dir_fd is None:
         return []  # the folder is not in the container: nothing to add
     try:
-        names = sorted(os.listdir(dir_fd))[:MAX_FOLDER_ENTRIES]
+        with os.scandir(dir_fd) as listing:  # each entry's type from the listing itself: no stat for a link
+            links = {entry.name: entry.is_symlink() for entry in listing}
+        names = sorted(links)[:MAX_FOLDER_ENTRIES]
         present = set(names)
         paths = {e.path for e in existing}
         sonames = {e.soname for e in existing if posixpath.dirname(e.path) == folder}
@@ -95,9 +97,9 @@ def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry]) -> list[
         for name in names:
             if ".so" not in name or _already_cached(name, folder, paths, sonames):
                 continue
-            fd = open_regular(dir_fd, name)
-            if fd is None and _names_a_sibling(dir_fd, name, present):
+            if links[name] and _names_a_sibling(dir_fd, name, present):
                 continue  # libcuda.so -> libcuda.so.1: the library it names is read under that name
+            fd = open_regular(dir_fd, name)
             if fd is None:  # a link elsewhere: follow it inside the rootfs only
                 try:
                     link_dir, link_leaf = root.resolve(f"{folder}/{name}")
