@@ -227,3 +227,34 @@ def test_install_hook_points_the_hook_at_the_server_and_says_when_none_answers(s
     served = _raw_request(path, encode_request(["hook", "--dry-run", "--no-server", "--log-file", "/dev/null"]))
     assert served == b"\x01"  # served: the hook's own status (no OCI state on its stdin)
     assert (tmp_path / "hook-server.log").read_text().count("refused") == 1
+
+
+def test_a_replacement_readies_itself_in_the_background_and_then_waits_at_normal_priority(server) -> None:  # type: ignore[no-untyped-def]
+    """Forked while other workers wait, a replacement warms up at idle priority (runc's start comes
+    first), and must be back at normal priority before it takes a request."""
+    from devinject.hook.client import encode_request
+
+    process, path = server
+    listing = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+
+    def workers() -> set[int]:
+        return {int(pid) for pid in listing.read_text().split()}
+
+    deadline = time.monotonic() + 10
+    while len(workers()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.025)
+    first = workers()
+    request = encode_request(["hook", "--dry-run", "--no-server", "--log-file", "/dev/null"])
+    assert _raw_request(path, request) == b"\x01"  # served (no OCI state on stdin: the hook's own error)
+    ready: dict[int, int] = {}
+    while time.monotonic() < deadline:
+        fresh = workers() - first
+        try:
+            ready = {pid: os.sched_getscheduler(pid) for pid in workers()}
+        except ProcessLookupError:
+            continue  # the worker that served is exiting
+        if fresh and len(ready) >= 3 and set(ready.values()) == {os.SCHED_OTHER}:
+            break
+        time.sleep(0.025)
+    assert workers() - first, "no replacement was forked"
+    assert set(ready.values()) == {os.SCHED_OTHER}, ready

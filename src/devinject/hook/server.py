@@ -83,10 +83,13 @@ def serve(path: str, *, spares: int = SPARES) -> None:
     Pre-forking: `spares` workers wait in accept() on the socket, and each serves one request and exits.
     The server forks replacements once requests have paused for REPLACE_AFTER (at once when none waits),
     so a fork (~2 ms for a process with everything loaded) is neither on a container's start path nor
-    competing with it for the CPU."""
+    competing with it for the CPU. A replacement forked while another worker waits readies itself (~5 ms)
+    at idle priority, and a worker that has answered exits at idle priority: runc and the next container
+    start come first."""
     preload()
     server = listen(path)
     gc.freeze()  # what preloading made is never collected: no collection in a worker touches (copies) it
+    background = _may_leave_idle_priority()
     taken_r, taken_w = os.pipe()  # a worker that accepted a connection says so with its pid
     idle: set[int] = set()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -98,7 +101,7 @@ def serve(path: str, *, spares: int = SPARES) -> None:
             # then competes with it for the CPU), at once when none waits.
             settled = time.monotonic() - last_taken >= REPLACE_AFTER
             while len(idle) < spares and (settled or not idle):
-                idle.add(_spawn(server, taken_w))
+                idle.add(_spawn(server, taken_w, background=background and bool(idle)))
             wait = 0.5 if len(idle) >= spares else max(REPLACE_AFTER - (time.monotonic() - last_taken), 0.001)
             readable, _, _ = select.select([taken_r], [], [], wait)
             if readable:
@@ -138,7 +141,30 @@ def _reap() -> list[int]:
     return gone
 
 
-def _spawn(server: socket.socket, taken_w: int) -> int:
+def _may_leave_idle_priority() -> bool:
+    """Whether a worker may go back from idle to normal scheduling priority (root, or CAP_SYS_NICE): tried
+    in a child, so this process never stays idle."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def _idle_priority() -> None:  # pragma: no cover - runs in a worker
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        pass  # only a matter of who runs first
+
+
+def _spawn(server: socket.socket, taken_w: int, *, background: bool = False) -> int:
+    """A worker: it readies itself (at idle priority when `background`, back to normal before it waits for
+    a request), serves one request and exits."""
     sys.stdout.flush()
     sys.stderr.flush()
     parent = os.getpid()
@@ -154,7 +180,11 @@ def _spawn(server: socket.socket, taken_w: int) -> int:
         libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # never outlive the server
         if os.getppid() != parent:
             os._exit(0)
+        if background:
+            _idle_priority()
         _touch_heap()
+        if background:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # the request is served at full speed
         conn, _ = server.accept()
         os.write(taken_w, os.getpid().to_bytes(4, sys.byteorder))
         server.close()
@@ -165,6 +195,7 @@ def _spawn(server: socket.socket, taken_w: int) -> int:
     except BaseException as err:  # a worker never raises into the server's code
         log.warning("hook request dropped: %s", err)
     finally:
+        _idle_priority()  # answered (or dropped): tearing this process down can wait for runc
         os._exit(status)
 
 
