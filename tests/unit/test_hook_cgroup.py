@@ -34,6 +34,33 @@ def test_no_device_controller():
     assert find_device_cgroup("", "0::/x\n") is None
 
 
+def _busy_node(cgroup_lines: str) -> str:
+    """A node running many containers: thousands of overlay, shm and bind mounts around the cgroup ones."""
+    others = [f"{1000 + i} 27 0:{100 + i} / /run/containerd/c{i}/rootfs rw,relatime - overlay overlay rw,lowerdir=/l{i}"
+              for i in range(3000)]
+    others += [f"{5000 + i} 27 0:{4000 + i} / /sys/fs/cgroup/x{i} rw - tmpfs shm rw" for i in range(10)]
+    return "\n".join(others[:1500]) + "\n" + cgroup_lines + "\n".join(others[1500:]) + "\n"
+
+
+def test_the_device_cgroup_is_found_among_thousands_of_other_mounts():
+    cgroup = find_device_cgroup(_busy_node(HYBRID), PROC_CGROUP_V1)
+    assert (cgroup.version, cgroup.path) == (1, "/sys/fs/cgroup/devices/runc/c1")
+    cgroup = find_device_cgroup(_busy_node(UNIFIED), "5:devices:/\n0::/test3\n")
+    assert (cgroup.version, cgroup.path) == (2, "/sys/fs/cgroup/test3")
+    # whatever is mounted last on /sys/fs/cgroup decides, cgroup or not: a tmpfs over cgroup2 is not v2
+    hidden = _busy_node(UNIFIED + "91 26 0:26 / /sys/fs/cgroup rw - tmpfs tmpfs rw\n")
+    cgroup = find_device_cgroup(hidden, PROC_CGROUP_V1)
+    assert (cgroup.version, cgroup.path) == (1, "/sys/fs/cgroup/devices/runc/c1")
+
+
+def test_mountinfo_looks_up_one_mount_by_its_id():
+    text = _busy_node(HYBRID)
+    (entry,) = parse_mountinfo(text, mount_id="33")  # not 3300-something, whose ids start the same
+    assert (entry.mount_point, entry.shared) == ("/sys/fs/cgroup/devices", True)
+    assert parse_mountinfo(text, mount_id="99999") == []
+    assert len(parse_mountinfo(text)) == 3010 + 5
+
+
 def test_mountinfo_unescapes_spaces():
     (entry,) = parse_mountinfo("1 0 0:1 / /mnt/with\\040space rw - ext4 /dev/x rw\n")
     assert entry.mount_point == "/mnt/with space"

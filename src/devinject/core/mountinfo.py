@@ -28,9 +28,14 @@ def _unescape(field: str) -> str:
     return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
 
-def parse_mountinfo(text: str) -> list[MountEntry]:
+def parse_mountinfo(text: str, *, mount_id: str | None = None) -> list[MountEntry]:
+    """Every mount, or only the one with `mount_id`: a node running many containers has thousands of mounts,
+    and the hook looks one up on every container start."""
+    prefix = f"{mount_id} " if mount_id is not None else ""
     entries = []
     for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
         left, sep, right = line.partition(" - ")
         fields = left.split()
         tail = right.split()

@@ -55,7 +55,10 @@ def _join(entry: MountEntry, cgroup_path: str) -> str:
 
 def find_device_cgroup(mountinfo: str, proc_cgroup: str) -> DeviceCgroup | None:
     """Pure: the device cgroup directory for a process, or None when it has no device controller."""
-    mounts = parse_mountinfo(mountinfo)
+    # Only cgroup mounts and what is mounted on /sys/fs/cgroup are parsed: a node running many containers
+    # has thousands of other mounts, and this runs on every container start.
+    wanted = (line for line in mountinfo.splitlines() if " - cgroup" in line or f" {CGROUP_ROOT} " in line)
+    mounts = parse_mountinfo("\n".join(wanted))
     paths = parse_proc_cgroup(proc_cgroup)
     at_root = [m for m in mounts if m.mount_point == CGROUP_ROOT]
     if at_root and at_root[-1].fstype == "cgroup2":  # the last mount on a point is the visible one
