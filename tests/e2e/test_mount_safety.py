@@ -116,8 +116,10 @@ from devinject.hook.executor import Executor
 from devinject.hook.plan import BindMount, Plan
 
 rootfs, host_file, volume, lookup = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+if lookup in ("statx", "fdinfo"):  # a kernel without statmount (Linux < 6.8): the mountinfo table
+    syscalls.mount_propagation = lambda fd: None
 if lookup == "fdinfo":  # a kernel or C library without statx's mount id
-    syscalls.mount_id = lambda fd: None
+    syscalls.mount_id = lambda fd, unique=False: None
 inside = os.path.join(rootfs, "vol")
 syscalls.mount(volume, volume, syscalls.MS_BIND)
 syscalls.mount(None, volume, 1 << 20)  # MS_SHARED: the host side of an rshared volume
@@ -132,10 +134,11 @@ print("host side:", sorted(os.listdir(volume)),
 """
 
 
-@pytest.mark.parametrize("lookup", ["statx", "fdinfo"])
+@pytest.mark.parametrize("lookup", ["statmount", "statx", "fdinfo"])
 def test_a_mount_inside_a_shared_volume_is_refused_not_propagated(tmp_path: Path, lookup: str) -> None:
     """The image links its library dir into an rshared volume: a mount there would appear on the host. The
-    target's mount is found by statx, or from /proc/self/fdinfo where statx cannot tell."""
+    target mount's propagation comes from statmount, else from mountinfo (the mount found by statx, or by
+    /proc/self/fdinfo where statx cannot tell)."""
     rootfs, host_file = _rootfs_with_driver(tmp_path)
     volume = tmp_path / "volume"
     volume.mkdir()
@@ -193,4 +196,27 @@ def test_statx_and_fdinfo_name_the_same_mount() -> None:
             assert str(syscalls.mount_id(fd)) == expected == executor._mount_id(fd), path
         finally:
             os.close(fd)
+
+
+SHARED_FLAGS = r"""
+import os, sys
+from devinject.core.mountinfo import parse_mountinfo
+from devinject.hook import syscalls
+
+volume = sys.argv[1]
+syscalls.mount(volume, volume, syscalls.MS_BIND)
+syscalls.mount(None, volume, 1 << 20)  # MS_SHARED
+table = {m.mount_point: m.shared for m in parse_mountinfo(open("/proc/self/mountinfo").read())}
+for path in ("/", "/proc", volume):
+    fd = os.open(path, os.O_PATH)
+    flags = syscalls.mount_propagation(fd)
+    print(path, flags is not None and bool(flags & syscalls.MS_SHARED), table[path])
+"""
+
+
+def test_statmount_and_mountinfo_agree_on_which_mounts_are_shared(tmp_path: Path) -> None:
+    require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare")
+    done = _private_ns(SHARED_FLAGS, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["/ False False", "/proc False False", f"{tmp_path} True True"]
 

@@ -226,7 +226,12 @@ class Executor:
 
     def _in_shared_mount(self, fd: int) -> bool:
         """Whether the mount holding `fd` propagates to peers (`shared:N` in mountinfo): a mount attached
-        there would appear on the host too. Mounts devinject attached itself are private."""
+        there would appear on the host too. Mounts devinject attached itself are private. Asked of the kernel
+        for that one mount (statmount) where it can answer; else looked up in /proc/self/mountinfo, which
+        lists every mount in the namespace (~8 ms to read with 3,000 mounts, a busy node's count)."""
+        propagation = syscalls.mount_propagation(fd)
+        if propagation is not None:
+            return bool(propagation & syscalls.MS_SHARED)
         mount_id = _mount_id(fd)
         if mount_id is None:
             return False  # no statx mount id and no fdinfo (not Linux or no /proc): nothing to go on

@@ -93,21 +93,50 @@ def move_mount(tree_fd: int, target_fd: int) -> None:
              ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH), what="move_mount")
 
 
-# --- statx: the mount a file is on (Linux >= 5.8) ---------------------------------------------------------
-STATX_MNT_ID = 0x1000
+# --- statx and statmount: which mount a file is on, and how that mount propagates -----------------------
+STATX_MNT_ID = 0x1000  # Linux >= 5.8: the id /proc/self/mountinfo shows
+STATX_MNT_ID_UNIQUE = 0x4000  # Linux >= 6.8: the 64-bit id statmount takes
 _STATX_SIZE = 256
 _STATX_MNT_ID_OFFSET = 144  # struct statx: after mask .. dev_minor (include/uapi/linux/stat.h)
+_SYS_STATMOUNT = 457
+STATMOUNT_MNT_BASIC = 0x2
+MNT_ID_REQ_SIZE_VER0 = 24  # struct mnt_id_req: size, spare, mnt_id, param (the mask)
+_STATMOUNT_SIZE = 512  # struct statmount without its strings
+_STATMOUNT_MASK_OFFSET = 8
+_STATMOUNT_PROPAGATION_OFFSET = 72  # struct statmount: mnt_propagation (include/uapi/linux/mount.h)
+MS_SHARED = 1 << 20
 
 
-def mount_id(fd: int) -> int | None:
-    """The id of the mount `fd` is on, as /proc/self/mountinfo numbers it, in one statx call; None where the
-    kernel or the C library cannot tell (the caller reads /proc/self/fdinfo then)."""
+def mount_id(fd: int, *, unique: bool = False) -> int | None:
+    """The id of the mount `fd` is on (as /proc/self/mountinfo numbers it, or `unique`: the one statmount
+    takes), in one statx call; None where the kernel or the C library cannot tell."""
+    wanted = STATX_MNT_ID_UNIQUE if unique else STATX_MNT_ID
     buffer = ctypes.create_string_buffer(_STATX_SIZE)
     try:
-        result = libc().statx(ctypes.c_int(fd), b"", ctypes.c_int(AT_EMPTY_PATH), ctypes.c_uint(STATX_MNT_ID), buffer)
+        result = libc().statx(ctypes.c_int(fd), b"", ctypes.c_int(AT_EMPTY_PATH), ctypes.c_uint(wanted), buffer)
     except AttributeError:  # a C library without the wrapper
         return None
-    if result != 0 or not int.from_bytes(buffer.raw[0:4], sys.byteorder) & STATX_MNT_ID:
+    if result != 0 or not int.from_bytes(buffer.raw[0:4], sys.byteorder) & wanted:
         return None
     return int.from_bytes(buffer.raw[_STATX_MNT_ID_OFFSET:_STATX_MNT_ID_OFFSET + 8], sys.byteorder)
 
+
+def mount_propagation(fd: int) -> int | None:
+    """The propagation flags (MS_SHARED, MS_SLAVE, ...) of the mount `fd` is on, from statmount (Linux >=
+    6.8) in this process's mount namespace; None where the kernel cannot tell (the caller reads
+    /proc/self/mountinfo then, whose size grows with every mount on the node)."""
+    unique = mount_id(fd, unique=True)
+    if unique is None:
+        return None
+    order = sys.byteorder
+    request = ctypes.create_string_buffer(MNT_ID_REQ_SIZE_VER0.to_bytes(4, order) + bytes(4)
+                                          + unique.to_bytes(8, order) + STATMOUNT_MNT_BASIC.to_bytes(8, order),
+                                          MNT_ID_REQ_SIZE_VER0)
+    buffer = ctypes.create_string_buffer(_STATMOUNT_SIZE)
+    result = libc().syscall(ctypes.c_long(_SYS_STATMOUNT), request, buffer, ctypes.c_size_t(_STATMOUNT_SIZE),
+                            ctypes.c_uint(0))
+    raw = buffer.raw
+    if result != 0 or not int.from_bytes(raw[_STATMOUNT_MASK_OFFSET:_STATMOUNT_MASK_OFFSET + 8], order) \
+            & STATMOUNT_MNT_BASIC:
+        return None
+    return int.from_bytes(raw[_STATMOUNT_PROPAGATION_OFFSET:_STATMOUNT_PROPAGATION_OFFSET + 8], order)
