@@ -99,10 +99,14 @@ STATX_MNT_ID_UNIQUE = 0x4000  # Linux >= 6.8: the 64-bit id statmount takes
 _STATX_SIZE = 256
 _STATX_MNT_ID_OFFSET = 144  # struct statx: after mask .. dev_minor (include/uapi/linux/stat.h)
 _SYS_STATMOUNT = 457
+STATMOUNT_SB_BASIC = 0x1
 STATMOUNT_MNT_BASIC = 0x2
+STATMOUNT_MNT_ROOT = 0x8
 MNT_ID_REQ_SIZE_VER0 = 24  # struct mnt_id_req: size, spare, mnt_id, param (the mask)
-_STATMOUNT_SIZE = 512  # struct statmount without its strings
+_STATMOUNT_SIZE = 512  # struct statmount, its strings follow
 _STATMOUNT_MASK_OFFSET = 8
+_STATMOUNT_MAGIC_OFFSET = 24  # sb_magic
+_STATMOUNT_ROOT_OFFSET = 104  # mnt_root: where its string starts, after the struct
 _STATMOUNT_PROPAGATION_OFFSET = 72  # struct statmount: mnt_propagation (include/uapi/linux/mount.h)
 MS_SHARED = 1 << 20
 
@@ -121,22 +125,41 @@ def mount_id(fd: int, *, unique: bool = False) -> int | None:
     return int.from_bytes(buffer.raw[_STATX_MNT_ID_OFFSET:_STATX_MNT_ID_OFFSET + 8], sys.byteorder)
 
 
-def mount_propagation(fd: int) -> int | None:
-    """The propagation flags (MS_SHARED, MS_SLAVE, ...) of the mount `fd` is on, from statmount (Linux >=
-    6.8) in this process's mount namespace; None where the kernel cannot tell (the caller reads
-    /proc/self/mountinfo then, whose size grows with every mount on the node)."""
+def _statmount(fd: int, mask: int, size: int = _STATMOUNT_SIZE) -> bytes | None:
+    """struct statmount (and its strings) for the mount `fd` is on, with every part of `mask` filled in;
+    None where the kernel cannot tell (Linux < 6.8)."""
     unique = mount_id(fd, unique=True)
     if unique is None:
         return None
     order = sys.byteorder
     request = ctypes.create_string_buffer(MNT_ID_REQ_SIZE_VER0.to_bytes(4, order) + bytes(4)
-                                          + unique.to_bytes(8, order) + STATMOUNT_MNT_BASIC.to_bytes(8, order),
+                                          + unique.to_bytes(8, order) + mask.to_bytes(8, order),
                                           MNT_ID_REQ_SIZE_VER0)
-    buffer = ctypes.create_string_buffer(_STATMOUNT_SIZE)
-    result = libc().syscall(ctypes.c_long(_SYS_STATMOUNT), request, buffer, ctypes.c_size_t(_STATMOUNT_SIZE),
+    buffer = ctypes.create_string_buffer(size)
+    result = libc().syscall(ctypes.c_long(_SYS_STATMOUNT), request, buffer, ctypes.c_size_t(size),
                             ctypes.c_uint(0))
     raw = buffer.raw
-    if result != 0 or not int.from_bytes(raw[_STATMOUNT_MASK_OFFSET:_STATMOUNT_MASK_OFFSET + 8], order) \
-            & STATMOUNT_MNT_BASIC:
+    filled = int.from_bytes(raw[_STATMOUNT_MASK_OFFSET:_STATMOUNT_MASK_OFFSET + 8], order)
+    return raw if result == 0 and filled & mask == mask else None
+
+
+def mount_propagation(fd: int) -> int | None:
+    """The propagation flags (MS_SHARED, MS_SLAVE, ...) of the mount `fd` is on, from statmount (Linux >=
+    6.8) in this process's mount namespace; None where the kernel cannot tell (the caller reads
+    /proc/self/mountinfo then, whose size grows with every mount on the node)."""
+    raw = _statmount(fd, STATMOUNT_MNT_BASIC)
+    if raw is None:
         return None
-    return int.from_bytes(raw[_STATMOUNT_PROPAGATION_OFFSET:_STATMOUNT_PROPAGATION_OFFSET + 8], order)
+    return int.from_bytes(raw[_STATMOUNT_PROPAGATION_OFFSET:_STATMOUNT_PROPAGATION_OFFSET + 8], sys.byteorder)
+
+
+def mount_magic_and_root(fd: int) -> tuple[int, str] | None:
+    """The filesystem magic (CGROUP2_SUPER_MAGIC, ...) of the mount `fd` is on and the mount's root within
+    that filesystem (as mountinfo's fourth field), from statmount; None where the kernel cannot tell."""
+    raw = _statmount(fd, STATMOUNT_SB_BASIC | STATMOUNT_MNT_ROOT, _STATMOUNT_SIZE + 4096)
+    if raw is None:
+        return None
+    magic = int.from_bytes(raw[_STATMOUNT_MAGIC_OFFSET:_STATMOUNT_MAGIC_OFFSET + 8], sys.byteorder)
+    offset = _STATMOUNT_SIZE + int.from_bytes(raw[_STATMOUNT_ROOT_OFFSET:_STATMOUNT_ROOT_OFFSET + 4], sys.byteorder)
+    root = raw[offset:raw.index(b"\0", offset)].decode("utf-8", "surrogateescape")
+    return magic, root
