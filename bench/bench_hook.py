@@ -3,7 +3,8 @@
 8 GPUs plus the driver libraries (nvidia.com/gpu=all on the HGX H100 host, real mknod nodes), with the
 ledger off and on. Every container gets a fresh overlay rootfs, as a container runtime's snapshotter gives
 runc: the hook creates its nodes, mount targets, links and linker cache anew each time. Medians and the
-added latency from one run; prints figures, asserts nothing. Root only.
+added latency from one run; prints figures, asserts nothing. Root only. BENCH_RUNS sets the runs per variant
+(80); BENCH_HOST_MOUNTS=N adds N mounts on the host first, as on a node running many pods.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def main() -> int:
     fast = work / "tmpfs"
     fast.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=256m", "devinject-bench", str(fast)], check=True)
+    # BENCH_HOST_MOUNTS=N: a busy node's mount table (pods' rootfs, secrets, shm...), N small tmpfs mounts on
+    # the host, which every container's mount namespace starts with a copy of
+    crowd = [fast / "crowd" / str(i) for i in range(int(os.environ.get("BENCH_HOST_MOUNTS", "0")))]
+    for point in crowd:
+        point.mkdir(parents=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "devinject-crowd", str(point)], check=True)
     state = fast / "state"
     try:
         builder = LibBuilder()
@@ -142,7 +149,8 @@ def main() -> int:
                 starts[label].append(begin)
                 stops[label].append(end)
         spec = (work / "cdi" / "nvidia.com-gpu.yaml").read_text()
-        print(f"runc, {runs} runs each, medians (8 GPUs, {spec.count('containerPath:')} driver file mounts):")
+        print(f"runc, {runs} runs each, medians (8 GPUs, {spec.count('containerPath:')} driver file mounts, "
+              f"{len(Path('/proc/self/mountinfo').read_text().splitlines())} mounts on the host):")
         base_start, base_stop = statistics.median(starts["without hook"]), statistics.median(stops["without hook"])
         for label, variant in labels.items():
             start_ms, stop_ms = statistics.median(starts[label]), statistics.median(stops[label])
@@ -172,6 +180,8 @@ def main() -> int:
         subprocess.run("runc list -q | grep '^bench-' | xargs -r -n1 runc delete -f", shell=True,
                        capture_output=True)
         subprocess.run(["umount", str(work / "bundle" / "rootfs")], capture_output=True)  # after an interruption
+        for point in crowd:
+            subprocess.run(["umount", str(point)], capture_output=True)
         subprocess.run(["umount", str(fast)], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0
