@@ -299,7 +299,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop,
                                                   server=server)))
         click.echo(f"wrote {target}", err=True)
-    if not server_answers(server):  # the hook still works: in-process, ~8 ms slower on each container start
+    if not server_answers(server):  # the hook still works: in-process, ~6 ms slower on each container start
         click.echo(f"note: no hook server answers at {server}: each container start will load the hook itself; "
                    f"run `devinject hook-server --socket {server}` (deploy/devinject-hook-server.service)", err=True)
 
