@@ -161,5 +161,7 @@ def mount_magic_and_root(fd: int) -> tuple[int, str] | None:
         return None
     magic = int.from_bytes(raw[_STATMOUNT_MAGIC_OFFSET:_STATMOUNT_MAGIC_OFFSET + 8], sys.byteorder)
     offset = _STATMOUNT_SIZE + int.from_bytes(raw[_STATMOUNT_ROOT_OFFSET:_STATMOUNT_ROOT_OFFSET + 4], sys.byteorder)
-    root = raw[offset:raw.index(b"\0", offset)].decode("utf-8", "surrogateescape")
-    return magic, root
+    end = raw.find(b"\0", offset)
+    if end < 0:
+        return None  # not terminated within the buffer: the kernel would have said EOVERFLOW; never guess
+    return magic, raw[offset:end].decode("utf-8", "surrogateescape")
