@@ -46,6 +46,9 @@ def main() -> int:
         print("bench_hook: needs root and runc (make system-deps)")
         return 0
     runs = int(os.environ.get("BENCH_RUNS", "80"))  # this VM is noisy: with 40 runs, medians moved by 2 ms
+    if runs < 2:
+        print(f"bench_hook: BENCH_RUNS={runs}: needs at least 2 runs (medians and quartiles)", file=sys.stderr)
+        return 2
     work = Path(tempfile.mkdtemp(prefix="devinject-bench-hook-", dir="/run" if os.path.isdir("/run") else None))
     # On a tmpfs: the hook's state dir (ledger, caches), as /run is on a production host; and each container's
     # upper layer, standing in for a server's local disk. This VM's disk takes ~0.8 ms to create a file in an
