@@ -35,7 +35,7 @@ def test_no_device_controller():
 
 
 def _busy_node(cgroup_lines: str) -> str:
-    """A node running many containers: thousands of overlay, shm and bind mounts around the cgroup ones."""
+    """A node running many containers: thousands of overlay and tmpfs mounts around the cgroup ones."""
     others = [f"{1000 + i} 27 0:{100 + i} / /run/containerd/c{i}/rootfs rw,relatime - overlay overlay rw,lowerdir=/l{i}"
               for i in range(3000)]
     others += [f"{5000 + i} 27 0:{4000 + i} / /sys/fs/cgroup/x{i} rw - tmpfs shm rw" for i in range(10)]
