@@ -13,6 +13,10 @@ is built in: `posix` and `_socket` (not `os`, ~1.4 ms of imports there, nor `soc
 import posix
 import sys
 
+TYPE_CHECKING = False  # `typing` is a module too: type checkers only
+if TYPE_CHECKING:
+    import _socket
+
 DEFAULT_SOCKET = "/run/devinject/hook.sock"
 CONNECT_TIMEOUT = 1.0
 REPLY_TIMEOUT = 60.0  # the worker's own deadlines end first (30 s for the namespace work)
@@ -47,21 +51,35 @@ def decode_request(data: bytes) -> list[str] | None:
         return None
 
 
-def server_answers(path: str) -> bool:
-    """Whether a hook server run by this user listens on `path` (it takes a connection that sends nothing
-    as a probe, not as a request)."""
+def _connect(path: str) -> "_socket.socket | None":
+    """A connection to the hook server at `path` when one run by this very user answers (a socket somebody
+    else could have put there is never used); None otherwise."""
     import _socket
 
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    except OSError:
+        return None
     try:
         sock.settimeout(CONNECT_TIMEOUT)
         sock.connect(path)
         peer = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
-        return int.from_bytes(peer[4:8], sys.byteorder) == posix.geteuid()
+        if int.from_bytes(peer[4:8], sys.byteorder) == posix.geteuid():
+            return sock
     except OSError:
+        pass
+    sock.close()
+    return None
+
+
+def server_answers(path: str) -> bool:
+    """Whether a hook server run by this user listens on `path` (it takes a connection that sends nothing
+    as a probe, not as a request)."""
+    sock = _connect(path)
+    if sock is None:
         return False
-    finally:
-        sock.close()
+    sock.close()
+    return True
 
 
 def run_via_server(args: list[str]) -> int | None:
@@ -73,20 +91,13 @@ def run_via_server(args: list[str]) -> int | None:
         posix.stat(path)
     except OSError:
         return None
+    sock = _connect(path)
+    if sock is None:
+        return None
     import _socket
 
     try:
-        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
-    except OSError:
-        return None
-    try:
         try:
-            sock.settimeout(CONNECT_TIMEOUT)
-            sock.connect(path)
-            # the server must run as this very user: a socket somebody else could have put there is not used
-            peer = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
-            if int.from_bytes(peer[4:8], sys.byteorder) != posix.geteuid():
-                return None
             request = encode_request(args)
             if len(request) > MAX_REQUEST:
                 return None
