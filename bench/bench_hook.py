@@ -58,6 +58,7 @@ def main() -> int:
     # BENCH_HOST_MOUNTS=N: a busy node's mount table (pods' rootfs, secrets, shm...), N small tmpfs mounts on
     # the host, which every container's mount namespace starts with a copy of
     crowd = [fast / "crowd" / str(i) for i in range(int(os.environ.get("BENCH_HOST_MOUNTS", "0")))]
+    server: subprocess.Popen[bytes] | None = None
     try:
         fast.mkdir()
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=256m", "devinject-bench", str(fast)],
@@ -178,9 +179,10 @@ def main() -> int:
             own_ms = statistics.median(r["duration_ms"] for r in log if r.get("stage") == "prestart"
                                        and "ms" in r and belongs(r))
             print(f"    {group:10}: {own_ms:.1f} ms; {shown} (ms)")
-        server.terminate()
-        server.wait()
     finally:
+        if server is not None:  # also when a run failed or the output was cut off
+            server.terminate()
+            server.wait(10)
         subprocess.run("runc list -q | grep '^bench-' | xargs -r -n1 runc delete -f", shell=True,
                        capture_output=True)
         subprocess.run(["umount", str(work / "bundle" / "rootfs")], capture_output=True)  # after an interruption
