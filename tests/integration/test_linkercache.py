@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -21,8 +22,9 @@ from devinject.core.ldcache import (
     merge_entries,
     parse_ldcache,
 )
+from devinject.hook import linkercache
 from devinject.hook.executor import Executor
-from devinject.hook.linkercache import libraries_in
+from devinject.hook.linkercache import SonameMemo, libraries_in
 from devinject.hook.plan import Plan
 from devinject.hook.safepath import Root
 from tests.e2e.conftest import require
@@ -209,3 +211,22 @@ def test_elf_reader_takes_real_libraries_and_refuses_everything_else(tmp_path: P
         assert read_shared_object(fd) is None
     finally:
         os.close(fd)
+
+
+def test_the_soname_memo_survives_a_broken_file_and_stays_bounded(tmp_path: Path, libraries: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memo only saves time: an unreadable one is an empty one, and a full one keeps what was used."""
+    memo_file = tmp_path / "sonames.json"
+    for broken in (b"{not json", b"[1, 2]", b"\xff\xfe", b'{"1:2:3:4:5": "libx.so.1"}'):
+        memo_file.write_bytes(broken)
+        memo = SonameMemo.load(str(memo_file))
+        assert memo.recall(os.stat(libraries / "libx.so.1.0.0")) is None
+    assert SonameMemo.load(str(tmp_path / "absent.json")).known == {}
+    monkeypatch.setattr(linkercache, "MAX_REMEMBERED", 3)
+    memo = SonameMemo({f"old{i}": ["libold.so.1", X86_64] for i in range(3)})
+    used = os.stat(libraries / "libx.so.1.0.0")
+    memo.learn(used, linkercache.SharedObject("libx.so.1", X86_64))
+    memo.save(str(memo_file))
+    assert json.loads(memo_file.read_text()) == {SonameMemo.key(used): ["libx.so.1", X86_64]}
+    SonameMemo(json.loads(memo_file.read_text())).save(str(tmp_path / "unchanged.json"))
+    assert not (tmp_path / "unchanged.json").exists()  # nothing learned: nothing written

@@ -82,8 +82,9 @@ def _mount_id(fd: int) -> str | None:
 
 
 class Executor:
-    def __init__(self, rootfs: str) -> None:
+    def __init__(self, rootfs: str, sonames: linkercache.SonameMemo | None = None) -> None:
         self.rootfs = rootfs
+        self.sonames = sonames  # libraries read on earlier starts, for the linker cache
         self.root = Root(rootfs)
         self.undo = Undo()
         self.created = Created()
@@ -306,7 +307,7 @@ class Executor:
         if musl_arch:
             self._write_musl_path(musl_arch, folders)
             return
-        etc_fd, name, previous = linkercache.update(self.root, folders, self.created)
+        etc_fd, name, previous = linkercache.update(self.root, folders, self.created, self.sonames)
         self.undo.keep(etc_fd)
         if previous is None:
             self.undo.add(lambda: os.unlink(name, dir_fd=etc_fd))

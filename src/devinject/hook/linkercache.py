@@ -16,14 +16,72 @@ import os
 import posixpath
 import stat
 
+from devinject.core import jsonlite
 from devinject.core.atomicfile import replace_at
-from devinject.core.elfinfo import read_shared_object
+from devinject.core.elfinfo import SharedObject, read_shared_object
 from devinject.core.errors import HookError, LdCacheError, UnsafePathError
 from devinject.core.ldcache import MAX_CACHE_BYTES, LdCacheEntry, build_ldcache, merge_entries, parse_ldcache
 from devinject.hook.safepath import _O_PATH, Created, Root
 
 CACHE_PATH = "/etc/ld.so.cache"
 MAX_FOLDER_ENTRIES = 8192
+MAX_REMEMBERED = 4096
+NOT_A_LIBRARY = SharedObject("", 0)  # how the memo remembers a file that is no shared library
+
+
+class SonameMemo:
+    """SONAMEs and cache flags of libraries read on earlier container starts, by file identity (device,
+    inode, size, mtime and ctime: a changed or replaced file is a new identity). The driver libraries a hook
+    mounts are the same host files on every start; reading each one's ELF header costs ~40 us. Kept in the
+    hook's state dir (root's), loaded and saved outside the container's namespace. What a container's own
+    file adds is what reading that very file says, so an image can teach it nothing about another file."""
+
+    def __init__(self, known: dict[str, object] | None = None) -> None:
+        self.known = known if known is not None else {}
+        self.used: set[str] = set()
+        self.learned = False
+
+    @staticmethod
+    def key(st: os.stat_result) -> str:
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+    def recall(self, st: os.stat_result) -> SharedObject | None:
+        """What the file with this identity was read as (NOT_A_LIBRARY for anything else); None when it was
+        never read."""
+        key = self.key(st)
+        value = self.known.get(key)
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
+                and isinstance(value[1], int)):
+            return None
+        self.used.add(key)
+        return SharedObject(value[0], value[1])
+
+    def learn(self, st: os.stat_result, library: SharedObject | None) -> None:
+        key = self.key(st)
+        self.known[key] = list(library or NOT_A_LIBRARY)
+        self.used.add(key)
+        self.learned = True
+
+    @classmethod
+    def load(cls, path: str) -> SonameMemo:
+        """The memo saved at `path`; an empty one when there is none or it is unreadable (it only saves time)."""
+        try:
+            with open(path, encoding="utf-8") as handle:
+                known = jsonlite.loads(handle.read())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return cls()
+        return cls(known if isinstance(known, dict) else None)
+
+    def save(self, path: str) -> None:
+        """Written back when this run read a library: all of it while small, else only what this run used."""
+        if not self.learned:
+            return
+        kept = self.known if len(self.known) <= MAX_REMEMBERED else {
+            key: value for key, value in self.known.items() if key in self.used}
+        try:
+            jsonlite.replace_file(path, kept)
+        except OSError:
+            pass  # a memo is an optimisation only
 
 
 def open_regular(dir_fd: int, name: str) -> int | None:
@@ -80,7 +138,57 @@ def _names_a_sibling(dir_fd: int, name: str, present: set[str]) -> bool:
     return "/" not in target and target != name and ".so" in target and target in present
 
 
-def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry]) -> list[LdCacheEntry]:
+def _read_library(fd: int, memo: SonameMemo | None, folder_dev: int) -> SharedObject | None:
+    """The library open at `fd`, remembered by its identity when it was mounted in from another filesystem
+    (the host's driver files; an image's own files have a new identity in each container's overlay) and
+    nothing changed it while it was read."""
+    if memo is None:
+        return read_shared_object(fd)
+    before = os.fstat(fd)
+    library = read_shared_object(fd)
+    if before.st_dev != folder_dev and SonameMemo.key(os.fstat(fd)) == SonameMemo.key(before):
+        memo.learn(before, library)
+    return library
+
+
+def _recalled(dir_fd: int, name: str, memo: SonameMemo | None) -> SharedObject | None:
+    """The memo's answer for the regular file `name` (never a link); None when it has none."""
+    if memo is None:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return memo.recall(st) if stat.S_ISREG(st.st_mode) else None
+
+
+def _library(root: Root, folder: str, dir_fd: int, name: str, is_link: bool, memo: SonameMemo | None,
+             folder_dev: int) -> SharedObject | None:
+    """What the file `name` in `folder` is as a shared library, from the memo or read (a link elsewhere is
+    followed inside the rootfs only); None when it is none."""
+    recalled = None if is_link else _recalled(dir_fd, name, memo)
+    if recalled is not None:
+        return recalled if recalled != NOT_A_LIBRARY else None
+    fd = open_regular(dir_fd, name)
+    if fd is None:  # a link elsewhere: follow it inside the rootfs only
+        try:
+            link_dir, link_leaf = root.resolve(f"{folder}/{name}")
+        except UnsafePathError:
+            return None
+        try:
+            fd = open_regular(link_dir, link_leaf)
+        finally:
+            os.close(link_dir)
+        if fd is None:
+            return None
+    try:
+        return _read_library(fd, memo, folder_dev)
+    finally:
+        os.close(fd)
+
+
+def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry],
+                 memo: SonameMemo | None = None) -> list[LdCacheEntry]:
     """Cache entries for the shared libraries in the container's `folder` (resolved in-root)."""
     folder = posixpath.normpath(folder)
     dir_fd = root.open_dir(folder)
@@ -93,28 +201,14 @@ def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry]) -> list[
         present = set(names)
         paths = {e.path for e in existing}
         sonames = {e.soname for e in existing if posixpath.dirname(e.path) == folder}
+        folder_dev = os.fstat(dir_fd).st_dev if memo is not None else -1
         found: list[LdCacheEntry] = []
         for name in names:
             if ".so" not in name or _already_cached(name, folder, paths, sonames):
                 continue
             if links[name] and _names_a_sibling(dir_fd, name, present):
                 continue  # libcuda.so -> libcuda.so.1: the library it names is read under that name
-            fd = open_regular(dir_fd, name)
-            if fd is None:  # a link elsewhere: follow it inside the rootfs only
-                try:
-                    link_dir, link_leaf = root.resolve(f"{folder}/{name}")
-                except UnsafePathError:
-                    continue
-                try:
-                    fd = open_regular(link_dir, link_leaf)
-                finally:
-                    os.close(link_dir)
-                if fd is None:
-                    continue
-            try:
-                library = read_shared_object(fd)
-            finally:
-                os.close(fd)
+            library = _library(root, folder, dir_fd, name, links[name], memo, folder_dev)
             if library is not None and library.soname in present:
                 found.append(LdCacheEntry(library.soname, f"{folder}/{library.soname}", library.flags, 0))
         return list(dict.fromkeys(found))
@@ -122,14 +216,15 @@ def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry]) -> list[
         os.close(dir_fd)
 
 
-def update(root: Root, folders: tuple[str, ...], created: Created) -> tuple[int, str, bytes | None]:
+def update(root: Root, folders: tuple[str, ...], created: Created,
+           memo: SonameMemo | None = None) -> tuple[int, str, bytes | None]:
     """Write the container's cache; returns (the /etc fd, the file name, the previous bytes) for undo."""
     etc_fd, name = root.walk_parent(CACHE_PATH, create=True, created=created)
     try:
         existing, previous = _read_existing(etc_fd, name)
         added: list[LdCacheEntry] = []
         for folder in folders:
-            added += libraries_in(root, folder, existing)
+            added += libraries_in(root, folder, existing, memo)
         replace_at(etc_fd, name, build_ldcache(merge_entries(existing, added)))
     except OSError as err:
         os.close(etc_fd)

@@ -28,6 +28,7 @@ SERVED_BY: int | None = None  # the hook server's pid, when a worker of it runs 
 CONFIG_FILE = "/etc/devinject/hook.json"
 DEFAULT_LOG = "/var/log/devinject/hook.log"
 DEFAULT_STATE_DIR = "/run/devinject"
+SONAME_MEMO = "sonames.json"  # in the state dir: hook/linkercache.py's SonameMemo
 USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--log-file FILE] [--state-dir DIR]
                       [--config FILE]
                       [--env-requests | --no-env-requests] [--no-ledger] [--dry-run]
@@ -229,9 +230,15 @@ class HostParts:
 
     def apply(self, pid: int, rootfs: str, steps: Plan) -> list[str]:
         from devinject.hook.executor import Executor
+        from devinject.hook.linkercache import SonameMemo
         from devinject.hook.nsenter import in_mount_namespace
 
-        return in_mount_namespace(pid, lambda: Executor(rootfs).apply(steps))  # type: ignore[no-any-return]
+        memo_file = os.path.join(self.opts.state_dir, SONAME_MEMO)
+        sonames = SonameMemo.load(memo_file) if steps.ldcache_folders else None  # read and saved on the host
+        done: list[str] = in_mount_namespace(pid, lambda: Executor(rootfs, sonames).apply(steps))
+        if sonames is not None:
+            sonames.save(memo_file)
+        return done
 
 
 class DryRunParts(HostParts):
