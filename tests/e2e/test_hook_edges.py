@@ -125,7 +125,7 @@ def test_a_hook_that_fails_after_booking_gives_the_device_back(tmp_path: Path) -
 HOOK_PACKAGES = ("devinject.core", "devinject.hook", "devinject.nodestate")
 HEAVY = ("click", "yaml", "jsonschema", "pynvml", "pyroute2")
 SLOW_STDLIB = ("typing", "dataclasses", "pathlib", "subprocess", "inspect", "json", "re", "enum", "signal",
-               "contextlib", "functools", "tempfile")
+               "contextlib", "functools", "tempfile", "ctypes")
 
 
 def test_a_real_hook_run_imports_only_the_core_it_needs(tmp_path: Path) -> None:

@@ -1,16 +1,16 @@
 """cgroup v2 device access: prepend allow rules to the container's BPF_CGROUP_DEVICE program.
 
-The instruction encoder is pure (tested byte for byte); the bpf(2) edge is a thin ctypes layer. Our prefix
+The instruction encoder is pure (tested byte for byte); the bpf(2) edge is a thin layer on core/libc.py. Our prefix
 starts with a marker so a second run for the same container replaces it instead of stacking another.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import resource
 import struct
 
+from devinject.core import libc
 from devinject.core.errors import HookError
 from devinject.hook.plan import AllowDevice
 
@@ -107,32 +107,31 @@ def decode_rules(program: bytes) -> tuple[tuple[AllowDevice, ...], bytes]:
 # --- the bpf(2) edge --------------------------------------------------------------------------------
 
 
-def _bpf(cmd: int, attr: ctypes.Array[ctypes.c_char]) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
+def _bpf(cmd: int, attr: libc.Array) -> int:
     number = SYS_BPF.get(os.uname().machine)
     if number is None:
         raise HookError(f"cgroup v2 device rules: bpf(2) number unknown on {os.uname().machine}")
-    result = libc.syscall(ctypes.c_long(number), ctypes.c_int(cmd), attr, ctypes.c_uint(len(attr)))
+    result = libc.function("syscall")(libc.Long(number), libc.Long(cmd), attr, libc.Long(len(attr)))
     if result < 0:
-        err = ctypes.get_errno()
+        err = libc.errno()
         raise OSError(err, os.strerror(err))
     return int(result)
 
 
-def _attr(*fields: tuple[str, int, int]) -> ctypes.Array[ctypes.c_char]:
-    buf = ctypes.create_string_buffer(128)
+def _attr(*fields: tuple[str, int, int]) -> libc.Array:
+    buf = libc.buffer(128)
     for fmt, offset, value in fields:
         struct.pack_into(fmt, buf, offset, value)
     return buf
 
 
 def _query(cgroup_fd: int) -> tuple[list[int], int]:
-    ids = (ctypes.c_uint32 * 64)()
-    attr = _attr(("<I", 0, cgroup_fd), ("<I", 4, BPF_CGROUP_DEVICE), ("<Q", 16, ctypes.addressof(ids)),
+    ids = libc.buffer(64 * 4)  # u32 program ids
+    attr = _attr(("<I", 0, cgroup_fd), ("<I", 4, BPF_CGROUP_DEVICE), ("<Q", 16, libc.addressof(ids)),
                  ("<I", 24, 64))
     _bpf(BPF_PROG_QUERY, attr)
     flags, count = struct.unpack_from("<I", attr, 12)[0], struct.unpack_from("<I", attr, 24)[0]
-    return [ids[i] for i in range(count)], flags
+    return list(struct.unpack_from(f"<{count}I", ids)), flags
 
 
 def _prog_fd(prog_id: int) -> int:
@@ -140,26 +139,26 @@ def _prog_fd(prog_id: int) -> int:
 
 
 def _xlated(prog_fd: int) -> bytes:
-    info = ctypes.create_string_buffer(256)
-    attr = _attr(("<I", 0, prog_fd), ("<I", 4, len(info)), ("<Q", 8, ctypes.addressof(info)))
+    info = libc.buffer(256)
+    attr = _attr(("<I", 0, prog_fd), ("<I", 4, len(info)), ("<Q", 8, libc.addressof(info)))
     _bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
     length = struct.unpack_from("<I", info, 20)[0]
-    insns = ctypes.create_string_buffer(length)
-    info = ctypes.create_string_buffer(256)
+    insns = libc.buffer(length)
+    info = libc.buffer(256)
     struct.pack_into("<I", info, 20, length)
-    struct.pack_into("<Q", info, 32, ctypes.addressof(insns))
-    attr = _attr(("<I", 0, prog_fd), ("<I", 4, len(info)), ("<Q", 8, ctypes.addressof(info)))
+    struct.pack_into("<Q", info, 32, libc.addressof(insns))
+    attr = _attr(("<I", 0, prog_fd), ("<I", 4, len(info)), ("<Q", 8, libc.addressof(info)))
     _bpf(BPF_OBJ_GET_INFO_BY_FD, attr)
     return insns.raw[:length]
 
 
 def _load(program: bytes) -> int:
-    code = ctypes.create_string_buffer(program, len(program))
-    license_ = ctypes.create_string_buffer(b"Apache")
-    log = ctypes.create_string_buffer(65536)
+    code = libc.buffer(len(program), program)
+    license_ = libc.buffer(len(b"Apache") + 1, b"Apache")
+    log = libc.buffer(65536)
     attr = _attr(("<I", 0, BPF_PROG_TYPE_CGROUP_DEVICE), ("<I", 4, len(program) // 8),
-                 ("<Q", 8, ctypes.addressof(code)), ("<Q", 16, ctypes.addressof(license_)),
-                 ("<I", 24, 1), ("<I", 28, len(log)), ("<Q", 32, ctypes.addressof(log)),
+                 ("<Q", 8, libc.addressof(code)), ("<Q", 16, libc.addressof(license_)),
+                 ("<I", 24, 1), ("<I", 28, len(log)), ("<Q", 32, libc.addressof(log)),
                  ("<I", 68, BPF_CGROUP_DEVICE))
     struct.pack_into("16s", attr, 48, b"devinject")
     try:

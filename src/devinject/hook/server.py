@@ -44,9 +44,9 @@ def preload() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    from devinject.core.libc import libc
+    from devinject.core import libc
 
-    libc()  # ctypes and libc, loaded once
+    libc.function("syscall")  # the C library, loaded once
 
 
 def listen(path: str) -> socket.socket:
@@ -175,9 +175,9 @@ def _spawn(server: socket.socket, taken_w: int, *, background: bool = False) -> 
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        from devinject.core.libc import libc
+        from devinject.core import libc
 
-        libc().prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # never outlive the server
+        libc.function("prctl")(PR_SET_PDEATHSIG, libc.Long(signal.SIGTERM))  # never outlive the server
         if os.getppid() != parent:
             os._exit(0)
         if background:

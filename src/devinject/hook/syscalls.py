@@ -1,13 +1,13 @@
-"""The mount and namespace syscalls Python 3.11's os module lacks (mount, umount2, setns, the new mount API),
-through ctypes."""
+"""The mount and namespace syscalls Python 3.11's os module lacks (mount, umount2, setns, the new mount API,
+statx's mount id, statmount), through core/libc.py."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 
-from devinject.core.libc import libc
+from devinject.core import libc
+from devinject.core.libc import Long
 
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -23,17 +23,17 @@ SIGKILL = 9  # not from `signal`: it imports `enum`, a millisecond on every cont
 
 def _check(result: int, what: str) -> None:
     if result != 0:
-        err = ctypes.get_errno()
+        err = libc.errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def mount(source: str | None, target: str, flags: int) -> None:
-    _check(libc().mount(source.encode() if source else None, target.encode(), None, ctypes.c_ulong(flags), None),
+    _check(libc.function("mount")(source.encode() if source else None, target.encode(), None, Long(flags), None),
            f"mount {source or ''} on {target}")
 
 
 def umount(target: str, flags: int = MNT_DETACH) -> None:
-    _check(libc().umount2(target.encode(), flags), f"umount {target}")
+    _check(libc.function("umount2")(target.encode(), flags), f"umount {target}")
 
 
 def setns(fd: int, nstype: int) -> None:
@@ -41,7 +41,7 @@ def setns(fd: int, nstype: int) -> None:
     if native is not None:  # Python >= 3.12
         native(fd, nstype)
         return
-    _check(libc().setns(fd, nstype), "setns")
+    _check(libc.function("setns")(fd, nstype), "setns")
 
 
 # --- the new mount API (Linux >= 5.2, mount_setattr >= 5.12) --------------------------------------------
@@ -60,15 +60,11 @@ MOUNT_ATTR_NOEXEC = 0x8
 MS_PRIVATE = 1 << 18
 
 
-class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
-                ("userns_fd", ctypes.c_uint64)]
-
-
-def _syscall(number: int, *args: object, what: str) -> int:
-    result: int = libc().syscall(ctypes.c_long(number), *args)
+def _syscall(number: int, *args: int | bytes | libc.Array, what: str) -> int:
+    """syscall(2), which takes every argument as a long (ints are widened here), raising OSError."""
+    result = libc.function("syscall")(Long(number), *(Long(a) if isinstance(a, int) else a for a in args))
     if result < 0:
-        err = ctypes.get_errno()
+        err = libc.errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
     return result
 
@@ -76,21 +72,20 @@ def _syscall(number: int, *args: object, what: str) -> int:
 def open_tree_clone(path: str, *, recursive: bool = False) -> int:
     """A detached copy of the mount at `path` (a bind mount not yet attached anywhere); close-on-exec."""
     flags = OPEN_TREE_CLONE | os.O_CLOEXEC | (AT_RECURSIVE if recursive else 0)
-    return _syscall(_SYS_OPEN_TREE, ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(flags),
-                    what=f"open_tree {path}")
+    return _syscall(_SYS_OPEN_TREE, AT_FDCWD, path.encode(), flags, what=f"open_tree {path}")
 
 
 def mount_setattr(tree_fd: int, attr_set: int, *, private: bool = True, recursive: bool = False) -> None:
-    attr = _MountAttr(attr_set, 0, MS_PRIVATE if private else 0, 0)
+    # struct mount_attr: attr_set, attr_clr, propagation, userns_fd (4 x u64)
+    attr = b"".join(v.to_bytes(8, sys.byteorder) for v in (attr_set, 0, MS_PRIVATE if private else 0, 0))
     flags = AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0)
-    _syscall(_SYS_MOUNT_SETATTR, ctypes.c_int(tree_fd), b"", ctypes.c_uint(flags), ctypes.byref(attr),
-             ctypes.c_size_t(ctypes.sizeof(attr)), what="mount_setattr")
+    _syscall(_SYS_MOUNT_SETATTR, tree_fd, b"", flags, attr, len(attr), what="mount_setattr")
 
 
 def move_mount(tree_fd: int, target_fd: int) -> None:
     """Attach the detached mount `tree_fd` on the object `target_fd` refers to (no path is resolved)."""
-    _syscall(_SYS_MOVE_MOUNT, ctypes.c_int(tree_fd), b"", ctypes.c_int(target_fd), b"",
-             ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH), what="move_mount")
+    _syscall(_SYS_MOVE_MOUNT, tree_fd, b"", target_fd, b"", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+             what="move_mount")
 
 
 # --- statx and statmount: which mount a file is on, and how that mount propagates -----------------------
@@ -115,9 +110,9 @@ def mount_id(fd: int, *, unique: bool = False) -> int | None:
     """The id of the mount `fd` is on (as /proc/self/mountinfo numbers it, or `unique`: the one statmount
     takes), in one statx call; None where the kernel or the C library cannot tell."""
     wanted = STATX_MNT_ID_UNIQUE if unique else STATX_MNT_ID
-    buffer = ctypes.create_string_buffer(_STATX_SIZE)
+    buffer = libc.buffer(_STATX_SIZE)
     try:
-        result = libc().statx(ctypes.c_int(fd), b"", ctypes.c_int(AT_EMPTY_PATH), ctypes.c_uint(wanted), buffer)
+        result = libc.function("statx")(fd, b"", AT_EMPTY_PATH, wanted, buffer)
     except AttributeError:  # a C library without the wrapper
         return None
     if result != 0 or not int.from_bytes(buffer.raw[0:4], sys.byteorder) & wanted:
@@ -132,15 +127,16 @@ def _statmount(fd: int, mask: int, size: int = _STATMOUNT_SIZE) -> bytes | None:
     if unique is None:
         return None
     order = sys.byteorder
-    request = ctypes.create_string_buffer(MNT_ID_REQ_SIZE_VER0.to_bytes(4, order) + bytes(4)
-                                          + unique.to_bytes(8, order) + mask.to_bytes(8, order),
-                                          MNT_ID_REQ_SIZE_VER0)
-    buffer = ctypes.create_string_buffer(size)
-    result = libc().syscall(ctypes.c_long(_SYS_STATMOUNT), request, buffer, ctypes.c_size_t(size),
-                            ctypes.c_uint(0))
+    request = (MNT_ID_REQ_SIZE_VER0.to_bytes(4, order) + bytes(4) + unique.to_bytes(8, order)
+               + mask.to_bytes(8, order))
+    buffer = libc.buffer(size)
+    try:
+        _syscall(_SYS_STATMOUNT, request, buffer, size, 0, what="statmount")
+    except OSError:
+        return None
     raw = buffer.raw
     filled = int.from_bytes(raw[_STATMOUNT_MASK_OFFSET:_STATMOUNT_MASK_OFFSET + 8], order)
-    return raw if result == 0 and filled & mask == mask else None
+    return raw if filled & mask == mask else None
 
 
 def mount_propagation(fd: int) -> int | None:
