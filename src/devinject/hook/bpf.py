@@ -1,7 +1,7 @@
 """cgroup v2 device access: prepend allow rules to the container's BPF_CGROUP_DEVICE program.
 
-The instruction encoder is pure (tested byte for byte); the bpf(2) edge is a thin layer on core/libc.py. Our prefix
-starts with a marker so a second run for the same container replaces it instead of stacking another.
+The instruction encoder is pure (tested byte for byte); the bpf(2) edge is a thin layer on core/libc.py. Our
+prefix starts with a marker so a second run for the same container replaces it instead of stacking another.
 """
 
 from __future__ import annotations

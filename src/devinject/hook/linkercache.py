@@ -32,9 +32,10 @@ NOT_A_LIBRARY = SharedObject("", 0)  # how the memo remembers a file that is no 
 class SonameMemo:
     """SONAMEs and cache flags of libraries read on earlier container starts, by file identity (device,
     inode, size, mtime and ctime: a changed or replaced file is a new identity). The driver libraries a hook
-    mounts are the same host files on every start; reading each one's ELF header costs ~40 us. Kept in the
-    hook's state dir (root's), loaded and saved outside the container's namespace. What a container's own
-    file adds is what reading that very file says, so an image can teach it nothing about another file."""
+    mounts are the same host files on every start; reading each one's ELF header costs ~40 us. Only files
+    mounted in from another filesystem than their folder's are remembered (the host's); an image's own files
+    are read every time (in an overlay they are new files in each container), so an image teaches it nothing.
+    Kept in the hook's state dir (root's), loaded and saved outside the container's namespace."""
 
     def __init__(self, known: dict[str, object] | None = None) -> None:
         self.known = known if known is not None else {}
