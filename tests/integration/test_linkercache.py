@@ -217,16 +217,19 @@ def test_the_soname_memo_survives_a_broken_file_and_stays_bounded(tmp_path: Path
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The memo only saves time: an unreadable one is an empty one, and a full one keeps what was used."""
     memo_file = tmp_path / "sonames.json"
-    for broken in (b"{not json", b"[1, 2]", b"\xff\xfe", b'{"1:2:3:4:5": "libx.so.1"}'):
+    library = os.stat(libraries / "libx.so.1.0.0")
+    key = SonameMemo.key(library)
+    malformed = [{key: value} for value in ("libx.so.1", ["libx.so.1"], [1, 2], ["libx.so.1", "771"], None)]
+    for broken in (b"{not json", b"[1, 2]", b"\xff\xfe", *(json.dumps(m).encode() for m in malformed)):
         memo_file.write_bytes(broken)
-        memo = SonameMemo.load(str(memo_file))
-        assert memo.recall(os.stat(libraries / "libx.so.1.0.0")) is None
+        assert SonameMemo.load(str(memo_file)).recall(library) is None, broken
+    memo_file.write_text(json.dumps({key: ["libx.so.1", X86_64]}))
+    assert SonameMemo.load(str(memo_file)).recall(library) == ("libx.so.1", X86_64)
     assert SonameMemo.load(str(tmp_path / "absent.json")).known == {}
     monkeypatch.setattr(linkercache, "MAX_REMEMBERED", 3)
     memo = SonameMemo({f"old{i}": ["libold.so.1", X86_64] for i in range(3)})
-    used = os.stat(libraries / "libx.so.1.0.0")
-    memo.learn(used, linkercache.SharedObject("libx.so.1", X86_64))
+    memo.learn(library, linkercache.SharedObject("libx.so.1", X86_64))
     memo.save(str(memo_file))
-    assert json.loads(memo_file.read_text()) == {SonameMemo.key(used): ["libx.so.1", X86_64]}
+    assert json.loads(memo_file.read_text()) == {key: ["libx.so.1", X86_64]}
     SonameMemo(json.loads(memo_file.read_text())).save(str(tmp_path / "unchanged.json"))
     assert not (tmp_path / "unchanged.json").exists()  # nothing learned: nothing written
