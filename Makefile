@@ -5,7 +5,7 @@ PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_HOST := tests/fixtures/hosts/hgx-h100
-SYSTEM_PACKAGES := python3-venv runc podman crun busybox-static gcc libc6-dev graphviz containerd
+SYSTEM_PACKAGES := python3-venv runc podman crun busybox-static gcc libc6-dev graphviz containerd systemd
 
 .PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation proto
 
@@ -17,7 +17,8 @@ $(BIN)/devinject: pyproject.toml
 
 venv: $(BIN)/devinject
 
-# Debian packages the live tests drive (real runc, podman, crun) and build fixture libraries with.
+# Debian packages the live tests drive (real runc, podman, crun), build fixture libraries with, and check
+# the systemd units with (systemd-analyze).
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

@@ -276,12 +276,25 @@ def hook_server(socket_path: str | None) -> None:
               help="The hook server's socket the hook hands container starts to [default: "
                    "/run/devinject/hook.sock].")
 @click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
+@click.option("--server-unit", is_flag=True,
+              help="Also write the systemd unit of the hook server on that socket, run by this installation.")
+@click.option("--unit-dir", default=None, help="Where --server-unit writes it [default: /etc/systemd/system].")
 def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, poststop: bool,
-                 server_socket: str | None, runc_snippet: bool) -> None:
+                 server_socket: str | None, runc_snippet: bool, server_unit: bool, unit_dir: str | None) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
     from devinject.core.spec import write_atomic
     from devinject.hook.client import DEFAULT_SOCKET, server_answers
-    from devinject.hooksd import DEFAULT_HOOKS_DIR, HOOK_FILE, hook_command, hooks_d_entry, render, runc_hooks
+    from devinject.hooksd import (
+        DEFAULT_HOOKS_DIR,
+        DEFAULT_UNIT_DIR,
+        HOOK_FILE,
+        SERVER_UNIT,
+        hook_command,
+        hooks_d_entry,
+        render,
+        runc_hooks,
+    )
+    from devinject.hooksd import server_unit as render_server_unit
 
     command = hook_command(executable and os.path.abspath(executable))
     if not os.access(command[0], os.X_OK):
@@ -299,9 +312,18 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop,
                                                   server=server)))
         click.echo(f"wrote {target}", err=True)
-    if not server_answers(server):  # the hook still works: in-process, ~6 ms slower on each container start
+    if server_unit:
+        unit = Path(unit_dir or DEFAULT_UNIT_DIR) / SERVER_UNIT
+        try:
+            unit.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise DevinjectError(f"{unit.parent}: cannot create unit dir: {err.strerror}") from None
+        write_atomic(unit, render_server_unit(command, server))
+        click.echo(f"wrote {unit}; start it: systemctl daemon-reload && systemctl enable --now {SERVER_UNIT}",
+                   err=True)
+    elif not server_answers(server):  # the hook still works: in-process, ~6 ms slower on each container start
         click.echo(f"note: no hook server answers at {server}: each container start will load the hook itself; "
-                   f"run `devinject hook-server --socket {server}` (deploy/devinject-hook-server.service)", err=True)
+                   f"run `devinject hook-server --socket {server}`, or install its unit (--server-unit)", err=True)
 
 
 @cli.command()

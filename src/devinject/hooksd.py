@@ -64,3 +64,44 @@ def runc_hooks(command: list[str], *, poststop: bool = False, server: str | None
 
 def render(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2) + "\n"
+
+
+SERVER_UNIT = "devinject-hook-server.service"
+DEFAULT_UNIT_DIR = "/etc/systemd/system"
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._:=@+,-")
+
+
+def _unit_word(word: str, *, program: bool = False) -> str:
+    """One word of a unit's command line (systemd.service, "Command lines"): `%` starts a specifier
+    everywhere, `$` a variable in the arguments only (the program is a literal path), and a word with blanks
+    or quotes is quoted."""
+    word = word.replace("%", "%%") if program else word.replace("%", "%%").replace("$", "$$")
+    if word and set(word) <= _PLAIN | {"%", "$"}:
+        return word
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def server_unit(command: list[str], server: str) -> str:
+    """The systemd unit of `devinject hook-server` on `server`, run as `command` runs the hook (this
+    installation's launcher by default, so the unit starts the devinject the hook belongs to)."""
+    from devinject.hook.client import DEFAULT_SOCKET
+
+    words = [*command[2:], "hook-server", "--socket", server or DEFAULT_SOCKET]
+    exec_start = " ".join([_unit_word(command[0], program=True), *(_unit_word(word) for word in words)])
+    return f"""[Unit]
+Description=devinject: serve the OCI hook from a resident process (faster container starts)
+Documentation=file:///usr/share/doc/devinject/hook.md
+# Optional: without it the hook runs in-process. Restart it after upgrading devinject.
+Before=containerd.service crio.service docker.service
+
+[Service]
+Type=simple
+ExecStart={exec_start}
+Restart=on-failure
+RestartSec=1
+# No sandboxing: its workers do what the hook does (mknod and mounts in containers' namespaces, cgroup
+# writes, moving network interfaces, the ledger), as the runtime's hook would.
+
+[Install]
+WantedBy=multi-user.target
+"""

@@ -258,3 +258,37 @@ def test_a_replacement_readies_itself_in_the_background_and_then_waits_at_normal
         time.sleep(0.025)
     assert workers() - first, "no replacement was forked"
     assert set(ready.values()) == {os.SCHED_OTHER}, ready
+
+
+def test_the_unit_install_hook_writes_starts_a_server_that_serves_the_hook_it_installs(bundle: Bundle,
+                                                                                      tmp_path: Path) -> None:
+    """`install-hook --server-unit`: the unit's own command line, run as systemd would run it, serves the
+    container starts of the hook the same command installs."""
+    import shlex
+
+    path = Path(f"/tmp/di-unit-{os.getpid()}-{tmp_path.name[-12:]}") / "hook.sock"
+    done = subprocess.run([DEVINJECT, "install-hook", "--runc-snippet", "--server", str(path), "--server-unit",
+                           "--unit-dir", str(tmp_path / "units")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    unit = (tmp_path / "units" / "devinject-hook-server.service").read_text()
+    exec_start = shlex.split(next(line for line in unit.splitlines() if line.startswith("ExecStart="))[10:])
+    with open(tmp_path / "server.log", "w") as errors:
+        process = subprocess.Popen(exec_start, stderr=errors, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    try:
+        for _ in range(400):
+            if path.exists() or process.poll() is not None:
+                break
+            time.sleep(0.025)
+        assert path.exists(), (tmp_path / "server.log").read_text()
+        assert json.loads(done.stdout)["hooks"]["prestart"][0]["args"][-2:] == ["--server", str(path)]
+        bundle.use_server(path)  # the runc snippet's --server, in the test bundle's hooks
+        bundle.save(["sh", "-c", "stat -c %t:%T /dev/nvidia0"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+        ran = bundle.run(container_name())
+        assert ran.returncode == 0 and ran.stdout.strip() == "c3:0", ran.stderr
+        (record,) = [r for r in bundle.log_records() if r.get("stage") == "prestart"]
+        assert record["result"] == "ok" and record["server"] == process.pid
+    finally:
+        process.terminate()
+        process.wait(10)
+        assert not path.exists()  # stopped as systemd stops it (SIGTERM): the socket is gone
+        path.parent.rmdir()

@@ -202,13 +202,35 @@ def test_who_lists_processes_holding_a_device_node(host_copy, tmp_path):
 
 
 def test_shipped_hook_files_match_what_install_hook_writes():
-    from devinject.hooksd import hook_command, hooks_d_entry, render, runc_hooks
+    from devinject.hook.client import DEFAULT_SOCKET
+    from devinject.hooksd import hook_command, hooks_d_entry, render, runc_hooks, server_unit
 
     hooks = Path(__file__).resolve().parents[2] / "hooks"
     exe = hook_command("/usr/local/bin/devinject")
     assert (hooks / "10-devinject.json").read_text() == render(hooks_d_entry(exe))
     assert (hooks / "10-devinject-env.json").read_text() == render(hooks_d_entry(exe, env_requests=True))
     assert (hooks / "runc-config-snippet.json").read_text() == render(runc_hooks(exe))
+    unit = Path(__file__).resolve().parents[2] / "deploy" / "devinject-hook-server.service"
+    assert unit.read_text() == server_unit(exe, DEFAULT_SOCKET)
+
+
+def test_install_hook_writes_the_servers_unit_for_this_installation_on_the_hooks_socket(tmp_path):
+    socket = tmp_path / "run" / "hook.sock"
+    done = run("install-hook", "--hooks-dir", str(tmp_path / "hooks.d"), "--server", str(socket), "--server-unit",
+               "--unit-dir", str(tmp_path / "units"))
+    assert done.returncode == 0, done.stderr
+    unit = tmp_path / "units" / "devinject-hook-server.service"
+    assert f"wrote {unit}; start it: systemctl daemon-reload && systemctl enable --now" in done.stderr
+    hook = json.loads((tmp_path / "hooks.d" / "10-devinject.json").read_text())["hook"]
+    exec_start = next(line for line in unit.read_text().splitlines() if line.startswith("ExecStart="))
+    # the same interpreter and launcher as the hook, serving the socket the hook hands its starts to
+    assert exec_start.split("=", 1)[1].split() == [hook["path"], *hook["args"][1:-3], "hook-server", "--socket",
+                                                   str(socket)]
+    assert hook["args"][-3:] == ["hook", "--server", str(socket)]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert "cannot create unit dir" in one_error_line(run("install-hook", "--runc-snippet", "--server-unit",
+                                                          "--unit-dir", str(blocked / "units")))
 
 
 def test_device_plugin_config_file_gives_defaults_flags_win_and_unknown_names_fail(tmp_path):

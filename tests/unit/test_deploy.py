@@ -1,9 +1,13 @@
 """deploy/kubernetes: every manifest is valid against the Kubernetes API schemas (kubernetes-validate, offline,
 strict: unknown fields are errors), the kustomization holds them all, and the DaemonSet's command line and its
-ConfigMap are ones devinject itself accepts."""
+ConfigMap are ones devinject itself accepts. deploy/*.service and the unit `install-hook --server-unit` writes:
+valid to systemd's own parser."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -14,6 +18,7 @@ from devinject import cli
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted(p for p in (DEPLOY / "kubernetes").glob("*.yaml") if p.name != "kustomization.yaml")
+INSTALLED = str(Path(sys.executable).parent / "devinject")
 KUBERNETES_VERSION = "1.33.0"  # the oldest release we document; the schemas ship with kubernetes-validate
 
 
@@ -67,3 +72,47 @@ def test_containerfile_copies_what_exists() -> None:
     sources = [part for line in lines if line.startswith("COPY ") and "--from" not in line
                for part in line.split()[1:-1]]
     assert sources and all((DEPLOY.parent / s).exists() for s in sources), sources
+
+
+# --- systemd units: checked by systemd's own parser (`systemd-analyze verify`), which also finds the programs
+# they start; the shipped ones name /usr/local/bin/devinject, here pointed at this installation's.
+
+def _verify(unit: Path) -> subprocess.CompletedProcess[str]:
+    from tests.e2e.conftest import require
+
+    require(shutil.which("systemd-analyze") is not None, "systemd-analyze not installed (make system-deps)")
+    return subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "SYSTEMD_LOG_COLOR": "0"})
+
+
+@pytest.mark.parametrize("shipped", sorted(DEPLOY.glob("*.service")), ids=lambda p: p.name)
+def test_shipped_unit_is_valid_systemd(shipped: Path, tmp_path: Path) -> None:
+    unit = tmp_path / shipped.name
+    unit.write_text(shipped.read_text().replace("/usr/local/bin/devinject", INSTALLED))
+    done = _verify(unit)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_unit_validation_would_catch_a_mistake(tmp_path: Path) -> None:
+    unit = tmp_path / "devinject-hook-server.service"
+    text = (DEPLOY / unit.name).read_text().replace("/usr/local/bin/devinject", INSTALLED)
+    unit.write_text(text.replace("Restart=on-failure", "Restart=on-faillure"))
+    assert "Failed to parse service restart specifier" in _verify(unit).stderr
+    unit.write_text(text.replace(INSTALLED, INSTALLED + "-absent"))
+    assert _verify(unit).returncode != 0
+
+
+def test_the_server_unit_install_hook_writes_is_valid_even_for_an_awkward_path(tmp_path: Path) -> None:
+    """A program path with a blank, `%` (a systemd specifier) and `$` (a variable) must reach systemd
+    whole: were it split or expanded, systemd would not find the program."""
+    awkward = tmp_path / "dev inject %i $HOME"
+    awkward.mkdir()
+    (awkward / "devinject").symlink_to(INSTALLED)
+    for executable in (None, str(awkward / "devinject")):
+        units = tmp_path / ("default" if executable is None else "awkward")
+        done = subprocess.run([INSTALLED, "install-hook", "--runc-snippet", "--server-unit", "--unit-dir", str(units),
+                               *(["--executable", executable] if executable else [])],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        checked = _verify(units / "devinject-hook-server.service")
+        assert checked.returncode == 0 and checked.stderr == "", checked.stderr
