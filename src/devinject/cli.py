@@ -321,7 +321,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         write_atomic(unit, render_server_unit(command, server))
         click.echo(f"wrote {unit}; start it: systemctl daemon-reload && systemctl enable --now {SERVER_UNIT}",
                    err=True)
-    elif not server_answers(server):  # the hook still works: in-process, ~6 ms slower on each container start
+    elif not server_answers(server):  # the hook still works: in-process, ~4 ms slower on each container start
         click.echo(f"note: no hook server answers at {server}: each container start will load the hook itself; "
                    f"run `devinject hook-server --socket {server}`, or install its unit (--server-unit)", err=True)
 
