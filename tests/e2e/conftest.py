@@ -33,6 +33,14 @@ def require(condition: bool, reason: str) -> None:
     pytest.skip(f"LIVE TEST SKIPPED: {reason}")
 
 
+def in_private_mount_ns(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -c code args` in a private mount namespace of its own (`unshare -m`), so whatever it mounts
+    goes away with it; devinject imported from this checkout."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", code, *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
 @pytest.fixture(scope="session")
 def live_root() -> None:
     require(os.geteuid() == 0, "needs root (mknod, mount, runc)")

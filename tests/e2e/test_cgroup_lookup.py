@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import require
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.conftest import in_private_mount_ns, require
 
 LOOKUP = r"""
 import os, subprocess, sys
@@ -45,9 +41,7 @@ elif setup == "elsewhere":
 def _lookup(setup: str, proc_cgroup: str) -> list[str]:
     require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare")
     require(Path("/sys/fs/cgroup/devices/devices.allow").exists(), "needs the cgroup v1 devices hierarchy")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO / "src")}
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", LOOKUP, setup,
-                           proc_cgroup.replace("\n", "|")], capture_output=True, text=True, timeout=60, env=env)
+    done = in_private_mount_ns(LOOKUP, setup, proc_cgroup.replace("\n", "|"))
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")
 

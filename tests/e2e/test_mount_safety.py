@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import require
+from tests.e2e.conftest import in_private_mount_ns, require
 
 pytestmark = pytest.mark.live
-REPO = Path(__file__).resolve().parents[2]
 
 # A helper in a mount namespace of its own (made before the hook mounts anything, as another container's
 # would be) renames the fresh mount point away and leaves a decoy file under its name, at the moment
@@ -72,12 +69,6 @@ for line in open("/proc/self/mountinfo"):
 """
 
 
-def _private_ns(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", code, *args],
-                          capture_output=True, text=True, timeout=60, env=env)
-
-
 def _rootfs_with_driver(tmp_path: Path) -> tuple[Path, Path]:
     require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare")
     rootfs = tmp_path / "rootfs"
@@ -93,7 +84,7 @@ def _mounts(out: str) -> list[tuple[str, str]]:
 
 def test_a_name_swapped_after_the_bind_never_leaves_a_writable_driver_mount(tmp_path: Path) -> None:
     rootfs, host_file = _rootfs_with_driver(tmp_path)
-    done = _private_ns(RACE, str(rootfs), str(host_file), "new")
+    done = in_private_mount_ns(RACE, str(rootfs), str(host_file), "new")
     assert done.returncode == 0, done.stderr
     mounts = _mounts(done.stdout)
     assert mounts == [(f"{rootfs}/lib/moved.so", "ro,nosuid,nodev,relatime")], done.stdout
@@ -104,7 +95,7 @@ def test_the_old_bind_then_remount_sequence_is_what_the_race_defeats(tmp_path: P
     """The scenario above really is the attack: on the fallback path (kernels without mount_setattr) the
     swap leaves a writable bind of the host file behind. Kept as a check that the race test can fail."""
     rootfs, host_file = _rootfs_with_driver(tmp_path)
-    done = _private_ns(RACE, str(rootfs), str(host_file), "legacy")
+    done = in_private_mount_ns(RACE, str(rootfs), str(host_file), "legacy")
     assert done.returncode == 0, done.stderr
     assert any(options.startswith("rw") for _, options in _mounts(done.stdout)), done.stdout
 
@@ -145,7 +136,7 @@ def test_a_mount_inside_a_shared_volume_is_refused_not_propagated(tmp_path: Path
     (rootfs / "vol").mkdir()
     (rootfs / "usr").mkdir()
     (rootfs / "usr" / "lib").symlink_to("/vol")
-    done = _private_ns(SHARED, str(rootfs), str(host_file), str(volume), lookup)
+    done = in_private_mount_ns(SHARED, str(rootfs), str(host_file), str(volume), lookup)
     assert done.returncode == 0, done.stderr
     assert "hook error: mount /usr/lib/driver.so: the target is inside a shared mount" in done.stdout
     assert "host side: [] False" in done.stdout  # no mount and no leftover mount point on the host side
@@ -216,7 +207,7 @@ for path in ("/", "/proc", volume):
 
 def test_statmount_and_mountinfo_agree_on_which_mounts_are_shared(tmp_path: Path) -> None:
     require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare")
-    done = _private_ns(SHARED_FLAGS, str(tmp_path))
+    done = in_private_mount_ns(SHARED_FLAGS, str(tmp_path))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["/ False False", "/proc False False", f"{tmp_path} True True"]
 

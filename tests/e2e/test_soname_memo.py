@@ -10,15 +10,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import require
+from tests.e2e.conftest import in_private_mount_ns, require
 
 pytestmark = pytest.mark.live
-REPO = Path(__file__).resolve().parents[2]
 SONAMES = ("liba.so.1", "libb.so.2", "libc-driver.so.550")
 
 CONTAINERS = r"""
@@ -81,10 +79,7 @@ def test_mounted_libraries_are_read_once_and_again_when_they_change(tmp_path: Pa
     rootfs.mkdir()
     memo_file = tmp_path / "state" / "sonames.json"
     memo_file.parent.mkdir()
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO / "src")}
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", CONTAINERS,
-                           str(rootfs), str(libs), str(memo_file), str(image_lib)],
-                          capture_output=True, text=True, timeout=60, env=env)
+    done = in_private_mount_ns(CONTAINERS, str(rootfs), str(libs), str(memo_file), str(image_lib))
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     everything = sorted([*SONAMES, "libimage.so.1"])
