@@ -75,7 +75,9 @@ def _unit_word(word: str, *, program: bool = False) -> str:
     """One word of a unit's command line (systemd.service, "Command lines"): `%` starts a specifier
     everywhere, `$` a variable in the arguments only (the program is a literal path), and a word with blanks
     or quotes is quoted."""
-    word = word.replace("%", "%%") if program else word.replace("%", "%%").replace("$", "$$")
+    word = word.replace("%", "%%")
+    if not program:
+        word = word.replace("$", "$$")
     if word and set(word) <= _PLAIN | {"%", "$"}:
         return word
     return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
