@@ -148,3 +148,48 @@ def test_validate_cli_warns_about_old_runtimes_and_max_version_refuses(tmp_path:
     bad = subprocess.run([DEVINJECT, "validate", "--max-version", "2.0", str(path)], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode != 0 and "--max-version: '2.0' is not a released CDI version" in bad.stderr
+
+
+@pytest.mark.parametrize("version", KNOWN_VERSIONS)
+def test_a_v_prefix_on_cdi_version_reads_as_the_reference_reads_it(tmp_path: Path, version: str) -> None:
+    """specs-go/version.go: newVersion trims one leading `v`, so `v1.1.0` is 1.1.0 there; the checks that hang
+    on the version (what it admits, what 1.1.0 removed, who cannot read it) see the same version here."""
+    path = tmp_path / "cdi" / "vendor.yaml"
+    path.parent.mkdir()
+    data = {**spec_for(version), "cdiVersion": f"v{version}"}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    warnings: list[str] = []
+    assert validate_paths([str(path)], warnings=warnings)[1] == []
+    assert bool(warnings) == (version not in ("0.3.0", "0.4.0", "0.5.0"))
+    resolved = Registry((str(path.parent),)).resolve((f"{data['kind']}={data['devices'][0]['name']}",))  # type: ignore[index]
+    assert resolved.edits.device_nodes[0].path == "/dev/vendor0"
+
+
+@pytest.mark.parametrize(("written", "message"), [
+    ("vv1.1.0", "cdiVersion: 'vv1.1.0' is not a released CDI version"),
+    ("V1.1.0", "cdiVersion: 'V1.1.0' is not a released CDI version"),
+    ("v0.6.0", "cdiVersion: v0.6.0 is too low for the fields used (netDevices needs 1.1.0)"),
+])
+def test_a_prefixed_version_is_still_checked(tmp_path: Path, written: str, message: str) -> None:
+    problems = problems_of(tmp_path, {**spec_for("1.1.0"), "cdiVersion": written})
+    assert any(p.startswith(message) for p in problems), problems
+
+
+def test_removed_intel_rdt_fields_are_refused_under_a_prefixed_version_too(tmp_path: Path) -> None:
+    data = {**spec_for("1.1.0"), "cdiVersion": "v1.1.0"}
+    data["devices"][0]["containerEdits"]["intelRdt"]["enableCMT"] = True  # type: ignore[index]
+    assert ("devices[0].containerEdits.intelRdt.enableCMT: removed in CDI 1.1.0 (use enableMonitoring)"
+            in problems_of(tmp_path, data))
+
+
+@pytest.mark.parametrize(("clos_id", "valid"), [
+    ("/", True),  # the root class of service (container-edits.go: `case c == "/":`)
+    ("gpu", True), ("a" * 4095, True),
+    ("a" * 4096, False), (".", False), ("..", False), ("a/b", False), ("//", False), ("a\nb", False),
+], ids=["root", "name", "longest", "too-long", "dot", "dotdot", "slash", "two-slashes", "newline"])
+def test_clos_id_as_the_reference_checks_it(tmp_path: Path, clos_id: str, valid: bool) -> None:
+    data = spec_for("1.1.0")
+    data["devices"][0]["containerEdits"]["intelRdt"]["closID"] = clos_id  # type: ignore[index]
+    problems = [p for p in problems_of(tmp_path, data) if "closID" in p]
+    assert problems == ([] if valid else [
+        f"devices[0].containerEdits.intelRdt.closID: {clos_id!r} is not a valid class of service name"])

@@ -24,6 +24,13 @@ DEFAULT_VERSION_CAP = "0.5.0"
 GENERATION_MARKER = "# devinject-generation: "
 
 
+def released_version(version: str) -> str | None:
+    """`version` as CDI's version table names it, or None when it is no released version. The reference
+    trims one leading `v` before it looks (specs-go/version.go `newVersion`): `v1.1.0` is 1.1.0 there."""
+    plain = version[1:] if version.startswith("v") else version
+    return plain if plain in KNOWN_VERSIONS else None
+
+
 def version_key(version: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in version.split("."))

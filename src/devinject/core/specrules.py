@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from devinject.core.model import ContainerEdits, Spec
 from devinject.core.names import device_name_problem, kind_problem
-from devinject.core.spec import KNOWN_VERSIONS, version_key, version_needs
+from devinject.core.spec import KNOWN_VERSIONS, released_version, version_key, version_needs
 
 HOOK_NAMES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
 NODE_TYPES = ("", "b", "c", "u", "p")
@@ -31,6 +31,13 @@ def _interface_problem(name: str) -> str | None:
     if name in (".", "..") or any(ch in name for ch in "/: \t\n"):
         return f"{name!r} is not a valid interface name"
     return None
+
+
+def _clos_id_problem(clos_id: str) -> bool:
+    """A class of service is a resctrl directory name, or `/`, the root class (CDI's IntelRdt.Validate)."""
+    if clos_id == "/":
+        return False
+    return len(clos_id) >= 4096 or clos_id in (".", "..") or "/" in clos_id or "\n" in clos_id
 
 
 def edits_problems(edits: ContainerEdits, where: str, version: str) -> list[str]:
@@ -86,7 +93,7 @@ def edits_problems(edits: ContainerEdits, where: str, version: str) -> list[str]
             problems.append(f"{where}.additionalGids[{i}]: must be between 0 and {UINT32_MAX}")
     rdt = edits.intel_rdt
     if rdt is not None:
-        if rdt.clos_id is not None and (rdt.clos_id in (".", "..") or "/" in rdt.clos_id or "\n" in rdt.clos_id):
+        if rdt.clos_id is not None and _clos_id_problem(rdt.clos_id):
             problems.append(f"{where}.intelRdt.closID: {rdt.clos_id!r} is not a valid class of service name")
         if version in KNOWN_VERSIONS and version_key(version) >= (1, 1, 0):
             problems += [f"{where}.intelRdt.{field}: removed in CDI 1.1.0 (use enableMonitoring)"
@@ -97,11 +104,12 @@ def edits_problems(edits: ContainerEdits, where: str, version: str) -> list[str]
 def spec_problems(spec: Spec) -> list[str]:
     """Everything wrong with the spec's values, in words; [] when CDI would load it."""
     problems = []
-    if spec.cdi_version not in KNOWN_VERSIONS:
+    version = released_version(spec.cdi_version)
+    if version is None:
         problems.append(f"cdiVersion: {spec.cdi_version!r} is not a released CDI version "
                         f"({', '.join(KNOWN_VERSIONS)})")
     else:
-        too_new = [(v, what) for v, what in version_needs(spec) if version_key(v) > version_key(spec.cdi_version)]
+        too_new = [(v, what) for v, what in version_needs(spec) if version_key(v) > version_key(version)]
         if too_new:
             version, what = too_new[0]
             problems.append(f"cdiVersion: {spec.cdi_version} is too low for the fields used "
@@ -120,6 +128,6 @@ def spec_problems(spec: Spec) -> list[str]:
         seen.add(device.name)
         if device.edits.is_empty():
             problems.append(f"{at}.containerEdits: empty device edits (CDI refuses a device without any)")
-        problems += edits_problems(device.edits, f"{at}.containerEdits", spec.cdi_version)
-    problems += edits_problems(spec.edits, "containerEdits", spec.cdi_version)
+        problems += edits_problems(device.edits, f"{at}.containerEdits", version or "")
+    problems += edits_problems(spec.edits, "containerEdits", version or "")
     return problems

@@ -20,6 +20,7 @@ from devinject.core.spec import (
     list_spec_files,
     parse_spec_document,
     read_spec_text,
+    released_version,
     spec_dir_problem,
     spec_from_dict,
     version_key,
@@ -41,7 +42,8 @@ def document_problems(data: object) -> list[str]:
 def compatibility_warning(spec: Spec, max_version: str | None = None) -> str | None:
     """Who cannot read this spec: a note when it is newer than old runtimes read (or than `max_version`)."""
     limit = max_version or DEFAULT_VERSION_CAP
-    if spec.cdi_version in KNOWN_VERSIONS and version_key(spec.cdi_version) > version_key(limit):
+    version = released_version(spec.cdi_version)
+    if version is not None and version_key(version) > version_key(limit):
         if max_version:
             return f"cdiVersion: {spec.cdi_version} is above the allowed {max_version}"
         return f"cdiVersion: {spec.cdi_version}: {OLD_RUNTIMES} cannot read it (they read up to {limit})"
