@@ -59,6 +59,39 @@ def test_every_library_of_the_driver_version_and_the_exceptions(gpu: Spec) -> No
                            "--forward-compat", "/usr/local/cuda/compat:libcuda.so:550.54.14")
 
 
+OLD = "535.161.08"  # the driver an upgrade left files of (tests/fixtures/build_hosts.nvidia_leftovers)
+
+
+def _old_driver_files(spec: Spec) -> list[str]:
+    """Every mount and hook argument of `spec` that names a file of the old driver."""
+    mounts = [f"{m.container_path} <- {m.host_path}" for m in spec.edits.mounts]
+    args = [a for h in spec.edits.hooks for a in h.args]
+    return [x for x in mounts + args if OLD in x or "libnvidia-egl-wayland.so.1.1.11" in x]
+
+
+def test_only_the_running_drivers_files_when_an_upgrade_left_the_old_ones(gpu: Spec) -> None:
+    """The old driver's libnvidia-gpucomp and libnvidia-pkcs11* (their SONAMEs are their versioned names,
+    so ld.so.cache lists both versions), its libcuda, VDPAU, firmware and X.Org module, and an EGL platform
+    library of an older version of its own are left on the host: none of them goes into the spec."""
+    assert _old_driver_files(gpu) == []
+    mounted = {m.container_path for m in gpu.edits.mounts}
+    for name in ("libnvidia-gpucomp.so.550.54.14", "libnvidia-pkcs11.so.550.54.14",
+                 "libnvidia-pkcs11-openssl3.so.550.54.14", "libnvidia-egl-wayland.so.1.1.13"):
+        assert f"{LIB}/{name}" in mounted, name
+
+
+def test_the_running_version_from_the_module_or_libcuda_when_procfs_has_none(host_copy) -> None:  # type: ignore[no-untyped-def]
+    root = host_copy("dgx-a100-mig")
+    (root / "proc/driver/nvidia/version").unlink()
+    options = {"root": str(root), "hook_path": "/usr/bin/devinject", "kinds": ("nvidia.com/gpu",)}
+    (by_module,) = generate_specs(GenerateOptions(**options))  # type: ignore[arg-type]
+    (root / "sys/module/nvidia/version").unlink()
+    (by_libcuda,) = generate_specs(GenerateOptions(**options))  # type: ignore[arg-type]  # libcuda.so.1's target
+    for spec in (by_module, by_libcuda):
+        assert _old_driver_files(spec) == []
+        assert f"{LIB}/libnvidia-gpucomp.so.550.54.14" in {m.container_path for m in spec.edits.mounts}
+
+
 def test_loader_files_land_where_loaders_look(gpu: Spec) -> None:
     mounts = {m.container_path: m for m in gpu.edits.mounts}
     icd = mounts["/etc/vulkan/icd.d/nvidia_icd.json"]

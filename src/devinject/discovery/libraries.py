@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 LDCACHE_PATH = "/etc/ld.so.cache"
 BINARY_DIRS = ("/usr/bin", "/usr/sbin", "/usr/local/bin", "/bin", "/sbin")
 _ARCH_BY_MACHINE = {"x86_64": ARCH_X86_64, "aarch64": ARCH_AARCH64, "ppc64le": ARCH_PPC64}
+DRIVER_VERSION_FIELD = "{driver_version}"  # in a library pattern: the running driver's files only
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +82,17 @@ def soname_of(host: Host, path: str) -> str | None:
 def locate_driver_libraries(host: Host, entries: list[LdCacheEntry], rule: DriverLibraries, arch: int,
                             driver_version: str | None) -> list[LocatedFile]:
     """Every library the driver installed next to `rule.anchor` (and in its subdirectories) whose name
-    matches a pattern: each named by its SONAME link when the host has one pointing at it."""
+    matches a pattern: each named by its SONAME link when the host has one pointing at it.
+
+    Only the running driver's: a pattern with `{driver_version}` takes that version's files alone, and a
+    library with a version of its own (`libnvidia-egl-wayland.so.1.1.13`) is left out when its SONAME link
+    names another file: a version an upgrade left behind, which no program on the host loads."""
     anchors = locate_libraries(host, entries, (rule.anchor,), arch)
     if not anchors:
         return []
-    patterns = _expanded(rule.patterns, {"driver_version": driver_version})
+    own = tuple(p for p in rule.patterns if DRIVER_VERSION_FIELD not in p)
+    pinned = expand_fields(tuple(p for p in rule.patterns if p not in own), driver_version=driver_version)
+    patterns = [*pinned, *own]
     top = posixpath.dirname(anchors[0].real)
     found: list[LocatedFile] = []
     for directory in (top, *(posixpath.join(top, sub) for sub in rule.subdirs)):
@@ -100,7 +107,11 @@ def locate_driver_libraries(host: Host, entries: list[LdCacheEntry], rule: Drive
                 continue
             soname = soname_of(host, path)
             link = posixpath.join(directory, soname) if soname and soname != name and soname in names else None
-            found.append(LocatedFile(link if link and host.resolve(link) == path else path, path))
+            current = link is not None and host.resolve(link) == host.resolve(path)
+            if link is not None and not current and not any(fnmatch.fnmatchcase(name, p) for p in pinned):
+                log.info("%s left out: its SONAME link %s names another version", host.real(path), soname)
+                continue
+            found.append(LocatedFile(link if current and link else path, path))
     return sorted(found, key=lambda f: f.path)
 
 
@@ -118,10 +129,10 @@ def locate_binaries(host: Host, names: tuple[str, ...]) -> list[LocatedFile]:
 def locate_files(host: Host, patterns: tuple[str, ...], **fields: str | None) -> list[LocatedFile]:
     """Globbed files and directories; a pattern whose template field is unknown is skipped."""
     return [LocatedFile(path, host.resolve(path))
-            for pattern in _expanded(patterns, fields) for path in host.glob(pattern)]
+            for pattern in expand_fields(patterns, **fields) for path in host.glob(pattern)]
 
 
-def _expanded(patterns: tuple[str, ...], fields: dict[str, str | None]) -> list[str]:
+def expand_fields(patterns: tuple[str, ...], **fields: str | None) -> list[str]:
     """`patterns` with their `{field}`s filled in; one naming a field that is unknown here is skipped."""
     known = {k: v for k, v in fields.items() if v is not None}
     out = []

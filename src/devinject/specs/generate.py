@@ -20,7 +20,9 @@ from devinject.core.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, dump, requi
 from devinject.discovery.discover import FoundDevice, HostView, discover, shared_nodes
 from devinject.discovery.host import Host
 from devinject.discovery.libraries import (
+    DRIVER_VERSION_FIELD,
     LocatedFile,
+    expand_fields,
     locate_binaries,
     locate_driver_libraries,
     locate_files,
@@ -140,6 +142,24 @@ def driver_version(host: Host, profile: Profile, libraries: list[LocatedFile]) -
     return None
 
 
+def _libraries_and_version(host: Host, files: Host, profile: Profile,
+                           ldcache: list[LdCacheEntry]) -> tuple[list[LocatedFile], str | None]:
+    """The profile's `libraries` and the running driver's version. A pattern with `{driver_version}`
+    (`libnvidia-gpucomp.so.{driver_version}`) takes only that version's library, once the version is known
+    (procfs, the module, or else the suffix of a library the other patterns found); an old driver's left
+    behind is not mounted."""
+    fixed = tuple(p for p in profile.libraries if DRIVER_VERSION_FIELD not in p)
+    libraries = locate_libraries(files, ldcache, fixed, native_arch()) if fixed else []
+    version = driver_version(host, profile, libraries)
+    pinned = expand_fields(tuple(p for p in profile.libraries if p not in fixed), driver_version=version)
+    if pinned:
+        known = {lib.path for lib in libraries}
+        libraries += [lib for lib in locate_libraries(files, ldcache, tuple(pinned), native_arch())
+                      if lib.path not in known]
+        libraries.sort(key=lambda lib: lib.path)
+    return libraries, version
+
+
 def _first_file(hosts: list[Host], candidates: tuple[str, ...]) -> tuple[Host, LocatedFile] | None:
     """The first candidate path that is a regular file (links followed inside the root), and where."""
     for where in hosts:
@@ -190,8 +210,7 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
     firmware and other files) from `driver` (a driver root) or else the host too."""
     host = view.host
     files, files_rerooter = driver or (host, rerooter)
-    libraries = locate_libraries(files, ldcache or [], profile.libraries, native_arch()) if profile.libraries else []
-    version = driver_version(host, profile, libraries)
+    libraries, version = _libraries_and_version(host, files, profile, ldcache or [])
     if profile.driver_libraries:
         known = {lib.real for lib in libraries}
         libraries += [lib for lib in locate_driver_libraries(files, ldcache or [], profile.driver_libraries,
