@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,20 +197,98 @@ def stand_ins(count: int, *command: str) -> Iterator[list[subprocess.Popen[bytes
             process.wait()
 
 
+_HOLDER = ("import os, sys\n"
+           "sys.stdin.readline()  # placed in its cgroup first: a device cgroup checks the open\n"
+           "held = os.open(sys.argv[1], int(sys.argv[2]))\n"
+           "print('held', flush=True)\n"
+           "sys.stdin.readline()\n")
+
+
 @contextlib.contextmanager
-def held_in_a_container(path: str) -> Iterator[int]:
-    """`path` held open by a process in a mount namespace of its own (as a container's process holds its
-    device node); its pid. Needs root."""
-    require(os.geteuid() == 0, "needs root (a mount namespace)")
-    holder = subprocess.Popen(["unshare", "-m", "--propagation", "private", sys.executable, "-c",
-                               "import sys, time\nheld = open(sys.argv[1])\nprint('held', flush=True)\n"
-                               "time.sleep(120)\n", path], stdout=subprocess.PIPE, text=True)
+def node_holder(path: str, *, cgroup_grants: bool, flags: int = os.O_RDONLY,
+                uid: int | None = None) -> Iterator[int]:
+    """A process in a mount namespace of its own holding `path` open (with `flags`); its pid. With
+    `cgroup_grants`, it runs in a v1 device cgroup of its own that denies everything but `path`'s node, by
+    name — as a runtime sets up a container. Without it, it stays in this test's cgroup: anyone's
+    `unshare`. `uid`: as that user (and group), in a user namespace of its own (`unshare -Urm`). Needs
+    root."""
+    import uuid
+
+    require(os.geteuid() == 0, "needs root (namespaces, cgroups)")
+    command = ["unshare", "-m", "--propagation", "private", sys.executable, "-c", _HOLDER, path, str(flags)]
+    if uid is not None:
+        command = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "unshare", "-Urm",
+                   sys.executable, "-c", _HOLDER, path, str(flags)]
+    group = None
+    if cgroup_grants:
+        devices = Path("/sys/fs/cgroup/devices")
+        require((devices / "devices.allow").exists(), "needs the cgroup v1 devices controller")
+        group = devices / f"devinject-test-{uuid.uuid4().hex[:8]}"
+        group.mkdir()
+    holder = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert holder.stdin is not None and holder.stdout is not None
+        if group is not None:
+            st = os.stat(path)
+            (group / "cgroup.procs").write_text(str(holder.pid))
+            (group / "devices.deny").write_text("a")
+            (group / "devices.allow").write_text(f"c {os.major(st.st_rdev)}:{os.minor(st.st_rdev)} rw")
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "held"
         yield holder.pid
     finally:
         holder.kill()
         holder.wait()
+        if group is not None:
+            for _ in range(100):
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def pid_namespace_init() -> Iterator[int]:
+    """A `sleep` that is pid 1 of a pid namespace of its own, as a container's init is; its pid here. Its
+    `unshare` parent is killed and reaped however the test ends. Needs root."""
+    require(os.geteuid() == 0, "needs root (a pid namespace)")
+    unshare = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sleep", "60"])
+    try:
+        children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
+        for _ in range(200):
+            if children.read_text().split():
+                break
+            time.sleep(0.01)
+        yield int(children.read_text().split()[0])
+    finally:
+        unshare.kill()
+        unshare.wait()
+
+
+@contextlib.contextmanager
+def world_reachable_node(rdev: int) -> Iterator[str]:
+    """A char node with device number `rdev` where an unprivileged user reaches it (pytest's temporary
+    directories are root's alone); its path. Removed afterwards."""
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="devinject-node-")
+    os.chmod(directory, 0o755)
+    node = os.path.join(directory, "node")
+    os.mknod(node, 0o666 | 0o020000, rdev)
+    try:
+        yield node
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def held_in_a_container(path: str) -> Iterator[int]:
+    """`path` held open by a container's process: a mount namespace of its own, and a device cgroup that
+    grants the node by name. Its pid. Needs root and the v1 devices controller."""
+    with node_holder(path, cgroup_grants=True) as pid:
+        yield pid
 
 
 def write_spec_dir(directory: Path, name: str, text: str) -> Path:

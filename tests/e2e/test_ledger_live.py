@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from devinject.nodestate.ledger import process_start_time
-from tests.e2e.conftest import Bundle, container_name
+from tests.e2e.conftest import Bundle, container_name, node_holder, world_reachable_node
 
 pytestmark = pytest.mark.live
 
@@ -180,6 +180,12 @@ def test_a_corrupt_ledger_is_rebuilt_from_the_running_containers_device_rules(bu
         assert list(bundle.state_dir.glob("ledger.json.broken-*"))
         events = [json.loads(line)["event"] for line in (bundle.state_dir / "events.jsonl").read_text().splitlines()]
         assert "ledger-rebuilt" in events
+        # The rebuild outlives the refusal that made it: the next start is refused too (it used to find no
+        # ledger.json at all, and got the GPU the first container still held).
+        subprocess.run(["runc", "delete", "-f", second], capture_output=True)
+        third = bundle.run(container_name(), v2=v2)
+        assert third.returncode != 0
+        assert f"is held by container recovered: cgroup v{2 if v2 else 1} " in third.stderr, third.stderr
         pid = _pid_of(first)
         os.kill(pid, signal.SIGKILL)
         for _ in range(200):
@@ -191,3 +197,19 @@ def test_a_corrupt_ledger_is_rebuilt_from_the_running_containers_device_rules(bu
     finally:
         if v2:
             _runc_v2(bundle, f"runc delete -f {first}")
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["cgroup-v1", "cgroup-v2-ebpf"])
+def test_an_unprivileged_users_o_path_handle_on_a_gpu_wedges_nothing(bundle: Bundle, v2: bool) -> None:
+    """Anyone can `unshare -Urm` and take an O_PATH handle on a GPU node (no permission needed). Before, the
+    next ledger rebuild booked that process as the GPU's exclusive holder and refused every container."""
+    with world_reachable_node(os.makedev(195, 0)) as node, \
+            node_holder(node, cgroup_grants=False, flags=os.O_PATH, uid=65534):  # the host's /dev/nvidia0
+        bundle.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+        assert bundle.run(container_name(), v2=v2).returncode == 0
+        ledger = bundle.state_dir / "ledger.json"
+        ledger.write_text(ledger.read_text()[:20])
+        started = bundle.run(container_name(), v2=v2)
+        assert started.returncode == 0, started.stderr
+        bookings = json.loads(ledger.read_text())["allocations"].values()
+        assert not [b for b in bookings if b.get("recovered") and "c 195:0" in b["exclusive"]]

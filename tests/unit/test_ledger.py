@@ -3,7 +3,6 @@ import multiprocessing
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
@@ -109,22 +108,17 @@ def test_a_dead_container_with_its_own_pid_namespace_is_freed_without_a_scan(tmp
     import signal
 
     from devinject.nodestate import ledger as ledger_module
-    from tests.e2e.conftest import require
+    from tests.e2e.conftest import pid_namespace_init
 
-    require(os.geteuid() == 0, "needs root (a pid namespace)")
-    unshare = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sleep", "60"])
-    try:
-        children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
-        for _ in range(200):
-            if children.read_text().split():
-                break
-            time.sleep(0.01)
-        init = int(children.read_text().split()[0])  # pid 1 of the new namespace
+    with pid_namespace_init() as init:
         ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
         ledger.book("c1", init, _claims("vendor.com/gpu=0"), POLICY)
         assert ledger.snapshot()["allocations"]["c1"]["own_pid_ns"] is True
         os.kill(init, signal.SIGKILL)
-        unshare.wait(10)
+        for _ in range(500):  # until its parent has reaped it
+            if process_start_time(init) is None:
+                break
+            time.sleep(0.01)
 
         def no_scan(*args, **kwargs):  # type: ignore[no-untyped-def]
             raise AssertionError("scanned /proc for a container that left nobody behind")
@@ -133,9 +127,6 @@ def test_a_dead_container_with_its_own_pid_namespace_is_freed_without_a_scan(tmp
         assert ledger.book("c2", os.getpid(), _claims("vendor.com/gpu=0"), POLICY).new
         assert "c1" not in ledger.snapshot()["allocations"]
         assert ledger.snapshot()["allocations"]["c2"]["own_pid_ns"] is False  # this process: the host's
-    finally:
-        unshare.kill()
-        unshare.wait()
     events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert events[-2:] == ["released", "allocated"]
 

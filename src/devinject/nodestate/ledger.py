@@ -4,12 +4,13 @@ twice. One JSON file under the state dir, rewritten atomically under an exclusiv
 A device's identity is its own char nodes (`c 195:2`, taken from the host node when a spec leaves the
 numbers out), so `gpu=0`, `gpu=GPU-…` and `gpu=all` that share a node conflict with each other. Allocations
 of dead containers (pid + start time, so pid reuse cannot fool it; a zombie is dead) are reclaimed on every
-access; a released device stays `reclaiming` while a process in another mount namespace (a container's,
-not a host daemon's) still holds one of its nodes open — unless the container had a pid namespace of its
-own: once its init is gone, the kernel has ended all its other processes.
+access; a released device stays `reclaiming` while a container's process (evidence.py: not a host
+daemon's, nor anyone's namespace) still holds one of its nodes open — unless the container had a pid
+namespace of its own: once its init is gone, the kernel has ended all its other processes.
 
-A ledger file that cannot be read or fails validation never wedges the node: it is moved aside (kept for
-forensics, with an event) and the bookings are rebuilt from live evidence (see evidence.py).
+A ledger file that cannot be parsed or fails validation never wedges the node: its bytes are kept aside
+(for forensics, with an event) and the bookings are rebuilt from live evidence (see evidence.py) and
+written over it at once, so the rebuild holds whatever the booking that found it decides.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 
-from devinject.core import jsonlite
+from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
 from devinject.core.filelock import exclusive
 from devinject.nodestate import events
@@ -96,15 +97,18 @@ def ledger_problem(data: object) -> str | None:
 
 
 def holders_of(nodes: set[str], proc: str = "/proc", *, containers_only: bool = False) -> dict[str, list[int]]:
-    """Processes with one of `nodes` ("c 195:2") open: node -> pids. Scans /proc/*/fd. `containers_only`:
-    only processes in another mount namespace than this one's (a host daemon such as a persistence daemon
-    keeping every GPU open is not a container's use, and costs one stat instead of one per open file)."""
-    from devinject.nodestate.evidence import open_device_nodes, processes
+    """Processes with one of `nodes` ("c 195:2") open for I/O: node -> pids. Scans /proc/*/fd.
+    `containers_only`: only containers' processes, as the evidence module defines them (another mount
+    namespace, and the node granted by their own device cgroup): a host daemon keeping every GPU open, or
+    anyone's `unshare -Urm` holding a node, is not a container's use."""
+    from devinject.nodestate.evidence import container_holders, open_device_nodes, processes
 
-    found: dict[str, list[int]] = {}
     if not nodes:
-        return found
-    for pid in processes(proc, other_mount_namespaces=containers_only):
+        return {}
+    if containers_only:
+        return container_holders(nodes, proc)
+    found: dict[str, list[int]] = {}
+    for pid in processes(proc):
         for key in open_device_nodes(pid, proc):
             if key in nodes:
                 found.setdefault(key, []).append(pid)
@@ -128,9 +132,7 @@ class _Locked:
         except BaseException:
             self.lock.__exit__()
             raise
-        # A rebuilt ledger is written back even when nothing else changes.
-        self.before = "" if self.ledger.rebuilt else jsonlite.dumps(self.data, sort_keys=True)
-        self.ledger.rebuilt = False
+        self.before = jsonlite.dumps(self.data, sort_keys=True)
         return self.data
 
     def __exit__(self, kind: object, *rest: object) -> None:
@@ -163,7 +165,6 @@ class Ledger:
         self.proc = proc
         self.reclaim_timeout = reclaim_timeout
         self.path = os.path.join(state_dir, LEDGER_FILE)
-        self.rebuilt = False
 
     # --- storage -------------------------------------------------------------------------------------
     def locked(self) -> _Locked:
@@ -172,38 +173,48 @@ class Ledger:
 
     def _read(self) -> dict[str, Any]:
         try:
-            with open(self.path, encoding="utf-8") as handle:
-                data = jsonlite.loads(handle.read())
+            with open(self.path, "rb") as handle:
+                raw = handle.read()
         except FileNotFoundError:
             return {"allocations": {}}
-        except (OSError, ValueError, UnicodeDecodeError) as err:
-            return self._rebuild(f"unreadable: {err}")
+        except OSError as err:
+            raise LedgerError(f"{self.path}: cannot read the ledger: {err.strerror}") from None
+        try:
+            data = jsonlite.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            return self._rebuild(f"unreadable: {err}", raw)
         problem = ledger_problem(data)
         if problem:
-            return self._rebuild(problem)
+            return self._rebuild(problem, raw)
         return data  # type: ignore[no-any-return]
 
-    def _rebuild(self, reason: str) -> dict[str, Any]:
-        """Move the broken ledger aside and book what live evidence on the node shows in use."""
+    def _rebuild(self, reason: str, raw: bytes) -> dict[str, Any]:
+        """Keep the broken ledger aside and book what live evidence on the node shows in use — written at
+        once, under the lock that found it broken: whatever the booking that got here decides (a refusal
+        included), the next access reads the rebuilt ledger, and no moment exists in which ledger.json
+        is missing and every device looks free."""
         from devinject.nodestate import evidence
 
         aside = f"{self.path}.broken-{time.time_ns()}"
-        try:
-            os.replace(self.path, aside)
-        except OSError as err:
-            raise LedgerError(f"{self.path}: broken ledger ({reason}) and cannot move it aside: "
-                              f"{err.strerror}") from None
         allocations: dict[str, Any] = {}
         now = time.time()
         for holding in evidence.collect(self.proc):
             started = process_start_time(holding.pid, self.proc)
             if started is not None:
+                # own_pid_ns as for any booking: a recovered container that had one leaves nobody behind
                 allocations[f"recovered: {holding.source}"] = {
                     "devices": [], "exclusive": list(holding.nodes), "shared": [], "pid": holding.pid,
-                    "start_time": started, "time": now, "state": "active", "recovered": True}
-        self.rebuilt = True
+                    "start_time": started, "time": now, "state": "active", "recovered": True,
+                    "own_pid_ns": has_own_pid_namespace(holding.pid, self.proc)}
+        rebuilt = {"allocations": allocations}
+        try:
+            atomicfile.replace(aside, raw, 0o600)  # forensics: the bytes as they were
+        except OSError as err:
+            raise LedgerError(f"{self.path}: broken ledger ({reason}) and cannot keep it aside: "
+                              f"{err.strerror}") from None
+        self._write(rebuilt)  # over the broken file, in one rename
         self.event("ledger-rebuilt", reason=reason, moved_to=aside, bookings=len(allocations))
-        return {"allocations": allocations}
+        return rebuilt
 
     def _write(self, data: dict[str, Any]) -> None:
         try:
@@ -276,10 +287,12 @@ class Ledger:
         names = tuple(claim.name for claim in claims)
         exclusive: list[str] = []
         shared: list[str] = []
+        shared_kind: set[str] = set()  # nodes of kinds that share every device: a recovered holding is no clash
         for claim in claims:
             mode = policy.get(claim.name.partition("=")[0], "exclusive")
             if mode == "shared":
                 shared.extend(claim.nodes)
+                shared_kind.update(claim.nodes)
             else:  # `claim.shared`: nodes of an exclusive claim that others may hold too (a MIG parent GPU)
                 shared.extend(claim.shared)
                 exclusive.extend(n for n in claim.nodes if n not in claim.shared)
@@ -309,6 +322,8 @@ class Ledger:
                 # exclusive against anything held; shared against what another holds exclusively
                 clash = (set(exclusive) & set(entry["exclusive"] + entry.get("shared", []))
                          | set(shared) & set(entry["exclusive"]))
+                if entry.get("recovered"):  # evidence names nodes, not how their kind shares them
+                    clash -= shared_kind
                 if clash:
                     state = entry.get("state", "active")
                     raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "

@@ -1,0 +1,134 @@
+"""Attacks on the ledger's evidence: a rebuilt ledger holds from the moment it is made, and only a container
+the runtime started (its device cgroup grants the node by name) can hold a device in it. Anyone's
+namespace, an `O_PATH` handle or a monitoring agent keeping every GPU open holds nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from devinject.core.errors import LedgerError
+from devinject.nodestate import evidence
+from devinject.nodestate.ledger import Claim, Ledger
+from tests.e2e.conftest import (
+    held_in_a_container,
+    node_holder,
+    pid_namespace_init,
+    require,
+    stand_ins,
+    world_reachable_node,
+)
+
+POLICY = {"vendor.com/gpu": "exclusive", "vendor.com/nic": "shared"}
+FULL = os.stat("/dev/full")  # a node nobody else here holds (pytest keeps /dev/null open)
+NOBODY = 65534
+FULL_NODE = f"c {os.major(FULL.st_rdev)}:{os.minor(FULL.st_rdev)}"
+
+
+def claim(node: str = FULL_NODE, name: str = "vendor.com/gpu=0") -> tuple[Claim, ...]:
+    return (Claim(name, (node,)),)
+
+
+def corrupt(state_dir: Path) -> None:
+    state_dir.joinpath("ledger.json").write_text('{"allocations": {"c1": {"exclus')
+
+
+def test_a_rebuild_holds_even_when_the_booking_that_made_it_is_refused(tmp_path: Path) -> None:
+    """corrupt -> a clashing start (refused) -> the next start: refused too, while the holder lives."""
+    with held_in_a_container("/dev/full"):
+        corrupt(tmp_path)
+        with pytest.raises(LedgerError, match="held by container recovered: "):
+            Ledger(str(tmp_path)).book("b", os.getpid(), claim(), POLICY)
+        assert json.loads((tmp_path / "ledger.json").read_text())["allocations"]  # written, not lost
+        with pytest.raises(LedgerError, match="held by container recovered: "):
+            Ledger(str(tmp_path)).book("c", os.getpid(), claim(), POLICY)
+    assert Ledger(str(tmp_path)).book("c", os.getpid(), claim(), POLICY).new  # the holder gone: free
+
+
+def test_a_rebuild_never_leaves_the_node_without_a_ledger_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) \
+        -> None:
+    """Kept aside by copy, replaced by rename: a crash at any point leaves a ledger, broken or rebuilt."""
+    corrupt(tmp_path)
+    seen: list[bool] = []
+    real = evidence.collect
+
+    def collect(proc: str = "/proc") -> list[evidence.Holding]:
+        seen.append((tmp_path / "ledger.json").exists())
+        return real(proc)
+
+    monkeypatch.setattr(evidence, "collect", collect)
+    Ledger(str(tmp_path)).book("b", os.getpid(), claim("c 195:0"), POLICY)
+    assert seen == [True]
+    (aside,) = tmp_path.glob("ledger.json.broken-*")
+    assert aside.read_text() == '{"allocations": {"c1": {"exclus'
+
+
+@pytest.mark.parametrize("flags", [os.O_PATH, os.O_RDONLY], ids=["o-path", "open"])
+def test_an_unprivileged_users_namespace_holding_a_node_is_no_container(tmp_path: Path, flags: int) -> None:
+    """`unshare -Urm` as nobody, then open the node (O_PATH needs no permission at all): before, the next
+    rebuild booked that process as an exclusive holder and every container was refused while it lived."""
+    require(shutil.which("setpriv") is not None, "setpriv (util-linux) not installed")
+    with world_reachable_node(FULL.st_rdev) as node, \
+            node_holder(node, cgroup_grants=False, flags=flags, uid=NOBODY) as attacker:
+        assert os.stat(f"/proc/{attacker}/status").st_uid != 0
+        corrupt(tmp_path)
+        assert Ledger(str(tmp_path)).book("b", os.getpid(), claim(), POLICY).new
+        assert list(json.loads((tmp_path / "ledger.json").read_text())["allocations"]) == ["b"]
+
+
+def test_a_monitoring_agent_keeping_every_gpu_open_is_no_holder(tmp_path: Path) -> None:
+    """A DCGM-style agent (root, a mount namespace of its own, an unrestricted device cgroup) keeps the
+    node open for real: not a container's use, before or after a rebuild."""
+    with node_holder("/dev/full", cgroup_grants=False) as monitor:
+        assert FULL_NODE in evidence.open_device_nodes(monitor)  # it does hold the node
+        corrupt(tmp_path)
+        assert Ledger(str(tmp_path)).book("b", os.getpid(), claim(), POLICY).new
+
+
+def test_an_o_path_handle_is_not_an_open_device(tmp_path: Path) -> None:
+    handle = os.open("/dev/full", os.O_PATH)
+    try:
+        assert FULL_NODE not in evidence.open_device_nodes(os.getpid())
+        with open("/dev/full"):
+            assert FULL_NODE in evidence.open_device_nodes(os.getpid())
+    finally:
+        os.close(handle)
+
+
+def test_an_outsider_cannot_keep_a_released_device_reclaiming(tmp_path: Path) -> None:
+    """A booking of a container without a pid namespace of its own is released; an outsider's namespace
+    holds the node: the next booking is not refused for the 30 s of a reclaim."""
+    ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
+    ledger.book("a", os.getpid(), claim(), POLICY)
+    with node_holder("/dev/full", cgroup_grants=False):
+        assert ledger.release("a") == "released"
+        assert ledger.book("b", os.getpid(), claim(), POLICY).new
+    assert "a" not in ledger.snapshot()["allocations"]
+
+
+def test_a_recovered_booking_names_the_containers_init(tmp_path: Path, v1_device_cgroup: Path) -> None:
+    """The booking is tied to the container's init (pid 1 of its pid namespace), not to whichever process
+    the cgroup lists first: an `exec` that ends does not free a running container's device."""
+    group = v1_device_cgroup
+    with stand_ins(1) as (helper,), pid_namespace_init() as init:
+        for pid in sorted((helper.pid, init)):
+            (group / "cgroup.procs").write_text(str(pid))
+        (group / "devices.deny").write_text("a")
+        (group / "devices.allow").write_text(f"{FULL_NODE} rw")
+        corrupt(tmp_path)
+        with pytest.raises(LedgerError, match=f"pid {init}\\)"):
+            Ledger(str(tmp_path)).book("b", os.getpid(), claim(), POLICY)
+
+
+def test_a_recovered_holding_of_a_shared_kinds_node_is_shared(tmp_path: Path) -> None:
+    """Evidence books what it finds exclusive, but a NIC (a shared kind) held by a recovered container is
+    still granted to the next container that shares it; a GPU is not."""
+    with held_in_a_container("/dev/full"):
+        corrupt(tmp_path)
+        with pytest.raises(LedgerError, match="held by container recovered: "):
+            Ledger(str(tmp_path)).book("gpu", os.getpid(), claim(), POLICY)
+        assert Ledger(str(tmp_path)).book("nic", os.getpid(), claim(name="vendor.com/nic=0"), POLICY).new
