@@ -3,7 +3,9 @@ stdin, stdout and stderr, passed as file descriptors) to a resident server, whos
 loaded already, and exit with its status (bench/bench_hook.py measures both ways).
 
 No server (no socket, nobody listening, or not running as this user) means the hook runs in-process, as
-it always could. Once the request is handed over it is the server's: the hook never runs it a second time.
+it always could, and so does a server's REFUSED answer: this hook runs in other namespaces than the server
+(a runtime in a nested pid namespace), and nothing was done for it. Once the request is otherwise handed over
+it is the server's: the hook never runs it a second time.
 
 The served path runs on every container start in an interpreter started with -S, so it imports only what
 is built in: `posix` and `_socket` (not `os`, ~1.4 ms of imports there, nor `socket`, which adds `enum` and
@@ -21,6 +23,9 @@ DEFAULT_SOCKET = "/run/devinject/hook.sock"
 CONNECT_TIMEOUT = 1.0
 REPLY_TIMEOUT = 60.0  # the worker's own deadlines end first (30 s for the namespace work)
 MAX_REQUEST = 1 << 20
+# The server's answer when it did nothing for the request (the hook's is one byte, its exit status): runs
+# in-process. Status 255 starts it too, and is told apart by the end of the connection after it.
+REFUSED = b"\xffrefused"
 
 
 def server_socket(args: list[str]) -> str | None:
@@ -83,7 +88,8 @@ def server_answers(path: str) -> bool:
 
 
 def run_via_server(args: list[str]) -> int | None:
-    """The hook's exit status as the server's worker gives it; None when no server takes the request."""
+    """The hook's exit status as the server's worker gives it; None when no server takes the request or
+    the server refuses it."""
     path = server_socket(args[1:])
     if path is None:
         return None
@@ -107,7 +113,9 @@ def run_via_server(args: list[str]) -> int | None:
             return None  # nobody took it: run in-process
         sock.settimeout(REPLY_TIMEOUT)
         try:
-            reply = sock.recv(1)
+            reply = sock.recv(len(REFUSED))
+            while reply[:1] == REFUSED[:1] and len(reply) < len(REFUSED) and (more := sock.recv(len(REFUSED))):
+                reply += more
         except OSError as err:
             reply, why = b"", f"no answer from the hook server {path}: {err}"
         else:
@@ -115,6 +123,8 @@ def run_via_server(args: list[str]) -> int | None:
         if not reply:
             print(f"devinject: error: {why}", file=sys.stderr)
             return 1
+        if reply == REFUSED:
+            return None  # not in the server's namespaces: nothing was done, run in-process
         return reply[0]
     finally:
         sock.close()

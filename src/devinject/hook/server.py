@@ -7,7 +7,11 @@ in-process — the same arguments, the same config file, specs, ledger and log, 
 runtime's own stdin, stdout and stderr passed over the socket — and reports the exit status.
 
 Only a peer running as the server's own user is served (SO_PEERCRED), and the socket is created mode 0600
-in a directory only that user can write. A new devinject version takes effect when the server restarts.
+in a directory only that user can write. Only a peer in the server's own pid, mount, user and network
+namespaces is served: the OCI state's pid, its bundle and the hook's paths mean what they mean to the runtime
+that ran the hook, so a runtime elsewhere (a nested pid namespace: Docker-in-Docker, kind) is answered
+REFUSED before anything is done, and its hook runs in-process. A new devinject version takes effect when
+the server restarts.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import sys
 import time
 
 from devinject.core.errors import DevinjectError
-from devinject.hook.client import MAX_REQUEST, decode_request
+from devinject.hook.client import MAX_REQUEST, REFUSED, decode_request
 
 log = logging.getLogger("devinject.hook-server")
 
@@ -37,6 +41,12 @@ SPARES = 3  # workers waiting for a request: container starts come in bursts, an
 REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one
 PR_SET_PDEATHSIG = 1
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+# What the OCI state and the hook's arguments are read in: the pid, the bundle and spec paths, the uid the
+# nodes are made for, and the host interfaces a netDevices edit moves.
+NAMESPACES = ("pid", "mnt", "user", "net")
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5: a pidfd of the very process that connected
+
+Namespaces = tuple[tuple[int, int], ...]  # (st_dev, st_ino) of each of NAMESPACES
 
 
 def preload() -> None:
@@ -87,6 +97,7 @@ def serve(path: str, *, spares: int = SPARES) -> None:
     at idle priority, and a worker that has answered exits at idle priority: runc and the next container
     start come first."""
     preload()
+    own = namespaces_of("self")
     server = listen(path)
     gc.freeze()  # what preloading made is never collected: no collection in a worker touches (copies) it
     background = _may_leave_idle_priority()
@@ -101,7 +112,7 @@ def serve(path: str, *, spares: int = SPARES) -> None:
             # then competes with it for the CPU), at once when none waits.
             settled = time.monotonic() - last_taken >= REPLACE_AFTER
             while len(idle) < spares and (settled or not idle):
-                idle.add(_spawn(server, taken_w, background=background and bool(idle)))
+                idle.add(_spawn(server, taken_w, own, background=background and bool(idle)))
             wait = 0.5 if len(idle) >= spares else max(REPLACE_AFTER - (time.monotonic() - last_taken), 0.001)
             readable, _, _ = select.select([taken_r], [], [], wait)
             if readable:
@@ -162,7 +173,7 @@ def _idle_priority() -> None:  # pragma: no cover - runs in a worker
         pass  # only a matter of who runs first
 
 
-def _spawn(server: socket.socket, taken_w: int, *, background: bool = False) -> int:
+def _spawn(server: socket.socket, taken_w: int, own: Namespaces, *, background: bool = False) -> int:
     """A worker: it readies itself (at idle priority when `background`, back to normal before it waits for
     a request), serves one request and exits."""
     sys.stdout.flush()
@@ -190,7 +201,7 @@ def _spawn(server: socket.socket, taken_w: int, *, background: bool = False) -> 
         server.close()
         os.close(taken_w)
         with conn:
-            _take(conn)
+            _take(conn, own)
         status = 0
     except BaseException as err:  # a worker never raises into the server's code
         log.warning("hook request dropped: %s", err)
@@ -209,8 +220,71 @@ def _touch_heap() -> None:  # pragma: no cover - runs in a worker
     gc.freeze()
 
 
-def _take(conn: socket.socket) -> None:  # pragma: no cover - runs in a worker
+def namespaces_of(pid: int | str, *, proc: str = "/proc") -> Namespaces:
+    """The identity of process `pid`'s NAMESPACES (OSError when they cannot be read: gone, a zombie)."""
+    found = []
+    for kind in NAMESPACES:
+        st = os.stat(f"{proc}/{pid}/ns/{kind}")
+        found.append((st.st_dev, st.st_ino))
+    return tuple(found)
+
+
+def refusal(conn: socket.socket, pid: int, own: Namespaces) -> str | None:
+    """Why the peer on `conn`, which connected as `pid` (SO_PEERCRED: 0 when its pid namespace is no
+    descendant of this one), is not served: None when its namespaces are `own`.
+
+    Pid reuse cannot pass another process off as the peer: the peer is held as a pidfd (SO_PEERPIDFD) and
+    its namespaces count only if it has not exited once they are read, so the pid still named it then.
+    Without SO_PEERPIDFD (Linux < 6.5) the pidfd is opened from the number, which names another process
+    only if the peer exited before that and left its end of the connection open in some other process: a
+    connection whose peer hung up is refused."""
+    if pid <= 0:
+        return "its pid namespace is not the hook server's"
+    pidfd = _peer_pidfd(conn, pid)
+    if pidfd == -1:
+        return f"pid {pid} is gone"
+    try:
+        try:
+            theirs = namespaces_of(pid)
+        except OSError as err:
+            return f"pid {pid}: its namespaces: {err.strerror}"
+        if pidfd is not None and _ended(pidfd):
+            return f"pid {pid} is gone"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    if _ended(conn.fileno(), select.POLLRDHUP):
+        return f"pid {pid} hung up"
+    different = [kind for kind, mine, its in zip(NAMESPACES, own, theirs, strict=True) if mine != its]
+    if different:
+        return f"pid {pid} is not in the hook server's namespaces ({', '.join(different)})"
+    return None
+
+
+def _peer_pidfd(conn: socket.socket, pid: int) -> int | None:
+    """A pidfd of the peer: -1 when it has gone already, None when the kernel has no pidfds (Linux < 5.3)."""
+    try:
+        return conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError:
+        pass  # Linux < 6.5
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return -1
+    except (OSError, AttributeError):
+        return None
+
+
+def _ended(fd: int, events: int = select.POLLIN) -> bool:
+    """Whether `fd` says now that its process exited (a pidfd) or its peer hung up (a socket, POLLRDHUP)."""
+    poller = select.poll()
+    poller.register(fd, events)
+    return any(ready & (events | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ready in poller.poll(0))
+
+
+def _take(conn: socket.socket, own: Namespaces) -> None:  # pragma: no cover - runs in a worker
     peer = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    pid = int.from_bytes(peer[0:4], sys.byteorder, signed=True)
     uid = int.from_bytes(peer[4:8], sys.byteorder)
     if uid != os.geteuid():
         log.warning("hook request from uid %d refused", uid)
@@ -222,6 +296,13 @@ def _take(conn: socket.socket) -> None:  # pragma: no cover - runs in a worker
            for i in range(0, len(cmsg[2]) - 3, 4)]
     if not data and not ancillary:
         return  # a probe (`install-hook` asking whether a server answers), not a request
+    why = refusal(conn, pid, own)
+    if why is not None:  # before anything is done: the hook runs in-process, in the runtime's namespaces
+        for fd in fds:
+            os.close(fd)
+        log.warning("hook request refused, to be run in-process: %s", why)
+        conn.sendall(REFUSED)
+        return
     args = decode_request(data)
     if args is None or len(fds) != 3 or not args or args[0] != "hook":
         log.warning("malformed hook request refused")
