@@ -56,6 +56,25 @@ def test_podman_gets_the_icd_files_and_libcuda_so_read_only(image: str, installe
     assert "icd-read-only" in out and "void" in out
 
 
+def test_podman_gets_the_graphics_links_and_files(image: str, installed: None) -> None:
+    """What NVIDIA's generator adds for graphics arrives: the GBM backend link resolving to the allocator, the
+    X server's unversioned module name, the DRM output class read-only, nvidia-xconfig, the GTK 3 library."""
+    xorg, conf = "/usr/lib/xorg/modules/extensions", "/usr/share/X11/xorg.conf.d/nvidia-drm-outputclass.conf"
+    script = (f"readlink {LIB}/gbm/nvidia-drm_gbm.so; test -f {LIB}/gbm/nvidia-drm_gbm.so && echo gbm-resolves; "
+              f"readlink {xorg}/libglxserver_nvidia.so; test -f {xorg}/libglxserver_nvidia.so && echo glx-resolves; "
+              f"grep \" {conf} \" /proc/mounts; grep -c nvidia-drm {conf}; /usr/bin/nvidia-xconfig; "
+              f"test -f {LIB}/libnvidia-gtk3.so.550.54.14 && echo gtk3-present; echo finished")
+    done = subprocess.run([*PODMAN, "--device", "nvidia.com/gpu=1", image, "sh", "-c", script],
+                          capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert "finished" in out, out
+    lines = out.splitlines()
+    assert "../libnvidia-allocator.so.1" in lines and "gbm-resolves" in lines, out
+    assert "libglxserver_nvidia.so.550.54.14" in lines and "glx-resolves" in lines, out
+    assert [line for line in lines if line.startswith("/") and f" {conf} " in line and " ro," in line], out
+    assert "fixture" in lines and "gtk3-present" in lines, out  # nvidia-xconfig ran from the host's file
+
+
 def test_a_mig_device_is_its_parent_node_and_capabilities(image: str, installed: None) -> None:
     script = "ls /dev | grep -E '^nvidia[0-9]'; ls /dev/nvidia-caps; cat /dev/nvidia0; echo finished"
     done = subprocess.run([*PODMAN, "--device", "nvidia.com/gpu=0:1", image, "sh", "-c", script],

@@ -48,7 +48,6 @@ def test_every_library_of_the_driver_version_and_the_exceptions(gpu: Spec) -> No
                  "libnvidia-rtcore.so.550.54.14", "libnvoptix.so.550.54.14", "libnvidia-ngx.so.550.54.14",
                  "libnvidia-egl-gbm.so.1.1.1", "vdpau/libvdpau_nvidia.so.550.54.14", "libcuda.so.550.54.14"):
         assert f"{LIB}/{name}" in mounted, name
-    assert f"{LIB}/libnvidia-gtk3.so.550.54.14" not in mounted  # the profile's exclude list
     links = [a for h in gpu.edits.hooks if "create-symlinks" in h.args for a in h.args if "::" in a]
     assert f"libcuda.so.1::{LIB}/libcuda.so" in links  # -lcuda for Triton and torch.compile
     assert f"libGLX_nvidia.so.550.54.14::{LIB}/libGLX_nvidia.so.0" in links
@@ -57,6 +56,36 @@ def test_every_library_of_the_driver_version_and_the_exceptions(gpu: Spec) -> No
     (ldcache,) = [h.args for h in gpu.edits.hooks if "update-ldcache" in h.args]
     assert ldcache[3:] == ("--folder", LIB, "--folder", f"{LIB}/vdpau",
                            "--forward-compat", "/usr/local/cuda/compat:libcuda.so:550.54.14")
+
+
+def test_graphics_as_nvidia_generates_them(gpu: Spec) -> None:
+    """docs/driver-fidelity.md: the GBM backend and X server module links, the DRM output class, nvidia-xconfig,
+    and the libraries NVIDIA's `*.so.<version>` glob includes (nvidia-settings' GTK 3 and Wayland clients)."""
+    links = [a for h in gpu.edits.hooks if "create-symlinks" in h.args for a in h.args if "::" in a]
+    xorg = "/usr/lib/xorg/modules/extensions"
+    for link in (f"../libnvidia-allocator.so.1::{LIB}/gbm/nvidia-drm_gbm.so",  # as graphics.go makes it
+                 f"libglxserver_nvidia.so.550.54.14::{xorg}/libglxserver_nvidia.so",
+                 f"libnvidia-vulkan-producer.so.550.54.14::{LIB}/libnvidia-vulkan-producer.so"):
+        assert link in links, link
+    mounts = {m.container_path: m for m in gpu.edits.mounts}
+    conf = mounts["/usr/share/X11/xorg.conf.d/nvidia-drm-outputclass.conf"]
+    assert conf.host_path == f"{HOST}/usr/share/X11/xorg.conf.d/nvidia-drm-outputclass.conf" and "ro" in conf.options
+    assert "ro" in mounts["/usr/bin/nvidia-xconfig"].options
+    for name in ("libnvidia-gtk3.so.550.54.14", "libnvidia-wayland-client.so.550.54.14",
+                 "libnvidia-vulkan-producer.so.550.54.14"):
+        assert f"{LIB}/{name}" in mounts, name
+
+
+def test_a_declared_link_waits_for_its_target(host_copy) -> None:  # type: ignore[no-untyped-def]
+    """No allocator, no GBM link; no driver version known, no link to a versioned name."""
+    root = host_copy("dgx-a100-mig")
+    for name in ("libnvidia-allocator.so.1", "libnvidia-allocator.so", "libnvidia-allocator.so.550.54.14"):
+        (root / LIB.lstrip("/") / name).unlink()
+    (spec,) = generate_specs(GenerateOptions(root=str(root), hook_path="/usr/bin/devinject",
+                                             kinds=("nvidia.com/gpu",)))
+    args = [a for h in spec.edits.hooks for a in h.args]
+    assert not [a for a in args if "nvidia-drm_gbm" in a]
+    assert "libglxserver_nvidia.so.550.54.14::/usr/lib/xorg/modules/extensions/libglxserver_nvidia.so" in args
 
 
 OLD = "535.161.08"  # the driver an upgrade left files of (tests/fixtures/build_hosts.nvidia_leftovers)
@@ -119,8 +148,11 @@ def test_profile_fields_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"partitions.node: a /dev path with \{minor\}"):
         parse_profile({**base, "partitions": {"type": "amd-kfd", "source": "/p", "node": "/dev/x",
                                               "region": "r"}}, "p.yaml")
-    with pytest.raises(ConfigError, match=r"links: 'a/b'"):
-        parse_profile({**base, "links": {"a/b": "c"}}, "p.yaml")
+    for link, target in (("../a", "c"), ("/a", "c"), ("a//b", "c"), ("a/./b", "c"), ("a", "b/c")):
+        with pytest.raises(ConfigError, match=rf"links: {link!r}: the target is a mounted file's name"):
+            parse_profile({**base, "links": {link: target}}, "p.yaml")
+    assert parse_profile({**base, "links": {"gbm/x.so": "liby.so.{driver_version}"}}, "p.yaml").links == (
+        ("gbm/x.so", "liby.so.{driver_version}"),)
     with pytest.raises(ConfigError, match=r"driver-libraries.patterns: required"):
         parse_profile({**base, "driver-libraries": {"anchor": "libx.so.1"}}, "p.yaml")
     with pytest.raises(ConfigError, match=r"config-files\[0\]: paths must be absolute"):

@@ -306,13 +306,16 @@ def _driver_libraries(raw: object, where: str) -> DriverLibraries | None:
 
 
 def _links(raw: object, where: str) -> tuple[tuple[str, str], ...]:
-    """`{libcuda.so: libcuda.so.1}`: links made next to a mounted library (when the target is mounted)."""
+    """`{libcuda.so: libcuda.so.1, gbm/nvidia-drm_gbm.so: libnvidia-allocator.so.1}`: links made when the
+    target (a mounted file's name, `{driver_version}` allowed) is mounted, in its directory or below it."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping of link name to target name")
     out = []
     for link, target in raw.items():
-        if not isinstance(link, str) or not isinstance(target, str) or "/" in link + target:
-            raise ConfigError(f"{where}: {link!r}: link and target are file names in one directory")
+        if (not isinstance(link, str) or not isinstance(target, str) or not link or not target or "/" in target
+                or link.startswith("/") or {".", ".."} & set(link.split("/")) or "" in link.split("/")):
+            raise ConfigError(f"{where}: {link!r}: the target is a mounted file's name, the link a path "
+                              "relative to its directory (no '..')")
         out.append((link, target))
     return tuple(out)
 

@@ -171,16 +171,21 @@ def _first_file(hosts: list[Host], candidates: tuple[str, ...]) -> tuple[Host, L
     return None
 
 
-def _development_links(files: Host, libraries: list[LocatedFile], declared: tuple[tuple[str, str], ...]) -> list[str]:
+def _development_links(files: Host, libraries: list[LocatedFile], declared: tuple[tuple[str, str], ...],
+                       mounted: list[LocatedFile], version: str | None) -> list[str]:
     """`libX.so -> libX.so.1` links next to mounted libraries (compilers and JITs link `-lcuda`): those the
     driver made on the host, and those the profile declares (`links`), which are made whenever their target
-    is mounted. As TARGET::LINK, the target relative to the link's directory."""
+    is mounted (a library or another driver file: `libglxserver_nvidia.so` beside the X.Org module), in its
+    directory or below it (`gbm/nvidia-drm_gbm.so`). As TARGET::LINK, the target relative to the link."""
     out: dict[str, None] = {}
-    by_name = {posixpath.basename(lib.path): lib for lib in libraries}
+    by_name: dict[str, list[LocatedFile]] = {}
+    for located in [*libraries, *mounted]:
+        by_name.setdefault(posixpath.basename(located.path), []).append(located)
     for link, target in declared:
-        lib = by_name.get(target)
-        if lib is not None:
-            out[f"{target}::{posixpath.join(posixpath.dirname(lib.path), link)}"] = None
+        names = expand_fields((target,), driver_version=version)  # none when the version is not known
+        for found in dict.fromkeys(f.path for name in names for f in by_name.get(name, [])):
+            at = posixpath.join(posixpath.dirname(found), link)
+            out[f"{posixpath.relpath(found, posixpath.dirname(at))}::{at}"] = None
     for lib in libraries:
         directory, name = posixpath.split(lib.path)
         stem = name.partition(".so")[0]
@@ -223,8 +228,9 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
         if files.is_dir(directory):
             mounts.setdefault(directory, files_rerooter.mount(LocatedFile(directory, files.resolve(directory)),
                                                               directory))
-    for located in locate_binaries(files, profile.binaries) + locate_files(files, profile.files,
-                                                                           driver_version=version):
+    driver_files = locate_binaries(files, profile.binaries) + locate_files(files, profile.files,
+                                                                           driver_version=version)
+    for located in driver_files:
         mounts.setdefault(located.path, files_rerooter.mount(located, located.path))
     for config in profile.config_files:
         chosen = _first_file([files, host] if driver else [files], config.host)
@@ -233,7 +239,7 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
             mounts.setdefault(config.container, (files_rerooter if where is files else rerooter).mount(
                 found, config.container))
     links = [f"{_link_target(lib)}::{lib.path}" for lib in libraries if lib.real != lib.path]
-    links += _development_links(files, libraries, profile.links)
+    links += _development_links(files, libraries, profile.links, driver_files, version)
     folders = sorted({posixpath.dirname(lib.real) for lib in libraries} | {
         d for d in profile.library_dirs if d in mounts})
     hooks = [_cdi_hook(hook_path, command, flag, values) for command, flag, values in (
