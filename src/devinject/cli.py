@@ -457,8 +457,9 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
 @click.option("--allocate", type=click.Choice(["both", "cdi"]), default="both", show_default=True,
               help="cdi: answer with CDI device names only; both: also devices, mounts and env for runtimes "
                    "without CDI.")
-@click.option("--metrics-address", default="0.0.0.0:9400", show_default=True,
-              help="HOST:PORT for /metrics, /healthz and /readyz ('' to turn them off).")
+@click.option("--metrics-address", default="127.0.0.1:9400", show_default=True,
+              help="HOST:PORT for /metrics, /healthz and /readyz (the DaemonSet: the node's address; "
+                   "'' to turn them off).")
 def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: str, metrics_address: str,
                   **options: Any) -> None:
     """Kubernetes node agent: a kubelet device plugin per kind, with watch's health loop and specs."""
