@@ -57,12 +57,36 @@ def test_missing_and_unreadable_files_read_as_none(tmp_path):
     host = Host(str(tmp_path))
     assert host.read_attr("/missing") is None
     assert host.listdir("/missing") == []
-    assert host.read_attr("/adir") is None  # open() fails (a directory): the same path as EACCES or EIO
+    assert host.read_attr("/adir") is None  # open() fails (a directory): the same path as a dead device's EIO
     assert host.read_attr("/attr") == "1"
 
 
-def test_a_file_the_reader_may_not_read_is_none_not_an_error():
-    """Root reads any mode, so the reader drops to nobody first; a tree nobody can traverse, one file 0."""
+def _as_nobody(fn):
+    """`fn()`'s repr as a process of uid/gid nobody computes it (root reads any mode, so the reader drops)."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the forked reader
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                answer = repr(fn())
+            except Exception as err:  # handed back to the test as text
+                answer = f"{type(err).__name__}: {err}"
+            os.write(write_end, answer.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as handle:
+        answer = handle.read()
+    os.waitpid(child, 0)
+    return answer
+
+
+def test_a_file_the_reader_may_not_read_is_permission_denied_naming_it_not_absent():
+    """Every file discovery reads is world-readable on a real host: a denial is reported, never read as a
+    missing attribute (which skipped the device, or read a failing GPU's AER counter as 0)."""
     require(os.geteuid() == 0, "needs root to run the reader as nobody")
     root = Path(tempfile.mkdtemp(prefix="devinject-host-"))
     try:
@@ -70,20 +94,21 @@ def test_a_file_the_reader_may_not_read_is_none_not_an_error():
         (root / "secret").write_text("x\n")
         os.chmod(root / "secret", 0)
         (root / "open").write_text("y\n")
-        read_end, write_end = os.pipe()
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the forked reader
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                host = Host(str(root))
-                os.write(write_end, repr((host.read_attr("/secret"), host.read_attr("/open"))).encode())
-            finally:
-                os._exit(0)
-        os.close(write_end)
-        with os.fdopen(read_end) as handle:
-            answer = handle.read()
-        os.waitpid(child, 0)
-        assert answer == "(None, 'y')"
+        (root / "locked").mkdir()
+        (root / "locked" / "attr").write_text("z\n")
+        (root / "locked" / "link").symlink_to("attr")
+        os.chmod(root / "locked", 0)
+        host = Host(str(root))
+        assert _as_nobody(lambda: (host.read_attr("/open"), host.read_attr("/missing"), host.listdir("/nope"),
+                                   host.exists("/missing"))) == "('y', None, [], False)"
+        denied = f"DiscoveryError: {root}/secret: permission denied (uid 65534 may not read it)"
+        assert _as_nobody(lambda: host.read_attr("/secret")) == denied
+        assert _as_nobody(lambda: host.read_bytes("/secret")) == denied
+        for probe in (lambda: host.listdir("/locked"), lambda: host.read_attr("/locked/attr"),
+                      lambda: host.exists("/locked/attr"), lambda: host.is_dir("/locked/attr"),
+                      lambda: host.readlink("/locked/link"), lambda: host.lstat("/locked/attr")):
+            assert _as_nobody(probe).startswith(f"DiscoveryError: {root}/locked"), _as_nobody(probe)
+            assert "permission denied" in _as_nobody(probe)
     finally:
+        os.chmod(root / "locked", 0o755)
         shutil.rmtree(root)

@@ -3,15 +3,32 @@
 Paths given to and returned by `Host` are host-view paths (`/sys/bus/pci/devices`); `Host.real()` maps one
 onto the real filesystem. Symlinks are resolved by `Host.resolve()` as if `root` were `/`: an absolute link
 target is re-rooted, never followed onto the machine running the tests.
+
+A file that is not there reads as absent (None, no entries, False); a file this process may not read raises
+DiscoveryError naming it. Everything discovery and health read is world-readable on a real host (sysfs
+identity, link and AER attributes, `uevent`, `/proc/devices`, the drivers' procfs files, `ld.so.cache`; never
+the root-only `config` tail, `resource*` or `rom`), so a denial is a confined or non-root reader that would
+otherwise see fewer devices, or a failing one as healthy, and say nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import stat
 
+from devinject.core.errors import DiscoveryError
+
 _MAX_LINK_HOPS = 40
+_DENIED = (errno.EACCES, errno.EPERM)
+
+
+def _absent_unless_denied(err: OSError, real: str) -> None:
+    """Returns for a file that is not there (or not readable as asked: a directory opened as a file, a dead
+    device's EIO); raises for one this process is not allowed to read."""
+    if err.errno in _DENIED:
+        raise DiscoveryError(f"{real}: permission denied (uid {os.geteuid()} may not read it)") from None
 
 
 def _norm(path: str) -> str:
@@ -34,18 +51,22 @@ class Host:
         return os.path.join(self.root, rel) if rel else self.root
 
     def read_text(self, path: str) -> str | None:
-        """File contents, or None when it is missing or unreadable."""
+        """File contents, or None when it is missing or cannot be read (DiscoveryError when denied)."""
+        real = self.real(self.resolve(path))
         try:
-            with open(self.real(self.resolve(path)), encoding="utf-8", errors="replace") as handle:
+            with open(real, encoding="utf-8", errors="replace") as handle:
                 return handle.read()
-        except OSError:
+        except OSError as err:
+            _absent_unless_denied(err, real)
             return None
 
     def read_bytes(self, path: str) -> bytes | None:
+        real = self.real(self.resolve(path))
         try:
-            with open(self.real(self.resolve(path)), "rb") as handle:
+            with open(real, "rb") as handle:
                 return handle.read()
-        except OSError:
+        except OSError as err:
+            _absent_unless_denied(err, real)
             return None
 
     def read_attr(self, path: str) -> str | None:
@@ -54,37 +75,49 @@ class Host:
         return None if text is None else text.strip()
 
     def listdir(self, path: str) -> list[str]:
+        real = self.real(self.resolve(path))
         try:
-            return sorted(os.listdir(self.real(self.resolve(path))))
-        except OSError:
+            return sorted(os.listdir(real))
+        except OSError as err:
+            _absent_unless_denied(err, real)
             return []
 
+    def _stat(self, real: str, *, follow: bool) -> os.stat_result | None:
+        try:
+            return os.stat(real) if follow else os.lstat(real)
+        except OSError as err:
+            _absent_unless_denied(err, real)
+            return None
+        except ValueError:  # a NUL in the name: no such file
+            return None
+
     def exists(self, path: str) -> bool:
-        return os.path.lexists(self.real(self.resolve(path)))
+        return self._stat(self.real(self.resolve(path)), follow=False) is not None
 
     def is_dir(self, path: str) -> bool:
-        return os.path.isdir(self.real(self.resolve(path)))
+        st = self._stat(self.real(self.resolve(path)), follow=True)
+        return st is not None and stat.S_ISDIR(st.st_mode)
 
     def is_link(self, path: str) -> bool:
-        return os.path.islink(self.real(path))
+        st = self._stat(self.real(path), follow=False)
+        return st is not None and stat.S_ISLNK(st.st_mode)
 
     def readlink(self, path: str) -> str | None:
         try:
             return self._links[path]
         except KeyError:
             pass
+        real = self.real(path)
         try:
-            target: str | None = os.readlink(self.real(path))
-        except OSError:
+            target: str | None = os.readlink(real)
+        except OSError as err:
+            _absent_unless_denied(err, real)
             target = None
         self._links[path] = target
         return target
 
     def lstat(self, path: str) -> os.stat_result | None:
-        try:
-            return os.lstat(self.real(self.resolve(path)))
-        except OSError:
-            return None
+        return self._stat(self.real(self.resolve(path)), follow=False)
 
     def char_device(self, path: str) -> os.stat_result | None:
         st = self.lstat(path)
