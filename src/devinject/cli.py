@@ -28,7 +28,7 @@ bundles_option = click.option(
     help="Also offer co-bound devices: gpu-nic = each GPU with its closest RDMA NIC (<vendor>/gpu-nic=<index>) "
          "and each NUMA node's GPUs and NICs (=numa<N>); see `devinject topo`.")
 root_option = click.option(
-    "--host-root", "--root", "root", default="/", show_default=True, type=click.Path(file_okay=False),
+    "--host-root", "--root", "root", default="/", show_default=True, metavar="DIRECTORY",
     help="Read the host under this directory (the host's / mounted in a pod, a driver root, a fixture host).",
 )
 driver_root_option = click.option(
@@ -39,6 +39,19 @@ target_root_option = click.option(
     "--target-root", default=None, type=click.Path(),
     help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "
          "instead of under --host-root.")
+
+
+def _check_roots(*, root: str | None = None, profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
+                 kernel_log: str | None = None) -> None:
+    """What a command was pointed at, checked once before it reads anything: a wrong one is one line naming
+    it (core/roots.py). The kernel log may be missing only when it was not asked for."""
+    from click.core import ParameterSource
+
+    from devinject.core.roots import check_roots
+
+    source = click.get_current_context().get_parameter_source("kernel_log")
+    check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log,
+                kernel_log_explicit=source not in (None, ParameterSource.DEFAULT))
 
 
 class _Group(click.Group):
@@ -76,7 +89,7 @@ def cli(verbose: int, quiet: bool) -> None:
               type=click.Choice(KNOWN_VERSIONS), help="Highest CDI version to emit (podman 4, containerd 1.7: 0.5.0).")
 @click.option("--kind", "kinds", multiple=True, help="Only this kind, e.g. nvidia.com/gpu (repeatable).")
 @click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks.")
-@click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False),
+@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY",
               help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d).")
 @click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
 @bundles_option
@@ -86,6 +99,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
              nvml: bool | None, bundles: tuple[str, ...], target_root: str | None, driver_root: str | None) -> None:
     """Discover devices on the host and write CDI specs."""
+    _check_roots(root=root, profile_dirs=profile_dirs)
     from devinject.core.spec import write_atomic
     from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 
@@ -154,9 +168,10 @@ kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", sh
               help="text: the matrix and GPU-NIC pairs; dot: the PCIe tree for Graphviz; svg: rendered by `dot`.")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write to FILE, not stdout.")
-@click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False))
+@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY")
 def topo(root: str, fmt: str, as_json: bool, output: str | None, profile_dirs: tuple[str, ...]) -> None:
     """How close the devices are in the PCIe tree and across NUMA nodes (as `nvidia-smi topo -m`, any vendor)."""
+    _check_roots(root=root, profile_dirs=profile_dirs)
     from devinject.discovery.discover import discover
     from devinject.discovery.host import Host
     from devinject.discovery.profiles import load_profiles
@@ -210,11 +225,12 @@ def _graphviz_svg(dot_text: str) -> str:
 @cli.command("list")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False))
+@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY")
 @state_dir_option
 @kernel_log_option
 def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_dir: str, kernel_log: str) -> None:
     """Show every discovered device, its health and which container holds it."""
+    _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
     from devinject.agent.inventory import inventory
 
     rows = inventory(root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
@@ -329,11 +345,12 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
 @cli.command()
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--profile-dir", "profile_dirs", multiple=True, type=click.Path(file_okay=False))
+@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY")
 @kernel_log_option
 @click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0.1, 60))
 def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: str, probe_timeout: float) -> None:
     """Check every device once; exit 0 only when all are healthy."""
+    _check_roots(root=root, profile_dirs=profile_dirs, kernel_log=kernel_log)
     from devinject.agent.health import check_host
     from devinject.discovery.host import Host
     from devinject.discovery.profiles import load_profiles
@@ -387,6 +404,7 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
     from devinject.agent.watch import WatchOptions
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
+    _check_roots(root=root, state_dir=state_dir, kernel_log=kernel_log)
     if not test_timings:
         if not 5 <= interval <= 60:
             raise DevinjectError(f"--interval {interval:g}: must be between 5 and 60 seconds")
@@ -486,6 +504,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @click.option("--json", "as_json", is_flag=True)
 def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
     """The last transitions per device (all devices, or those matching DEVICE)."""
+    _check_roots(state_dir=state_dir)
     from devinject.nodestate.events import device_history
 
     history = device_history(state_dir, device)
@@ -509,6 +528,7 @@ def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
     """Processes holding device nodes open (pid, command, container if known)."""
+    _check_roots(root=root, state_dir=state_dir)
     from devinject.agent.inventory import holders
 
     rows = holders(root, state_dir=state_dir, device=device)
@@ -526,6 +546,7 @@ def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the links instead of creating them.")
 def create_dev_char_links(root: str, dry_run: bool) -> None:
     """Create /dev/char/MAJ:MIN links for discovered nodes that udev did not make (systemd reload caveat)."""
+    _check_roots(root=root)
     from devinject.discovery.devchar import missing_links
 
     for link, target in missing_links(root):
