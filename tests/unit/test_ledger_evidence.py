@@ -1,12 +1,15 @@
-"""Attacks on the ledger's evidence: a rebuilt ledger holds from the moment it is made, and only a container
-the runtime started (its device cgroup grants the node by name) can hold a device in it. Anyone's
-namespace, an `O_PATH` handle or a monitoring agent keeping every GPU open holds nothing."""
+"""Attacks on the ledger's integrity: a rebuilt ledger holds from the moment it is made, and only a container
+the runtime started (its device cgroup grants the node by name) can hold a device in it — anyone's
+namespace, an `O_PATH` handle or a monitoring agent keeping every GPU open holds nothing; a broken health
+file passes no device; and no process reads the ledger's pids in another pid namespace."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +135,33 @@ def test_a_recovered_holding_of_a_shared_kinds_node_is_shared(tmp_path: Path) ->
         with pytest.raises(LedgerError, match="held by container recovered: "):
             Ledger(str(tmp_path)).book("gpu", os.getpid(), claim(), POLICY)
         assert Ledger(str(tmp_path)).book("nic", os.getpid(), claim(name="vendor.com/nic=0"), POLICY).new
+
+
+@pytest.mark.parametrize("content", ['{"unhealthy_nodes": ["c 195', '{"unhealthy_nodes": "c 195:0"}', "[]"])
+def test_a_broken_health_file_refuses_rather_than_passes_a_failing_device(tmp_path: Path, content: str) -> None:
+    """health.json is how the node agent takes a device out: read as "all healthy" when broken, it put
+    every failing device back in service."""
+    (tmp_path / "health.json").write_text(content)
+    with pytest.raises(LedgerError, match=f"{tmp_path}/health.json: not a devinject health file"):
+        Ledger(str(tmp_path)).book("b", os.getpid(), claim("c 195:0"), POLICY)
+    assert not (tmp_path / "ledger.json").exists()
+
+
+def test_a_ledger_is_never_read_with_another_pid_namespaces_pids(tmp_path: Path) -> None:
+    """An agent without the node's pid namespace (a pod without hostPID sharing /run/devinject, a nested
+    runtime) read the host's pids as its own: every booking looked dead, and its sweep freed them all."""
+    from tests.e2e.conftest import REPO
+
+    with stand_ins(1) as (container,):
+        Ledger(str(tmp_path)).book("a", container.pid, claim("c 195:0"), POLICY)
+        sweep = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+             "import sys\nfrom devinject.nodestate.ledger import Ledger\nLedger(sys.argv[1]).sweep()\n",
+             str(tmp_path)], capture_output=True, text=True, timeout=60,
+            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO / "src")})
+        assert sweep.returncode != 0
+        assert "the ledger counts pids of another pid namespace" in sweep.stderr, sweep.stderr
+        booking = json.loads((tmp_path / "ledger.json").read_text())["allocations"]["a"]
+        assert booking["state"] == "active"
+        with pytest.raises(LedgerError, match="held by container a"):
+            Ledger(str(tmp_path)).book("b", os.getpid(), claim("c 195:0"), POLICY)

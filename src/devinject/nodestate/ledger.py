@@ -80,6 +80,8 @@ def ledger_problem(data: object) -> str | None:
     disable the clash check), or None."""
     if not isinstance(data, dict) or not isinstance(data.get("allocations"), dict):
         return "not a devinject ledger"
+    if not isinstance(data.get("pid_namespace", ""), str):
+        return "pid_namespace is not a string"
     for cid, entry in data["allocations"].items():
         if not isinstance(entry, dict):
             return f"allocation {cid}: not an object"
@@ -165,6 +167,7 @@ class Ledger:
         self.proc = proc
         self.reclaim_timeout = reclaim_timeout
         self.path = os.path.join(state_dir, LEDGER_FILE)
+        self._pid_namespace: str | None = ""  # "": not looked up yet
 
     # --- storage -------------------------------------------------------------------------------------
     def locked(self) -> _Locked:
@@ -186,6 +189,13 @@ class Ledger:
         problem = ledger_problem(data)
         if problem:
             return self._rebuild(problem, raw)
+        theirs, ours = data.get("pid_namespace"), self.pid_namespace()
+        if theirs is not None and ours is not None and theirs != ours:
+            # Its pids name other processes here: a booking would look dead (and its GPU free) or alive
+            # through a stranger. One pid namespace per ledger, never a guess across two.
+            raise LedgerError(f"{self.path}: the ledger counts pids of another pid namespace ({theirs}; this "
+                              f"process is in {ours}): run in the node's pid namespace (hostPID) or give this "
+                              "one a state dir of its own")
         return data  # type: ignore[no-any-return]
 
     def _rebuild(self, reason: str, raw: bytes) -> dict[str, Any]:
@@ -216,7 +226,21 @@ class Ledger:
         self.event("ledger-rebuilt", reason=reason, moved_to=aside, bookings=len(allocations))
         return rebuilt
 
+    def pid_namespace(self) -> str | None:
+        """This process's pid namespace (`dev:inode`), which every pid in the ledger belongs to; None when
+        `proc` does not show it (a fixture tree)."""
+        if self._pid_namespace == "":
+            try:
+                st = os.stat(f"{self.proc}/self/ns/pid")
+                self._pid_namespace = f"{st.st_dev}:{st.st_ino}"
+            except OSError:
+                self._pid_namespace = None
+        return self._pid_namespace
+
     def _write(self, data: dict[str, Any]) -> None:
+        namespace = self.pid_namespace()
+        if namespace is not None:
+            data["pid_namespace"] = namespace
         try:
             # rename is atomic: a crash of any process leaves the old or the new ledger, never half of one.
             # No fsync: the ledger lives on /run (tmpfs) and describes processes that a reboot ends anyway.
@@ -270,11 +294,22 @@ class Ledger:
                 self.event("reclaim-timeout", container=cid, devices=entry.get("devices"), holders=mine)
 
     def _unhealthy_nodes(self) -> set[str]:
+        """The nodes the node agent took out. No health.json: no agent runs, nothing is out. One that cannot
+        be read refuses the booking: taking it as "all healthy" would hand out a failing device."""
+        path = os.path.join(self.state_dir, HEALTH_FILE)
         try:
-            with open(os.path.join(self.state_dir, HEALTH_FILE), encoding="utf-8") as handle:
-                return set(jsonlite.loads(handle.read()).get("unhealthy_nodes", []))
-        except (OSError, ValueError, AttributeError):
+            with open(path, encoding="utf-8") as handle:
+                nodes = jsonlite.loads(handle.read()).get("unhealthy_nodes", [])
+        except FileNotFoundError:
             return set()
+        except OSError as err:
+            raise LedgerError(f"{path}: cannot read the node's health: {err.strerror}") from None
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            nodes = None
+        if not _strings(nodes):
+            raise LedgerError(f"{path}: not a devinject health file (unhealthy_nodes); no device allocated "
+                              "until the node agent rewrites it")
+        return set(nodes)
 
     # --- the operations ------------------------------------------------------------------------------
     def book(self, container_id: str, pid: int, claims: tuple[Claim, ...],
