@@ -135,3 +135,11 @@ def test_a_root_or_kernel_log_a_non_root_reader_may_not_read_is_permission_denie
     os.chmod(readable_copy, 0o700)
     done = _as_nobody("topo", "--root", str(readable_copy))
     assert one_error_line(done) == f"devinject: error: --root {readable_copy}: permission denied (uid 65534)"
+
+
+def test_the_roots_own_profile_dir_a_non_root_reader_may_not_read_is_one_line_not_a_traceback(readable_copy):
+    admin = readable_copy / "etc/devinject/profiles.d"
+    admin.mkdir(parents=True)
+    os.chmod(admin, 0o700)
+    done = _as_nobody("list", "--root", str(readable_copy), "--state-dir", "/nonexistent")
+    assert one_error_line(done) == f"devinject: error: {admin}: cannot read the profile directory: Permission denied"

@@ -472,7 +472,11 @@ def load_profiles(host: Host, extra_dirs: tuple[str, ...] = ()) -> list[Profile]
         path = Path(directory)
         if not path.is_dir():
             continue
-        for file in sorted(path.iterdir()):
+        try:
+            files = sorted(path.iterdir())
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read the profile directory: {err.strerror}") from None
+        for file in files:
             if file.suffix in (".yaml", ".yml"):
                 try:
                     text = file.read_text()
