@@ -521,6 +521,23 @@ def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
             click.echo(f"  {stamp}  {entry['event']:10} {extra}".rstrip())
 
 
+@cli.command("put-back")
+@click.argument("device")
+@root_option
+@state_dir_option
+@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY")
+def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ...]) -> None:
+    """Clear DEVICE's sticky verdicts (AER fatal errors, fatal Xids): its AER totals as they read now become
+    its baseline; `watch`/`device-plugin` puts it back once its checks pass."""
+    _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    from devinject.agent.healthstate import request_put_back
+
+    key, accepted = request_put_back(root, state_dir, device, profile_dirs)
+    totals = ", ".join(f"{fn} fatal {f} non-fatal {n}" for fn, (f, n) in sorted(accepted.items()))
+    click.echo(f"{key}: put-back requested (AER totals accepted: {totals}); the agent puts it back after "
+               "--threshold passing checks")
+
+
 @cli.command()
 @click.argument("device", required=False)
 @root_option

@@ -19,12 +19,17 @@ from tests.e2e.conftest import require
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
 
 
+def options(root: Path, tmp_path: Path) -> WatchOptions:
+    """The agent on a fixture copy: specs in tmp_path/cdi, state in tmp_path/state, threshold 3, no uevents."""
+    return WatchOptions(generate=GenerateOptions(root=str(root), hook_path="/usr/bin/devinject"),
+                        output_dir=tmp_path / "cdi", state_dir=str(tmp_path / "state"), threshold=3,
+                        kernel_log="/var/log/kern.log", probe_timeout=0.5, uevents=False)
+
+
 @pytest.fixture
 def watcher(host_copy, tmp_path):
     root = host_copy("hgx-h100")
-    opts = WatchOptions(generate=GenerateOptions(root=str(root), hook_path="/usr/bin/devinject"),
-                        output_dir=tmp_path / "cdi", state_dir=str(tmp_path / "state"), threshold=3,
-                        kernel_log="/var/log/kern.log", probe_timeout=0.5, uevents=False)
+    opts = options(root, tmp_path)
     w = Watcher(opts)
     w.rescan()
     w.check()

@@ -8,6 +8,7 @@ log. Every probe runs with a deadline: a read that hangs (a driver file of a dea
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -48,6 +49,16 @@ class AerBaseline:
     counts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+def function_identity(host: Host, pci: PciDevice) -> str | None:
+    """Which enumeration of a PCI function this is: the boot and its sysfs directory's inode (the kernel gives
+    a function that is removed and found again a new one; a reboot finds every function again). None when the
+    directory cannot be read (the function is gone)."""
+    try:
+        inode = os.stat(host.real(pci.sys_path)).st_ino
+    except OSError:
+        return None
+    boot = host.read_attr("/proc/sys/kernel/random/boot_id") or "-"
+    return f"{boot}:{inode}"
 
 
 def parse_kernel_log(text: str, patterns: tuple[str, ...]) -> dict[str, list[int]]:
@@ -68,6 +79,12 @@ def _aer_total(text: str | None, label: str) -> int:
         if name == label and value.strip().isdigit():
             return int(value)
     return 0
+
+
+def aer_totals(host: Host, pci: PciDevice) -> tuple[int, int]:
+    """The function's AER totals: (fatal, non-fatal); 0 where the kernel shows none."""
+    return (_aer_total(host.read_text(f"{pci.sys_path}/aer_dev_fatal"), "TOTAL_ERR_FATAL"),
+            _aer_total(host.read_text(f"{pci.sys_path}/aer_dev_nonfatal"), "TOTAL_ERR_NONFATAL"))
 
 
 def _speed(text: str | None) -> float | None:
@@ -102,8 +119,7 @@ def probe_function(host: Host, found: FoundDevice, xids: dict[str, list[int]],
                             _speed(host.read_attr(f"{path}/max_link_speed")))
         if speed and max_speed and speed < max_speed:
             worse(DEGRADED, f"{pci.address}: PCIe link {speed:g} of {max_speed:g} GT/s")
-        fatal = _aer_total(host.read_text(f"{path}/aer_dev_fatal"), "TOTAL_ERR_FATAL")
-        nonfatal = _aer_total(host.read_text(f"{path}/aer_dev_nonfatal"), "TOTAL_ERR_NONFATAL")
+        fatal, nonfatal = aer_totals(host, pci)
         seen = (baseline.counts.get(pci.address, (fatal, nonfatal)) if baseline is not None else (0, 0))
         if fatal > seen[0]:
             worse(UNHEALTHY, f"{pci.address}: AER fatal errors {seen[0]} -> {fatal}")
@@ -134,11 +150,27 @@ class HealthChecker:
         self.baseline = baseline
         self._hung: dict[str, threading.Event] = {}
         self._log_offset: int | None = None
+        self._log_identity: str | None = None  # "dev:inode" of the log file the offset is in
         self._recent: dict[str, list[int]] = {}
+
+    def log_position(self) -> tuple[str | None, int | None]:
+        """(file identity, offset) of the kernel log read so far, to resume from after a restart."""
+        return self._log_identity, self._log_offset
+
+    def recent_errors(self) -> dict[str, list[int]]:
+        """The fatal-candidate error codes read from the kernel log so far, per PCI slot."""
+        return {slot: list(codes) for slot, codes in self._recent.items()}
+
+    def resume(self, identity: str | None, offset: int | None, errors: dict[str, list[int]]) -> None:
+        """Continue where an earlier agent stopped: from `offset` of the log file `identity` (from the start of
+        another file: the log was rotated meanwhile; `offset` 0 and no identity: read the whole log), with the
+        errors it had read."""
+        self._log_identity, self._log_offset = identity, offset
+        self._recent = {slot: list(codes) for slot, codes in errors.items()}
 
     def _xids(self, patterns: tuple[str, ...]) -> dict[str, list[int]]:
         """One-shot: every error the profiles' patterns find in the kernel log. Watch (with a baseline): only
-        those logged since it started."""
+        those logged since it started (or since the position it resumed from)."""
         path = self.host.real(self.host.resolve(self.kernel_log))
         try:
             with open(path, "rb") as handle:
@@ -146,8 +178,13 @@ class HealthChecker:
                 if self.baseline is None:
                     handle.seek(0)
                     return parse_kernel_log(handle.read().decode(errors="replace"), patterns)
-                if self._log_offset is None or size < self._log_offset:  # first look, or rotated
-                    self._log_offset = size if self._log_offset is None else 0
+                st = os.fstat(handle.fileno())
+                identity = f"{st.st_dev}:{st.st_ino}"
+                if self._log_offset is None:  # first look: what is logged from now on
+                    self._log_offset = size
+                elif size < self._log_offset or self._log_identity not in (None, identity):  # rotated
+                    self._log_offset = 0
+                self._log_identity = identity
                 handle.seek(self._log_offset)
                 new = handle.read(size - self._log_offset)
                 self._log_offset = size

@@ -2,7 +2,9 @@
 
 Rescans on kernel uevents (netlink, via pyroute2) and periodically as a safety net; polls health every
 `interval` seconds, re-checks a failing device every `recheck` seconds, and acts only after `threshold`
-consecutive failures (or passes, to put a device back), so one glitch does not flap.
+consecutive failures (or passes, to put a device back), so one glitch does not flap. What it has judged,
+and the readings its verdicts rest on, outlive the process (`healthstate`): a restarted agent starts from
+them, so a device taken out stays out until re-enumeration or an admin's put-back clears it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from devinject.agent import healthstate
 from devinject.agent.health import (
     DEFAULT_KERNEL_LOG,
     HEALTHY,
@@ -24,12 +27,13 @@ from devinject.agent.health import (
     AerBaseline,
     HealthChecker,
     Verdict,
+    function_identity,
     unbound_functions,
     unbound_verdict,
 )
-from devinject.core import jsonlite
+from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
-from devinject.core.identity import device_key
+from devinject.core.identity import device_key, node_id_of
 from devinject.core.model import Spec
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
@@ -89,32 +93,132 @@ class Watcher:
         self.host = Host(self.opts.generate.root)
         self.profiles = select_profiles(self.host, self.opts.generate)
         self.uevent_subsystems = frozenset(BASE_UEVENTS).union(*(p.uevents for p in self.profiles))
+        self.baseline = AerBaseline()
         self.checker = HealthChecker(self.host, kernel_log=self.opts.kernel_log, timeout=self.opts.probe_timeout,
-                                     baseline=AerBaseline())
+                                     baseline=self.baseline)
         self.written_kinds: set[str] = set()
         self.rescan_requested = threading.Event()
+        self.identities: dict[str, dict[str, str]] = {}  # device key -> its functions' identities
+        self._rescanned = False
+        self._distrusted: str | None = None  # why the persisted state was not believed
+        self._foreign: dict[str, healthstate.DeviceRecord] = {}  # persisted devices of kinds not watched now
+        self._saved: bytes | None = None
+        self._save_error: str | None = None
+        self._restore()
+
+    # --- the state a restart must not lose -----------------------------------------------------------
+    def _restore(self) -> None:
+        """Start from the verdicts and readings an earlier agent persisted (healthstate): a device it took
+        out is still out, AER totals are compared with its baselines, the kernel log is read on from where it
+        stopped. A state file not to be believed holds every device out until it passes (see `rescan`)."""
+        try:
+            state = healthstate.load_state(self.opts.state_dir)
+        except healthstate.Untrusted as err:
+            moved = healthstate.move_aside(self.opts.state_dir)
+            log.error("health state not trusted: %s (%s); every device starts out of service, AER totals count "
+                      "from zero and the whole kernel log is read", err, f"kept as {moved}" if moved else "left")
+            events.record(self.opts.state_dir, "health-state-rebuilt", reason=str(err), moved_to=moved)
+            self._distrusted = str(err)
+            self.checker.resume(None, 0, {})
+            return
+        if state is None:
+            return
+        kinds = {p.kind for p in self.profiles}
+        for key, record in state.devices.items():
+            if record.kind not in kinds:  # not watched by this agent: kept as it was for one that does
+                self._foreign[key] = record
+                continue
+            last = Verdict(key, record.kind, record.address, record.observed, record.reasons, record.nodes)
+            self.tracks[key] = DeviceTrack(published=record.published, last=last, observed=record.observed)
+            self.identities[key] = dict(record.functions)
+        self.baseline.counts.update(state.aer)
+        self.checker.resume(state.log_identity, state.log_offset, state.log_errors)
+
+    def _persist(self) -> None:
+        """Write the state when it changed (fsynced, mode 0600); a failure is logged, and tried again."""
+        devices = {key: healthstate.DeviceRecord(t.last.kind, t.last.address, t.published, t.observed,
+                                                 t.last.reasons, t.last.nodes, self.identities.get(key, {}))
+                   for key, t in self.tracks.items() if t.last is not None}
+        identity, offset = self.checker.log_position()
+        data = healthstate.encode_state(healthstate.HealthState(
+            {**self._foreign, **devices}, dict(self.baseline.counts), identity, offset, self.checker.recent_errors()))
+        if data == self._saved:
+            return
+        try:
+            healthstate.save_state(self.opts.state_dir, data)
+        except OSError as err:
+            if str(err) != self._save_error:
+                log.error("%s: cannot persist the health state: %s", self.opts.state_dir, err.strerror)
+            self._save_error = str(err)
+            return
+        self._saved, self._save_error = data, None
+
+    def _clear(self, key: str, functions: list[str], by: str,
+               accepted: dict[str, tuple[int, int]] | None = None) -> None:
+        """Drop the sticky readings of `functions` (AER baselines, kernel-log errors of their slots): the
+        device is judged afresh, and goes back after `threshold` passes if it was out. `accepted`: the AER
+        totals to take as the new baseline (an admin's put-back); otherwise the next reading is."""
+        for address in functions:
+            if accepted and address in accepted:
+                self.baseline.counts[address] = accepted[address]
+            else:
+                self.baseline.counts.pop(address, None)
+            self.checker.clear_xids(address)
+        events.record(self.opts.state_dir, "cleared", key, by=by, functions=functions)
+
+    def _take_put_back_requests(self) -> None:
+        for key, accepted in healthstate.take_requests(self.opts.state_dir).items():
+            found = next((f for f in self.found if device_key(f.profile.kind, f.address) == key), None)
+            if found is None and key not in self.tracks:
+                log.warning("put-back request for %s: not a device this agent watches; ignored", key)
+                continue
+            functions = [pci.address for pci in found.functions] if found is not None else sorted(accepted)
+            self._clear(key, functions, "put-back request", accepted)
+            log.info("%s: put-back requested; back after %d passing checks", key, self.opts.threshold)
+        self._persist()
 
     # --- one round -----------------------------------------------------------------------------------
     def rescan(self) -> bool:
-        """Rediscover; returns True when the set of devices changed."""
+        """Rediscover; returns True when the set of devices changed. A function enumerated again (a new
+        identity: removed and found again, a reboot) loses its sticky readings: it is a new device."""
         self.host.refresh()
         found = discover_devices(self.host, self.profiles, self.opts.generate)
+        first, self._rescanned = not self._rescanned, True
         before = {device_key(f.profile.kind, f.address) for f in self.found}
         after = {device_key(f.profile.kind, f.address): f for f in found}
         for key in sorted(set(after) - before):
-            if self.tracks:
+            if not first:
                 events.record(self.opts.state_dir, "added", key)
-            self.checker.clear_xids(after[key].address)  # a device that came back was reset: forget its past
-            if self.checker.baseline is not None:
-                self.checker.baseline.counts.pop(after[key].address, None)
+        for key, item in sorted(after.items()):
+            now = {pci.address: ident for pci in item.functions
+                   if (ident := function_identity(self.host, pci)) is not None}
+            known = self.identities.get(key, {})
+            again = sorted(address for address, ident in now.items() if known.get(address, ident) != ident)
+            if again:
+                self._clear(key, again, "re-enumeration")
+            self.identities[key] = {**known, **now}
+            if first and self._distrusted is not None:
+                self._hold_out(key, item)
         for key in sorted(before - set(after)):
             events.record(self.opts.state_dir, "removed", key)
         self.found = found
         self.unbound = [unbound_verdict(p, pci) for p, pci in unbound_functions(self.host, self.profiles)]
+        self._persist()
         return set(after) != before
+
+    def _hold_out(self, key: str, item: FoundDevice) -> None:
+        """After a state file that was not believed: out until `threshold` passes, AER history counting."""
+        reason = f"health state not trusted ({self._distrusted}): out until its checks pass"
+        nodes = tuple(node_id_of(n) for n in item.nodes)
+        self.tracks[key] = DeviceTrack(published=UNHEALTHY,
+                                       last=Verdict(key, item.profile.kind, item.address, UNHEALTHY, (reason,), nodes))
+        for pci in item.functions:
+            self.baseline.counts[pci.address] = (0, 0)
+        events.record(self.opts.state_dir, "taken-out", key, reasons=[reason])
 
     def check(self) -> bool:
         """Health round; returns True when the published state changed (specs must be rewritten)."""
+        self._take_put_back_requests()
         self.host.refresh()
         verdicts = self.checker.check(self.found) + self.unbound
         present = {v.key for v in verdicts}
@@ -142,6 +246,7 @@ class Watcher:
                 track.published = HEALTHY
                 changed = True
                 events.record(self.opts.state_dir, "put-back", verdict.key, status=verdict.status)
+        self._persist()
         return changed
 
     def unhealthy(self) -> frozenset[str]:
@@ -173,8 +278,9 @@ class Watcher:
         state = {"time": time.time(), "unhealthy_nodes": unhealthy_nodes,
                  "devices": {k: {"published": t.published, "status": t.last.status if t.last else None,
                                  "reasons": list(t.last.reasons) if t.last else []} for k, t in self.tracks.items()}}
-        os.makedirs(self.opts.state_dir, exist_ok=True)
-        jsonlite.replace_file(os.path.join(self.opts.state_dir, HEALTH_FILE), state, sort_keys=True)
+        os.makedirs(self.opts.state_dir, mode=0o755, exist_ok=True)
+        atomicfile.replace(os.path.join(self.opts.state_dir, HEALTH_FILE),
+                           jsonlite.dumps(state, sort_keys=True).encode(), 0o644)
 
     # --- the loop ------------------------------------------------------------------------------------
     def sweep_ledger(self) -> None:

@@ -1,0 +1,282 @@
+"""The health loop's memory across restarts: published verdicts and the readings they rest on.
+
+`<state-dir>/health-state.json` (root's, mode 0600, replaced atomically) holds what a new `watch` or
+`device-plugin` process must not learn afresh from the hardware:
+
+* per device: what the specs and the kubelet show (`published`), the last verdict (status, reasons, nodes)
+  and the identity of each of its PCI functions (`function_identity`: the boot and the sysfs inode);
+* per PCI function: the AER totals taken as its baseline (an increase over it is a failure);
+* the kernel log's identity and the offset read up to, and the error codes read from it per slot.
+
+A fatal verdict (AER fatal errors increasing, a fatal Xid) is sticky: the readings it rests on stay until
+one of two things clears them — the device is enumerated again (a function identity changes: removal and
+re-add, a PCI rescan, a reboot), or an admin asks with `devinject put-back DEVICE`, which accepts the AER
+totals it reads at that moment and drops the kernel-log errors read so far. Either way the device then goes
+back only after `--threshold` passing checks, with a `put-back` event.
+
+A file that cannot be read, does not validate, or is not root's alone (another owner, group/other
+writable, a link) is never trusted: it is moved aside, and the agent starts as if every device had been
+taken out, with AER baselines of zero and the whole kernel log read (what `devinject health` judges by).
+A device goes back only when it passes on that evidence; a failing GPU is never put back by a broken file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from devinject.core import atomicfile, filelock, jsonlite
+from devinject.core.errors import DevinjectError
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "health-state.json"
+REQUESTS_FILE = "put-back-requests.json"
+REQUESTS_LOCK = ".put-back.lock"
+VERSION = 1
+MAX_BYTES = 8 << 20
+_STATUSES = ("healthy", "degraded", "unhealthy")
+
+
+class Untrusted(ValueError):
+    """A state file that must not be believed (unreadable, invalid, or not root's alone)."""
+
+
+@dataclass
+class DeviceRecord:
+    kind: str
+    address: str
+    published: str
+    observed: str
+    reasons: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
+    functions: dict[str, str] = field(default_factory=dict)  # PCI address -> identity
+
+
+@dataclass
+class HealthState:
+    devices: dict[str, DeviceRecord] = field(default_factory=dict)
+    aer: dict[str, tuple[int, int]] = field(default_factory=dict)
+    log_identity: str | None = None
+    log_offset: int | None = None
+    log_errors: dict[str, list[int]] = field(default_factory=dict)
+
+
+def read_owned(path: str) -> bytes | None:
+    """A state file's bytes, or None when there is none; Untrusted when it is there but not root's alone (the
+    caller's owner, not group/other writable, a regular file reached without a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise Untrusted(f"{path}: {err.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Untrusted(f"{path}: not a regular file")
+        if st.st_uid != os.geteuid():
+            raise Untrusted(f"{path}: owned by uid {st.st_uid}, not {os.geteuid()}")
+        if st.st_mode & 0o022:
+            raise Untrusted(f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
+        chunks, size = [], 0
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BYTES:
+                raise Untrusted(f"{path}: larger than {MAX_BYTES} bytes")
+        return b"".join(chunks)
+    except OSError as err:
+        raise Untrusted(f"{path}: {err.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _need(value: Any, kind: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise Untrusted(f"{where}: expected {getattr(kind, '__name__', 'a value')}")
+    return value
+
+
+def _strings(value: Any, where: str) -> tuple[str, ...]:
+    return tuple(_need(item, str, f"{where}[{i}]") for i, item in enumerate(_need(value, list, where)))
+
+
+def _counts(value: Any, where: str) -> tuple[int, int]:
+    pair = _need(value, list, where)
+    if len(pair) != 2 or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in pair):
+        raise Untrusted(f"{where}: expected [fatal, non-fatal] counts")
+    return pair[0], pair[1]
+
+
+def _status(value: Any, where: str) -> str:
+    if value not in _STATUSES:
+        raise Untrusted(f"{where}: expected one of {', '.join(_STATUSES)}")
+    return str(value)
+
+
+def parse_state(data: bytes, where: str = STATE_FILE) -> HealthState:
+    """The state from the file's bytes; Untrusted (naming the field) when any part does not validate: one
+    bad entry discredits the file, since the entry may be the verdict that keeps a GPU out."""
+    try:
+        raw = jsonlite.loads(data)
+    except ValueError as err:
+        raise Untrusted(f"{where}: not JSON ({err})") from None
+    _need(raw, dict, where)
+    if raw.get("version") != VERSION:
+        raise Untrusted(f"{where}.version: expected {VERSION}")
+    state = HealthState()
+    for key, entry in _need(raw.get("devices"), dict, f"{where}.devices").items():
+        at = f"{where}.devices[{key!r}]"
+        _need(entry, dict, at)
+        functions = _need(entry.get("functions"), dict, f"{at}.functions")
+        state.devices[key] = DeviceRecord(
+            kind=_need(entry.get("kind"), str, f"{at}.kind"), address=_need(entry.get("address"), str, f"{at}.address"),
+            published=_status(entry.get("published"), f"{at}.published"),
+            observed=_status(entry.get("observed"), f"{at}.observed"),
+            reasons=_strings(entry.get("reasons"), f"{at}.reasons"), nodes=_strings(entry.get("nodes"), f"{at}.nodes"),
+            functions={fn: _need(ident, str, f"{at}.functions[{fn!r}]") for fn, ident in functions.items()})
+    for address, pair in _need(raw.get("aer"), dict, f"{where}.aer").items():
+        state.aer[address] = _counts(pair, f"{where}.aer[{address!r}]")
+    kernel_log = _need(raw.get("kernel_log"), dict, f"{where}.kernel_log")
+    identity, offset = kernel_log.get("identity"), kernel_log.get("offset")
+    if identity is not None:
+        _need(identity, str, f"{where}.kernel_log.identity")
+    if offset is not None and (_need(offset, int, f"{where}.kernel_log.offset") < 0):
+        raise Untrusted(f"{where}.kernel_log.offset: negative")
+    state.log_identity, state.log_offset = identity, offset
+    for slot, codes in _need(kernel_log.get("errors"), dict, f"{where}.kernel_log.errors").items():
+        items = _need(codes, list, f"{where}.kernel_log.errors[{slot!r}]")
+        state.log_errors[slot] = [_need(c, int, f"{where}.kernel_log.errors[{slot!r}]") for c in items]
+    return state
+
+
+def encode_state(state: HealthState) -> bytes:
+    devices = {key: {"kind": r.kind, "address": r.address, "published": r.published, "observed": r.observed,
+                     "reasons": list(r.reasons), "nodes": list(r.nodes), "functions": dict(r.functions)}
+               for key, r in state.devices.items()}
+    return jsonlite.dumps({
+        "version": VERSION, "devices": devices, "aer": {a: list(c) for a, c in state.aer.items()},
+        "kernel_log": {"identity": state.log_identity, "offset": state.log_offset, "errors": state.log_errors},
+    }, sort_keys=True).encode()
+
+
+def load_state(state_dir: str) -> HealthState | None:
+    """The persisted state; None when there is none (a first start, or /run after a reboot). Untrusted when
+    it is there but must not be believed."""
+    path = os.path.join(state_dir, STATE_FILE)
+    data = read_owned(path)
+    return None if data is None else parse_state(data, path)
+
+
+def save_state(state_dir: str, data: bytes) -> None:
+    """Replace the state file with `data` (mode 0600, fsynced: a verdict survives a crash). OSError is the
+    caller's."""
+    os.makedirs(state_dir, mode=0o755, exist_ok=True)
+    atomicfile.replace(os.path.join(state_dir, STATE_FILE), data, 0o600, sync=True)
+
+
+def move_aside(state_dir: str, name: str = STATE_FILE) -> str | None:
+    """Keep a distrusted file for the admin as `<name>.broken-<ns>`; the new name, or None if it could not move."""
+    path = os.path.join(state_dir, name)
+    target = f"{path}.broken-{time.time_ns()}"
+    try:
+        os.rename(path, target)
+    except OSError:
+        return None
+    return target
+
+
+# --- put-back requests: the admin's side writes them, the agent takes them ----------------------------------
+def _requests_lock(state_dir: str, timeout: float) -> filelock.exclusive:
+    return filelock.exclusive(os.path.join(state_dir, REQUESTS_LOCK), timeout=timeout, what="put-back request")
+
+
+def _read_requests(state_dir: str) -> dict[str, dict[str, Any]]:
+    path = os.path.join(state_dir, REQUESTS_FILE)
+    data = read_owned(path)
+    if data is None:
+        return {}
+    try:
+        raw = jsonlite.loads(data)
+    except ValueError as err:
+        raise Untrusted(f"{path}: not JSON ({err})") from None
+    requests: dict[str, dict[str, Any]] = {}
+    for key, entry in _need(raw, dict, path).items():
+        at = f"{path}[{key!r}]"
+        aer = _need(_need(entry, dict, at).get("aer"), dict, f"{at}.aer")
+        requests[key] = {"time": _need(entry.get("time"), (int, float), f"{at}.time"),
+                         "aer": {fn: _counts(pair, f"{at}.aer[{fn!r}]") for fn, pair in aer.items()}}
+    return requests
+
+
+def add_request(state_dir: str, key: str, aer: dict[str, tuple[int, int]]) -> None:
+    """Ask the agent to clear `key`'s sticky verdicts, accepting these AER totals as its new baseline. A
+    broken requests file is replaced: what it asked for is asked again by whoever asked."""
+    with _requests_lock(state_dir, 10.0):
+        try:
+            requests = _read_requests(state_dir)
+        except Untrusted as err:
+            log.warning("%s; replacing it", err)
+            move_aside(state_dir, REQUESTS_FILE)
+            requests = {}
+        requests[key] = {"time": round(time.time(), 3), "aer": {fn: list(c) for fn, c in aer.items()}}
+        atomicfile.replace(os.path.join(state_dir, REQUESTS_FILE), jsonlite.dumps(requests, sort_keys=True).encode(),
+                           0o600, sync=True)
+
+
+def take_requests(state_dir: str) -> dict[str, dict[str, tuple[int, int]]]:
+    """The pending put-back requests (device key -> the AER totals accepted per function), removed from the
+    file. A requests file that is not to be trusted asks for nothing: it is moved aside and logged, and every
+    device stays as it is."""
+    if not os.path.exists(os.path.join(state_dir, REQUESTS_FILE)):
+        return {}
+    try:
+        with _requests_lock(state_dir, 1.0):
+            try:
+                requests = _read_requests(state_dir)
+            except Untrusted as err:
+                log.error("put-back requests ignored: %s (moved to %s)", err, move_aside(state_dir, REQUESTS_FILE))
+                return {}
+            if requests:
+                os.unlink(os.path.join(state_dir, REQUESTS_FILE))
+    except (DevinjectError, OSError) as err:  # busy: the next round takes them
+        log.warning("put-back requests: %s", getattr(err, "message", err))
+        return {}
+    return {key: entry["aer"] for key, entry in requests.items()}
+
+
+def request_put_back(root: str, state_dir: str, device: str,
+                     profile_dirs: tuple[str, ...] = ()) -> tuple[str, dict[str, tuple[int, int]]]:
+    """`devinject put-back DEVICE`: the admin clears DEVICE's sticky verdicts (its key, a PCI address of one of
+    its functions, or a CDI name). Its AER totals as they read now become its baseline; the agent takes the
+    request at its next round (or when it starts) and puts the device back once `--threshold` checks pass."""
+    from devinject.agent.health import aer_totals
+    from devinject.core.identity import device_key, qualified
+    from devinject.discovery.discover import discover
+    from devinject.discovery.host import Host
+    from devinject.discovery.profiles import load_profiles
+    from devinject.nodestate import events
+    from devinject.specs.generate import device_names
+
+    host = Host(root)
+    matches = [found for found in discover(host, load_profiles(host, profile_dirs))
+               if device in (device_key(found.profile.kind, found.address), *(p.address for p in found.functions),
+                             *(qualified(found.profile.kind, n) for n in device_names(found, ())))]
+    if len(matches) != 1:
+        raise DevinjectError(f"{device}: no such device under {root}" if not matches else
+                             f"{device}: names {len(matches)} devices; give one's key (kind=PCI address)")
+    (found,) = matches
+    key = device_key(found.profile.kind, found.address)
+    accepted = {pci.address: aer_totals(host, pci) for pci in found.functions}
+    try:
+        add_request(state_dir, key, accepted)
+        events.record(state_dir, "put-back-requested", key, aer={fn: list(c) for fn, c in accepted.items()},
+                      uid=os.getuid())
+    except OSError as err:
+        raise DevinjectError(f"{state_dir}: cannot record the put-back request: {err.strerror}") from None
+    return key, accepted
