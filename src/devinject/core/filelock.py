@@ -11,19 +11,21 @@ import os
 import time
 
 from devinject.core.errors import DevinjectError
+from devinject.core.trusteddir import trusted_dir
 
 
 class exclusive:
-    """Hold an exclusive lock on `path` (created, with its directory, when missing)."""
+    """Hold an exclusive lock on `path` (created 0600, never through a link, with its directory when missing;
+    a directory others could write, where the lock could be swapped, is refused: core/trusteddir)."""
 
     def __init__(self, path: str, *, timeout: float, what: str, error: type[DevinjectError] = DevinjectError) -> None:
         self.path, self.timeout, self.what, self.error = path, timeout, what, error
         self.fd = -1
 
     def __enter__(self) -> None:
+        trusted_dir(os.path.dirname(self.path) or ".", what=f"{self.what} lock's directory", error=self.error)
         try:
-            os.makedirs(os.path.dirname(self.path) or ".", mode=0o755, exist_ok=True)
-            self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as err:
             raise self.error(f"{self.path}: cannot open the {self.what} lock: {err.strerror}") from None
         deadline = time.monotonic() + self.timeout

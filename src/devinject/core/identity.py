@@ -3,7 +3,8 @@
 - `NodeId` — a device node by its numbers, `c 195:2`: what the ledger books and what device cgroup rules,
   eBPF programs and /proc/<pid>/fd name;
 - `DeviceKey` — one physical device, `nvidia.com/gpu=0000:18:00.0`: what health and watch track;
-- `QualifiedName` — a CDI device name, `nvidia.com/gpu=0` (parsed and checked by `names`).
+- `QualifiedName` — a CDI device name, `nvidia.com/gpu=0` (parsed and checked by `names`);
+- `file_identity` — one version of a file, for caches keyed on it (a changed or replaced file is a new one).
 
 Each is a plain string at run time (they are stored in JSON); for mypy they are distinct types, so one cannot
 be passed where another belongs. Lean: the hook uses this module.
@@ -44,6 +45,12 @@ def node_id_of_stat(st: os.stat_result) -> NodeId | None:
     if stat.S_ISBLK(st.st_mode):
         return node_id("b", os.major(st.st_rdev), os.minor(st.st_rdev))
     return None
+
+
+def file_identity(st: os.stat_result) -> str:
+    """A file's version as stat() sees it: device, inode, size, mtime and ctime. The ctime cannot be set
+    back (a `touch -r` or utime() after an edit in place sets it to now), so an edited file never keeps it."""
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 def device_key(kind: str, address: str) -> DeviceKey:

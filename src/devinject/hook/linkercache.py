@@ -20,6 +20,7 @@ from devinject.core import jsonlite
 from devinject.core.atomicfile import replace_at
 from devinject.core.elfinfo import SharedObject, read_shared_object
 from devinject.core.errors import HookError, LdCacheError, UnsafePathError
+from devinject.core.identity import file_identity
 from devinject.core.ldcache import MAX_CACHE_BYTES, LdCacheEntry, build_ldcache, merge_entries, parse_ldcache
 from devinject.hook.safepath import _O_PATH, Created, Root
 
@@ -42,9 +43,7 @@ class SonameMemo:
         self.used: set[str] = set()
         self.learned = False
 
-    @staticmethod
-    def key(st: os.stat_result) -> str:
-        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    key = staticmethod(file_identity)
 
     def recall(self, st: os.stat_result) -> SharedObject | None:
         """What the file with this identity was read as (NOT_A_LIBRARY for anything else); None when it was

@@ -135,14 +135,28 @@ def parse_hook_args(args: list[str]) -> HookOptions:
 
 
 def _log(opts: HookOptions, record: dict[str, object]) -> None:
+    """One JSON line appended to the log (0644, its directory 0755, whatever the umask), never through a
+    link and never into a directory others can write. A log that cannot be written is skipped with a
+    warning on stderr: a container does not fail for a log line (the runtime may give no writable /var/log)."""
     if not opts.log_file:
         return
+    from devinject.core.trusteddir import append, trusted_dir
+
     try:
-        os.makedirs(os.path.dirname(opts.log_file) or ".", exist_ok=True)
-        with open(opts.log_file, "a", encoding="utf-8") as handle:
-            handle.write(jsonlite.dumps(record, sort_keys=True) + "\n")
-    except OSError:
-        pass  # the runtime may not give us a writable /var/log; never fail a container for a log line
+        trusted_dir(os.path.dirname(opts.log_file) or ".", what="log directory")
+        append(opts.log_file, (jsonlite.dumps(record, sort_keys=True) + "\n").encode())
+    except DevinjectError as err:
+        print(f"devinject: warning: {err.message}; not logged", file=sys.stderr)
+    except OSError as err:
+        print(f"devinject: warning: {opts.log_file}: {err.strerror}; not logged", file=sys.stderr)
+
+
+def _trusted_state_dir(opts: HookOptions) -> str:
+    """The state dir, created 0755 or checked (root's alone) before the hook reads anything from it: the
+    ledger, health verdicts, sharing facts and cached parses there decide what a container gets."""
+    from devinject.core.trusteddir import trusted_dir
+
+    return trusted_dir(opts.state_dir, error=HookError)
 
 
 def _process_ids(config: dict[str, object]) -> tuple[int, int]:
@@ -276,7 +290,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
         if opts.ledger and not opts.dry_run:
             from devinject.nodestate.ledger import Ledger
 
-            record["released"] = Ledger(opts.state_dir).release(state.id)
+            record["released"] = Ledger(opts.state_dir).release(state.id)  # its lock checks the dir
         return record
     from devinject.hook.request import requested_devices
 
@@ -285,7 +299,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
     if opts.env_requests:  # the profiles name the variables (cached: no YAML on a warm start)
         from devinject.nodestate.sharing import request_variables
 
-        vendor_env = request_variables(opts.state_dir, profile_dirs=opts.profile_dirs)
+        vendor_env = request_variables(_trusted_state_dir(opts), profile_dirs=opts.profile_dirs)
     request = requested_devices({**bundle.annotations, **state.annotations}, bundle.env,
                                 allow_env=opts.env_requests, vendor_env=vendor_env)
     record["devices"] = list(request.names)
@@ -308,6 +322,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
         timings[name] = round((now - mark) * 1000, 2)
         mark = now
 
+    _trusted_state_dir(opts)
     lap("prepare")  # arguments, state, bundle, request, imports
     resolved = parts.resolve(request.names)
     lap("resolve")

@@ -1,6 +1,7 @@
 """CDI specs as the hook sees them: every spec dir scanned, later dirs win, names resolved all-or-nothing.
 
-Parsed specs are cached as JSON under the state dir, keyed by each file's size, mtime and inode, so a
+Parsed specs are cached as JSON under the state dir, keyed by each file's path and identity (device,
+inode, size, mtime and ctime: a spec edited in place with its size and mtime put back is a new one), so a
 container start does not pay for a YAML parser; the index reads only kinds and device names from it, and
 only the spec-level edits and the devices asked for are decoded. Every file's trust is checked on every
 start.
@@ -11,8 +12,8 @@ from __future__ import annotations
 import os
 
 from devinject.core import jsonlite
-from devinject.core.errors import ResolveError, SpecError
-from devinject.core.identity import qualified
+from devinject.core.errors import DevinjectError, ResolveError, SpecError
+from devinject.core.identity import file_identity, qualified
 from devinject.core.model import ContainerEdits
 from devinject.core.names import parse_qualified_name
 from devinject.core.paths import DEFAULT_SPEC_DIRS
@@ -26,6 +27,7 @@ from devinject.core.spec import (
     spec_to_dict,
     trust_problem,
 )
+from devinject.core.trusteddir import trusted_dir
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ def _load(path: str, cache: dict[str, object] | None) -> tuple[dict[str, Any], s
     problem = trust_problem(st)
     if problem:
         raise SpecError(f"{path}: spec file {problem}; refused (specs run as root)")
-    key = f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    key = f"{path}:{file_identity(st)}"
     cached = cache.get(key) if cache is not None else None
     if _indexable(cached):
         return cached, key, False  # type: ignore[return-value]
@@ -87,7 +89,13 @@ class Registry:
         self.conflicts: dict[str, str] = {}
 
     def _read_cache(self) -> dict[str, object] | None:
+        """The cached parses; None (no cache this time) when there is none or its directory is not root's
+        alone: a parse read from there runs as root."""
         if self.cache_file is None:
+            return None
+        try:
+            trusted_dir(os.path.dirname(self.cache_file) or ".")
+        except DevinjectError:
             return None
         try:
             with open(self.cache_file, encoding="utf-8") as handle:
@@ -101,8 +109,7 @@ class Registry:
             return
         kept = {k: v for k, v in cache.items() if k in used}
         try:
-            os.makedirs(os.path.dirname(self.cache_file), mode=0o700, exist_ok=True)
-            jsonlite.replace_file(self.cache_file, kept)
+            jsonlite.replace_file(self.cache_file, kept)  # into the directory _read_cache checked
         except OSError:
             pass  # a cache is an optimisation only
 

@@ -1,4 +1,6 @@
-"""Device events: JSON lines in the state dir plus a per-device ring of the last transitions."""
+"""Device events: JSON lines in the state dir plus a per-device ring of the last transitions. The state dir
+is checked (root's alone) and created 0755, events.jsonl appended to 0644 without following a link, the
+ring replaced 0644 (core/atomicfile): whatever the caller's umask."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import os
 import time
 
 from devinject.core import jsonlite
+from devinject.core.trusteddir import append, trusted_dir
 
 TYPE_CHECKING = False  # the hook records ledger events: `typing` stays off its start path
 if TYPE_CHECKING:
@@ -19,17 +22,12 @@ MAX_EVENTS_BYTES = 1 << 20  # then events.jsonl becomes events.jsonl.1 (replacin
 
 def record(state_dir: str, event: str, device: str | None = None, **fields: Any) -> dict[str, Any]:
     entry = {"time": round(time.time(), 3), "event": event, **({"device": device} if device else {}), **fields}
-    os.makedirs(state_dir, exist_ok=True)
+    trusted_dir(state_dir)
     path = os.path.join(state_dir, EVENTS_FILE)
-    line = jsonlite.dumps(entry, sort_keys=True) + "\n"
-    with open(path, "a", encoding="utf-8") as handle:
-        full = handle.tell() + len(line) > MAX_EVENTS_BYTES
-        if not full:
-            handle.write(line)
-    if full:
+    line = (jsonlite.dumps(entry, sort_keys=True) + "\n").encode()
+    if not append(path, line, max_size=MAX_EVENTS_BYTES):
         os.replace(path, path + ".1")
-        with open(path, "a", encoding="utf-8") as handle:
-            handle.write(line)
+        append(path, line)
     if device:
         ring_path = os.path.join(state_dir, RING_FILE)
         try:

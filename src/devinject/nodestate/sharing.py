@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 
 from devinject.core import jsonlite
+from devinject.core.identity import file_identity
+from devinject.core.trusteddir import trusted_dir
 
 CACHE_NAME = "sharing-cache.json"
 
@@ -26,8 +28,7 @@ def _fingerprint(files: list[str]) -> str:
     parts = []
     for path in files:
         try:
-            st = os.stat(path)
-            parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+            parts.append(f"{path}:{file_identity(os.stat(path))}")  # ctime too: an edit cannot hide
         except OSError:
             parts.append(f"{path}:-")
     return "|".join(parts)
@@ -37,6 +38,7 @@ def _facts(state_dir: str, root: str, profile_dirs: tuple[str, ...]) -> dict[str
     files = _profile_files(root, profile_dirs)
     fingerprint = _fingerprint(files)
     cache = os.path.join(state_dir, CACHE_NAME)
+    trusted_dir(state_dir)  # the hook books by these facts: read only from a directory that is root's alone
     try:
         with open(cache, encoding="utf-8") as handle:
             data = jsonlite.loads(handle.read())
@@ -54,7 +56,6 @@ def _facts(state_dir: str, root: str, profile_dirs: tuple[str, ...]) -> dict[str
         request_env.update(dict.fromkeys(profile.request_env, profile.kind))
     facts = {"policy": policy, "request_env": request_env}
     try:
-        os.makedirs(state_dir, exist_ok=True)
         jsonlite.replace_file(cache, {"fingerprint": fingerprint, **facts})
     except OSError:
         pass
