@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -65,6 +66,62 @@ def test_daemonset_runs_a_command_line_devinject_accepts(tmp_path: Path) -> None
     mounted = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/host", "/var/lib/kubelet/device-plugins", "/var/run/cdi", "/run/devinject"} <= mounted
     assert container["securityContext"]["privileged"] is False
+
+
+# --- what the agent is granted: taking the pod over is root on the node (docs/hook.md), so it gets no more
+# than each piece needs.
+
+WRITTEN = {"/var/lib/kubelet/device-plugins", "/var/run/cdi", "/run/devinject"}  # plugin sockets, specs, health
+RBAC = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+
+
+def _daemonset() -> tuple[dict[str, Any], dict[str, Any]]:
+    pod = documents(DEPLOY / "kubernetes" / "daemonset.yaml")[0]["spec"]["template"]["spec"]  # type: ignore[index]
+    (container,) = pod["containers"]
+    return pod, container
+
+
+def test_the_agent_runs_with_no_capability_and_no_api_access() -> None:
+    pod, container = _daemonset()
+    security = container["securityContext"]
+    assert security["privileged"] is False and security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}  # nothing added back
+    assert security["runAsUser"] == 0  # the spec directory must be root's (see the manifest's comment)
+    seccomp = security.get("seccompProfile") or pod.get("securityContext", {}).get("seccompProfile")
+    assert seccomp == {"type": "RuntimeDefault"}
+    assert not pod.get("hostPID") and not pod.get("hostIPC")
+    assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+    (account,) = documents(DEPLOY / "kubernetes" / "serviceaccount.yaml")
+    assert account["automountServiceAccountToken"] is False
+    kinds = {doc["kind"] for path in MANIFESTS for doc in documents(path)}
+    assert not kinds & (RBAC | {"Secret"}), kinds
+
+
+def test_the_agent_writes_only_its_three_host_directories_and_reads_the_rest_all_the_way_down() -> None:
+    pod, container = _daemonset()
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"] if m["name"] in host_paths}
+    assert {path for path, m in mounts.items() if not m.get("readOnly")} == WRITTEN
+    for path, mount in mounts.items():
+        if path not in WRITTEN:  # a plain read-only bind leaves the host's submounts writable
+            assert mount.get("recursiveReadOnly") in ("IfPossible", "Enabled"), path
+            assert mount.get("mountPropagation", "None") == "None", path  # the API refuses it with the above
+    # /proc/sys stays read-only on a runtime without recursive read-only mounts: /proc has a mount of its own
+    assert host_paths[mounts["/host/proc"]["name"]] == "/proc" and mounts["/host/proc"]["readOnly"] is True
+    assert {host_paths[mounts[p]["name"]] for p in ("/host", "/host/sys", "/host/dev")} == {"/", "/sys", "/dev"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_the_endpoints_listen_on_the_nodes_address_from_the_downward_api() -> None:
+    _, container = _daemonset()
+    (address,) = [a.partition("=")[2] for a in container["args"] if a.startswith("--metrics-address=")]
+    assert address == f"$(NODE_IP):{container['ports'][0]['containerPort']}"  # not 0.0.0.0: not every interface
+    (node_ip,) = [e for e in container["env"] if e["name"] == "NODE_IP"]
+    assert node_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
+    # hostNetwork: the pod's IP, which the kubelet probes, is that address
+    pod, _ = _daemonset()
+    assert pod["hostNetwork"] is True and "host" not in container["livenessProbe"]["httpGet"]
 
 
 def test_containerfile_copies_what_exists() -> None:
