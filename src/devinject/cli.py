@@ -402,9 +402,11 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
                    target_root: str | None, driver_root: str | None) -> WatchOptions:
     from devinject.agent.watch import WatchOptions
+    from devinject.core.trusteddir import trusted_dir
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
     _check_roots(root=root, state_dir=state_dir, kernel_log=kernel_log)
+    trusted_dir(state_dir)  # health verdicts and events the hook trusts: refused when others could write there
     if not test_timings:
         if not 5 <= interval <= 60:
             raise DevinjectError(f"--interval {interval:g}: must be between 5 and 60 seconds")

@@ -23,6 +23,7 @@ from devinject.nodestate.sharing import sharing_policy
 from tests.e2e.conftest import require
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
+HGX = Path(__file__).resolve().parents[1] / "fixtures" / "hosts" / "hgx-h100"
 
 
 @pytest.fixture
@@ -193,6 +194,23 @@ def test_the_hook_skips_a_log_it_cannot_trust_and_says_so(tmp_path: Path) -> Non
     assert done.stderr.splitlines()[-1].startswith(f"devinject: warning: {shared}: the log directory is writable by "
                                                    "group or others (mode 0777); refused")
     assert list(shared.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["watch"], ["device-plugin", "--metrics-address", ""]])
+def test_the_node_agents_refuse_a_state_dir_others_can_write(tmp_path: Path, command: list[str]) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o777)
+    try:
+        done = subprocess.run([DEVINJECT, *command, "--root", str(HGX), "--output-dir", str(tmp_path / "cdi"),
+                               "--state-dir", str(state), "--no-uevents", "--test-timings", "--interval", "0.2",
+                               *(["--plugin-dir", str(tmp_path / "plugins")] if command[0] == "device-plugin" else [])],
+                              capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{command[0]} ran with a state dir anyone can write")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"devinject: error: {state}: the state directory is writable by group or others")
 
 
 # --- caches keyed on a file's identity -----------------------------------------------------------------
