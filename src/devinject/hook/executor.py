@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath  # loaded by os already: no cost on the hook's start
 import stat
 
 from devinject.core import atomicfile
-from devinject.core.errors import HookError
+from devinject.core.errors import HookError, UnsafePathError
 from devinject.core.mountinfo import parse_mountinfo
 from devinject.hook import linkercache, syscalls
 from devinject.hook.plan import BindMount, ForwardCompat, MakeNode, Plan, Symlink, newer_than
@@ -260,14 +261,43 @@ class Executor:
                 if os.readlink(name, dir_fd=dir_fd) == link.target:
                     return  # made by an earlier run of the hook for this container
             except OSError:  # not a link
-                if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                in_way = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if self._is_target(in_way, link):
+                    # the link's own target, mounted there already (a device plugin's Allocate answer
+                    # mounts what this hook would link, for runtimes without CDI): the container has it
+                    self.log.append(f"symlink {link.link}: its target is mounted there already")
+                    return
+                if stat.S_ISDIR(in_way.st_mode):
                     raise HookError(f"link {link.link}: a directory is in the way in the container") from None
             # an image file or link in the way: replace it atomically, never write through it
             tmp = f".{name}.devinject-{os.getpid()}"
             os.symlink(link.target, tmp, dir_fd=dir_fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            try:
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except OSError as err:
+                os.unlink(tmp, dir_fd=dir_fd)
+                if err.errno == errno.EBUSY:
+                    raise HookError(f"link {link.link}: another file is mounted there in the container") from None
+                raise
         self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
         self.log.append(f"symlink {link.link} -> {link.target}")
+
+    def _is_target(self, in_way: os.stat_result, link: Symlink) -> bool:
+        """Whether `in_way` (what stands at the link's path) is the very file the link would name, resolved
+        in the container's root."""
+        target = link.target if link.target.startswith("/") else \
+            posixpath.join(posixpath.dirname(link.link), link.target)
+        try:
+            dir_fd, name = self.root.resolve(posixpath.normpath(target))
+        except (UnsafePathError, OSError):
+            return False
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        finally:
+            os.close(dir_fd)
+        return (st.st_dev, st.st_ino) == (in_way.st_dev, in_way.st_ino)
 
     def _is_musl(self) -> str | None:
         for lib in ("/lib", "/usr/lib"):
