@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -211,6 +213,38 @@ def test_the_node_agents_refuse_a_state_dir_others_can_write(tmp_path: Path, com
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert lines[0].startswith(f"devinject: error: {state}: the state directory is writable by group or others")
+
+
+def under_umask_0(*args: str) -> list[str]:
+    return ["sh", "-c", 'umask 0; exec "$0" "$@"', DEVINJECT, *args]
+
+
+def test_generate_under_umask_0_makes_a_spec_dir_the_hook_trusts(tmp_path: Path) -> None:
+    """Under umask 0 the output dir came out 0777, and the hook refused every spec in it."""
+    out = tmp_path / "new" / "cdi"
+    done = subprocess.run(under_umask_0("generate", "--root", str(HGX), "--output-dir", str(out), "--hook-path",
+                                        DEVINJECT), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (mode(tmp_path / "new"), mode(out)) == (0o755, 0o755)
+    assert Registry((str(out),)).resolve(("nvidia.com/gpu=0",)).names == ("nvidia.com/gpu=0",)
+
+
+def test_the_hook_server_under_umask_0_makes_its_socket_directories_0755(tmp_path: Path) -> None:
+    top = Path(f"/tmp/di-rf-{os.getpid()}")  # a short socket path
+    socket = top / "run" / "hook.sock"
+    server = subprocess.Popen(under_umask_0("hook-server", "--socket", str(socket)), stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        for _ in range(400):
+            if socket.exists() or server.poll() is not None:
+                break
+            time.sleep(0.025)
+        assert socket.exists(), server.stderr.read() if server.stderr else ""
+        assert (mode(top), mode(top / "run"), mode(socket)) == (0o755, 0o755, 0o600)
+    finally:
+        server.terminate()
+        server.wait(10)
+        shutil.rmtree(top, ignore_errors=True)
 
 
 # --- caches keyed on a file's identity -----------------------------------------------------------------

@@ -29,7 +29,9 @@ def make_dirs(path: str, mode: int = DIR_MODE) -> None:
     try:
         os.mkdir(path, mode)
     except FileExistsError:
-        return  # another writer made it first: checked like any existing one
+        if os.path.isdir(path):
+            return  # another writer made it first: checked like any existing one
+        raise
     fd = os.open(path, _DIR)
     try:
         os.fchmod(fd, mode)

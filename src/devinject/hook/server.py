@@ -27,6 +27,7 @@ import sys
 import time
 
 from devinject.core.errors import DevinjectError
+from devinject.core.trusteddir import make_dirs
 from devinject.hook.client import MAX_REQUEST, REFUSED, decode_request
 
 log = logging.getLogger("devinject.hook-server")
@@ -65,7 +66,7 @@ def listen(path: str) -> socket.socket:
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise DevinjectError(f"{path}: too long for a unix socket ({MAX_SOCKET_PATH} bytes at most)")
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, mode=0o755, exist_ok=True)
+    make_dirs(directory)  # each directory it makes 0755 whatever the umask (core/trusteddir)
     st = os.stat(directory)
     others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX
     if st.st_uid != os.geteuid() or others_write:

@@ -490,10 +490,11 @@ def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, managed: bool 
     devices left) are removed. Anywhere else the files are a pure function of the specs.
     """
     from devinject.core.spec import write_atomic
+    from devinject.core.trusteddir import make_dirs
 
     if not output_dir.is_dir():
         try:
-            output_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(str(output_dir))  # 0755 whatever the umask: a spec dir others can write is refused
         except OSError as err:
             raise DevinjectError(f"{output_dir}: cannot create output directory: {err.strerror}") from None
     rendered = {output_dir / spec_filename(spec, fmt): render(spec, fmt) for spec in specs}
