@@ -299,7 +299,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
     if opts.env_requests:  # the profiles name the variables (cached: no YAML on a warm start)
         from devinject.nodestate.sharing import request_variables
 
-        vendor_env = request_variables(_trusted_state_dir(opts), profile_dirs=opts.profile_dirs)
+        vendor_env = request_variables(opts.state_dir, profile_dirs=opts.profile_dirs)  # checks the dir
     request = requested_devices({**bundle.annotations, **state.annotations}, bundle.env,
                                 allow_env=opts.env_requests, vendor_env=vendor_env)
     record["devices"] = list(request.names)
