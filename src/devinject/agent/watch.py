@@ -167,7 +167,8 @@ class Watcher:
         events.record(self.opts.state_dir, "cleared", key, by=by, functions=functions)
 
     def _take_put_back_requests(self) -> None:
-        for key, accepted in healthstate.take_requests(self.opts.state_dir).items():
+        requests = healthstate.take_requests(self.opts.state_dir)
+        for key, accepted in requests.items():
             found = next((f for f in self.found if device_key(f.profile.kind, f.address) == key), None)
             if found is None and key not in self.tracks:
                 log.warning("put-back request for %s: not a device this agent watches; ignored", key)
@@ -175,7 +176,8 @@ class Watcher:
             functions = [pci.address for pci in found.functions] if found is not None else sorted(accepted)
             self._clear(key, functions, "put-back request", accepted)
             log.info("%s: put-back requested; back after %d passing checks", key, self.opts.threshold)
-        self._persist()
+        if requests:  # taken from their file: kept in the state before anything else can fail
+            self._persist()
 
     # --- one round -----------------------------------------------------------------------------------
     def rescan(self) -> bool:
