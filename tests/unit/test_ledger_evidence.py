@@ -147,21 +147,39 @@ def test_a_broken_health_file_refuses_rather_than_passes_a_failing_device(tmp_pa
     assert not (tmp_path / "ledger.json").exists()
 
 
+def _in_a_new_pid_namespace(call: str, state_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`print(Ledger(state_dir).<call>)` in a pid namespace (and /proc) of its own."""
+    from tests.e2e.conftest import REPO
+
+    return subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+         f"import sys\nfrom devinject.nodestate.ledger import Ledger\nprint(Ledger(sys.argv[1]).{call})\n",
+         str(state_dir)], capture_output=True, text=True, timeout=60,
+        env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO / "src")})
+
+
 def test_a_ledger_is_never_read_with_another_pid_namespaces_pids(tmp_path: Path) -> None:
     """An agent without the node's pid namespace (a pod without hostPID sharing /run/devinject, a nested
     runtime) read the host's pids as its own: every booking looked dead, and its sweep freed them all."""
-    from tests.e2e.conftest import REPO
-
     with stand_ins(1) as (container,):
         Ledger(str(tmp_path)).book("a", container.pid, claim("c 195:0"), POLICY)
-        sweep = subprocess.run(
-            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-             "import sys\nfrom devinject.nodestate.ledger import Ledger\nLedger(sys.argv[1]).sweep()\n",
-             str(tmp_path)], capture_output=True, text=True, timeout=60,
-            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO / "src")})
-        assert sweep.returncode != 0
-        assert "the ledger counts pids of another pid namespace" in sweep.stderr, sweep.stderr
+        sweep = _in_a_new_pid_namespace("sweep()", tmp_path)
+        assert sweep.returncode == 0 and sweep.stdout == "False\n", sweep.stderr  # left to the hooks
+        listing = _in_a_new_pid_namespace("snapshot()", tmp_path)
+        assert listing.returncode != 0
+        assert "the ledger counts pids of another pid namespace" in listing.stderr, listing.stderr
         booking = json.loads((tmp_path / "ledger.json").read_text())["allocations"]["a"]
         assert booking["state"] == "active"
         with pytest.raises(LedgerError, match="held by container a"):
             Ledger(str(tmp_path)).book("b", os.getpid(), claim("c 195:0"), POLICY)
+
+
+def test_a_health_file_in_a_directory_others_can_write_is_never_read(tmp_path: Path) -> None:
+    """Anyone who could write the state dir could plant a health.json that passes a failing device (or one
+    that takes every device out): the ledger refuses the directory before it reads anything in it."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "health.json").write_text(json.dumps({"unhealthy_nodes": []}))
+    state.chmod(0o777)
+    with pytest.raises(LedgerError, match=f"{state}: the state directory .*refused"):
+        Ledger(str(state)).book("b", os.getpid(), claim("c 195:0"), POLICY)

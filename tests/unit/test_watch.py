@@ -251,3 +251,26 @@ def test_watch_writes_exactly_what_generate_produces(host_copy, tmp_path, monkey
                for p in (tmp_path / "cdi").glob("*.yaml")}
     assert written == expected
     assert "GPU-00000000-1111-2222-3333-444444444444" in written["nvidia.com-gpu.yaml"]
+
+
+def test_an_agent_in_a_pid_namespace_of_its_own_leaves_the_sweep_to_the_hooks(tmp_path, caplog):
+    """A DaemonSet pod without hostPID shares /run/devinject with the node's hooks: its sweep used to read
+    the node's pids as its own and free every booking. Now it leaves the ledger alone, and says so once."""
+    import logging
+
+    from devinject.nodestate.ledger import Claim, Ledger
+
+    ledger = Ledger(str(tmp_path))
+    ledger.book("c1", os.getpid(), (Claim("nvidia.com/gpu=0", ("c 195:0",)),), {"nvidia.com/gpu": "exclusive"})
+    data = json.loads((tmp_path / "ledger.json").read_text())
+    data["pid_namespace"] = "0:1"  # as the node's pid namespace looks from a pod
+    (tmp_path / "ledger.json").write_text(json.dumps(data))
+    watcher = Watcher.__new__(Watcher)
+    watcher.opts = type("Opts", (), {"state_dir": str(tmp_path)})()  # type: ignore[assignment]
+    watcher.sweep_left_to_hooks = False
+    with caplog.at_level(logging.INFO, logger="devinject"):
+        watcher.sweep_ledger()
+        watcher.sweep_ledger()
+    said = [r for r in caplog.records if "left to the hooks" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    assert json.loads((tmp_path / "ledger.json").read_text())["allocations"]["c1"]["state"] == "active"

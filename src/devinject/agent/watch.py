@@ -100,6 +100,7 @@ class Watcher:
         self.rescan_requested = threading.Event()
         self.identities: dict[str, dict[str, str]] = {}  # device key -> its functions' identities
         self._rescanned = False
+        self.sweep_left_to_hooks = False  # the ledger is another pid namespace's (said once in the log)
         self._distrusted: str | None = None  # why the persisted state was not believed
         self._foreign: dict[str, healthstate.DeviceRecord] = {}  # persisted devices of kinds not watched now
         self._saved: bytes | None = None
@@ -287,9 +288,14 @@ class Watcher:
     # --- the loop ------------------------------------------------------------------------------------
     def sweep_ledger(self) -> None:
         try:
-            Ledger(self.opts.state_dir).sweep()
+            swept = Ledger(self.opts.state_dir).sweep()
         except LedgerError as err:  # a busy or broken ledger is the hook's to handle; try again next round
             log.warning("ledger sweep: %s", err.message)
+            return
+        if not swept and not self.sweep_left_to_hooks:
+            self.sweep_left_to_hooks = True  # said once: it is how an agent pod without hostPID runs
+            log.info("ledger sweep left to the hooks: the ledger counts the node's pids, and this agent runs in "
+                     "a pid namespace of its own")
 
     def _uevent_listener(self, stop: threading.Event) -> None:
         try:

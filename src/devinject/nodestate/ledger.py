@@ -21,6 +21,7 @@ import time
 from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
 from devinject.core.filelock import exclusive
+from devinject.core.trusteddir import trusted_dir
 from devinject.nodestate import events
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
@@ -60,6 +61,10 @@ def has_own_pid_namespace(pid: int, proc: str = "/proc") -> bool:
         return os.stat(f"{proc}/{pid}/ns/pid").st_ino != os.stat(f"{proc}/self/ns/pid").st_ino
     except OSError:
         return False
+
+
+class ForeignLedgerError(LedgerError):
+    """The ledger's pids belong to another pid namespace than this process's."""
 
 
 class Claim(NamedTuple):
@@ -193,7 +198,7 @@ class Ledger:
         if theirs is not None and ours is not None and theirs != ours:
             # Its pids name other processes here: a booking would look dead (and its GPU free) or alive
             # through a stranger. One pid namespace per ledger, never a guess across two.
-            raise LedgerError(f"{self.path}: the ledger counts pids of another pid namespace ({theirs}; this "
+            raise ForeignLedgerError(f"{self.path}: the ledger counts pids of another pid namespace ({theirs}; this "
                               f"process is in {ours}): run in the node's pid namespace (hostPID) or give this "
                               "one a state dir of its own")
         return data  # type: ignore[no-any-return]
@@ -332,6 +337,7 @@ class Ledger:
                 shared.extend(claim.shared)
                 exclusive.extend(n for n in claim.nodes if n not in claim.shared)
         exclusive = sorted(set(exclusive))
+        trusted_dir(self.state_dir, error=LedgerError)  # health.json is read before the lock checks it
         unhealthy = self._unhealthy_nodes() & set(exclusive + shared)
         if unhealthy:
             raise LedgerError(f"container {container_id}: device node {sorted(unhealthy)[0]} is unhealthy; "
@@ -387,13 +393,19 @@ class Ledger:
             self.reclaim(data, wanted=set())
         return "released"
 
-    def sweep(self) -> None:
+    def sweep(self) -> bool:
         """Free what dead containers held (the node agent, every round): the hook runs no poststop by
-        default, and a booking should find the devices it wants already free, not pay for the scan."""
+        default, and a booking should find the devices it wants already free, not pay for the scan. False
+        when the ledger counts another pid namespace's pids (an agent pod without hostPID): the sweep only
+        saves the next booking a scan, so it is left to the hooks, which reclaim on every booking."""
         if not os.path.exists(self.path):
-            return  # nothing was ever booked: create nothing
-        with self.locked() as data:
-            self.reclaim(data)
+            return True  # nothing was ever booked: create nothing
+        try:
+            with self.locked() as data:
+                self.reclaim(data)
+        except ForeignLedgerError:
+            return False
+        return True
 
     def snapshot(self) -> dict[str, Any]:
         with self.locked() as data:
