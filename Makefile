@@ -5,9 +5,13 @@ PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_HOST := tests/fixtures/hosts/hgx-h100
-SYSTEM_PACKAGES := python3-venv runc podman crun busybox-static gcc libc6-dev graphviz containerd systemd
+SYSTEM_PACKAGES := python3-venv runc podman crun busybox-static gcc libc6-dev graphviz containerd systemd mmdebstrap
+# The agent's image (`make image`): an OCI archive that `ctr -n k8s.io images import` and `podman load` read.
+IMAGE := build/devinject-image.tar
+IMAGE_INPUTS := pyproject.toml README.md tools/mkimage.py $(wildcard deploy/image/*) \
+	$(shell find src/devinject -name __pycache__ -prune -o -type f -print)
 
-.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation proto
+.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation proto image
 
 $(BIN)/devinject: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +22,7 @@ $(BIN)/devinject: pyproject.toml
 venv: $(BIN)/devinject
 
 # Debian packages the live tests drive (real runc, podman, crun), build fixture libraries with, and check
-# the systemd units with (systemd-analyze).
+# the systemd units with (systemd-analyze), and build the agent's image with (mmdebstrap).
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -35,7 +39,7 @@ demo: venv
 		--hook-path $(abspath $(BIN))/devinject
 
 lint: venv
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench tools
 	$(BIN)/mypy
 
 test: system-deps venv lint
@@ -46,6 +50,13 @@ unit: venv
 
 live: system-deps venv
 	$(BIN)/pytest -q -m live
+
+# The agent's image with no registry: Debian's packages (mmdebstrap, the tree cached in build/image), the
+# wheels of deploy/image/requirements.txt and devinject from this tree; image localhost/devinject:<version>.
+image: $(IMAGE)
+
+$(IMAGE): $(IMAGE_INPUTS) | system-deps venv
+	$(BIN)/python tools/mkimage.py --output $@
 
 # Mutation testing of the core modules ([tool.mutmut] in pyproject.toml), in a staging copy without the
 # fixture trees; prints the score. Not part of `make test` (it takes minutes).

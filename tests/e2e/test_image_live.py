@@ -1,0 +1,221 @@
+"""The agent's image, built here from the project alone (`make image`: Debian's packages through mmdebstrap,
+no registry), imported into a containerd of its own (own root, state and sockets under a temp dir, never the
+cluster's) and run there with `ctr run` against the HGX fixture host. A missing prerequisite fails the test:
+it never skips."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tools.mkimage import IMPORT_ALL  # every devinject module, the way the build checks the image
+
+from tests.e2e.conftest import DEVINJECT, REPO
+
+pytestmark = pytest.mark.live
+
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+NAME = f"localhost/devinject:{VERSION}"
+ARCHIVE = REPO / "build" / "devinject-image.tar"
+FIXTURE = REPO / "tests" / "fixtures" / "hosts" / "hgx-h100"
+NAMESPACE = "devinject-image-test"
+MIB = 1 << 20
+UNPACKED_MAX_MIB = 110  # 91 MiB when written; a hand-built image was 264 MiB
+
+
+def need(condition: bool, reason: str) -> None:
+    if not condition:
+        pytest.fail(f"image test prerequisite missing: {reason}")
+
+
+def make_image(output: Path | None = None, epoch: int | None = None) -> subprocess.CompletedProcess[str]:
+    command = ["make", "-s", "image"] if output is None else [
+        sys.executable, str(REPO / "tools" / "mkimage.py"), "--output", str(output)]
+    env = dict(os.environ) if epoch is None else {**os.environ, "SOURCE_DATE_EPOCH": str(epoch)}
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
+
+
+@pytest.fixture(scope="module")
+def archive() -> Path:
+    """`make image` (nothing to do when the archive is newer than its inputs); its time is printed."""
+    need(os.geteuid() == 0, "needs root (mmdebstrap --mode=root, containerd)")
+    for tool in ("make", "mmdebstrap", "containerd", "ctr", "containerd-shim-runc-v2", "runc"):
+        need(shutil.which(tool) is not None, f"{tool} not installed (make system-deps)")
+    started = time.monotonic()
+    done = make_image()
+    assert done.returncode == 0, f"make image failed:\n{done.stdout}\n{done.stderr}"
+    print(f"make image: {time.monotonic() - started:.1f} s {done.stdout.strip()}")
+    return ARCHIVE
+
+
+def read_image(path: Path) -> tuple[dict[str, object], dict[str, object], list[tarfile.TarInfo]]:
+    """The archive's index, its image config and the members of its one layer."""
+    with tarfile.open(path) as outer:
+        def blob(digest: str) -> bytes:
+            member = outer.extractfile(f"blobs/sha256/{digest.removeprefix('sha256:')}")
+            assert member is not None
+            return member.read()
+
+        index = json.loads(outer.extractfile("index.json").read())  # type: ignore[union-attr]
+        manifest = json.loads(blob(index["manifests"][0]["digest"]))
+        config = json.loads(blob(manifest["config"]["digest"]))
+        assert len(manifest["layers"]) == 1
+        layer = outer.extractfile(f"blobs/sha256/{manifest['layers'][0]['digest'].removeprefix('sha256:')}")
+        with tarfile.open(fileobj=layer, mode="r|gz") as inner:
+            members = list(inner)
+    return index, config, members
+
+
+class Containerd:
+    """A private containerd: root, state, sockets in a temp dir; no CRI; stopped by its own pid."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.address = str(base / "containerd.sock")
+        config = base / "config.toml"
+        config.write_text(f"""version = 2
+root = "{base}/root"
+state = "{base}/state"
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+[grpc]
+  address = "{self.address}"
+[ttrpc]
+  address = "{self.address}.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{base}/opt"
+""")
+        self.log = open(base / "containerd.log", "w")  # noqa: SIM115 (closed in stop)
+        self.process = subprocess.Popen(["containerd", "--config", str(config)], stdout=self.log,
+                                        stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while self.ctr("version", check=False).returncode != 0:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"private containerd did not come up: {(base / 'containerd.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def ctr(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(["ctr", "--address", self.address, "--namespace", NAMESPACE, *args],
+                              capture_output=True, text=True, timeout=timeout)
+        if check:
+            assert done.returncode == 0, f"ctr {' '.join(args)}: {done.stderr}{done.stdout}"
+        return done
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=15)
+        self.log.close()
+        with open("/proc/self/mounts") as mounts:  # whatever a failed run left mounted under our root
+            left = [line.split()[1] for line in mounts if line.split()[1].startswith(str(self.base))]
+        for mountpoint in sorted(left, reverse=True):
+            subprocess.run(["umount", "-l", mountpoint], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def containerd(archive: Path) -> Iterator[Containerd]:
+    base = Path(tempfile.mkdtemp(prefix="ctd-", dir="/tmp"))  # short: unix socket paths
+    daemon = Containerd(base)
+    try:
+        started = time.monotonic()
+        imported = daemon.ctr("images", "import", str(archive), timeout=300)
+        print(f"ctr images import: {time.monotonic() - started:.1f} s")
+        assert NAME in imported.stdout + daemon.ctr("images", "ls", "-q").stdout
+        yield daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def run_image(daemon: Containerd, *args: str) -> subprocess.CompletedProcess[str]:
+    """`ctr run` of devinject in the image as the DaemonSet runs it (read-only root), the fixture host at
+    /fixture (ctr's arguments replace the image's entrypoint: the test of that is below)."""
+    return daemon.ctr("run", "--rm", "--read-only",
+                      "--mount", f"type=bind,src={FIXTURE},dst=/fixture,options=rbind:ro",
+                      NAME, f"devinject-{uuid.uuid4().hex[:8]}", "devinject", *args, check=False, timeout=120)
+
+
+def test_image_runs_devinject_version(containerd: Containerd) -> None:
+    done = run_image(containerd, "--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"devinject, version {VERSION}\n"
+
+
+def test_image_lists_the_fixture_host(containerd: Containerd) -> None:
+    done = run_image(containerd, "list", "--root", "/fixture")
+    assert done.returncode == 0, done.stderr
+    here = subprocess.run([DEVINJECT, "list", "--root", str(FIXTURE)], capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert done.stdout == here.stdout  # the same table as this checkout's devinject prints
+    assert done.stdout.count("nvidia.com/gpu=") >= 8 and done.stderr == ""
+
+
+def test_image_entrypoint_is_devinject(containerd: Containerd) -> None:
+    done = containerd.ctr("run", "--rm", "--read-only", NAME, f"devinject-{uuid.uuid4().hex[:8]}", check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Usage: devinject device-plugin [OPTIONS]")  # Entrypoint + Cmd
+
+
+def test_image_python_never_compiles_on_its_read_only_root(containerd: Containerd) -> None:
+    """Every module devinject imports loads from a valid precompiled file: on the DaemonSet's read-only root
+    Python could never cache what it compiles, and would compile it again on each start."""
+    done = containerd.ctr("run", "--rm", "--read-only", NAME, f"devinject-{uuid.uuid4().hex[:8]}",
+                          "python3", "-I", "-v", "-c", IMPORT_ALL, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = [line for line in done.stderr.splitlines() if line.startswith("# code object from ")]
+    assert len(loaded) > 200 and any("/dist-packages/grpc/" in line for line in loaded)
+    assert [line for line in loaded if not line.endswith(".pyc'")] == []
+    assert "could not create" not in done.stderr
+
+
+def test_image_holds_only_what_the_agent_runs(archive: Path) -> None:
+    index, config, members = read_image(archive)
+    annotations = index["manifests"][0]["annotations"]  # type: ignore[index]
+    assert annotations["io.containerd.image.name"] == NAME
+    assert config["config"]["Entrypoint"] == ["devinject"]  # type: ignore[index]
+    names = {m.name for m in members}
+    unpacked = sum(m.size for m in members) / MIB
+    print(f"image: {unpacked:.1f} MiB of files, {archive.stat().st_size / MIB:.1f} MiB archive, "
+          f"{len(names)} entries")
+    assert "usr/local/bin/devinject" in names and "usr/bin/python3.11" in names
+    assert unpacked < UNPACKED_MAX_MIB
+    unwanted = [n for n in names if n.startswith(("usr/share/man/", "usr/share/info/", "usr/share/locale/",
+                                                    "var/lib/apt/", "var/cache/", "var/log/", "usr/lib/gcc"))
+                or (n.startswith("usr/share/doc/") and n.count("/") > 3 and not n.endswith("/copyright"))
+                or os.path.basename(n) in ("gcc", "cc", "pip", "pip3", "apt", "apt-get", "perl")
+                or n.endswith(("/pip", "/ensurepip", "/setuptools"))]
+    assert unwanted == []
+    assert not [m.name for m in members if m.isdev() or m.uname or m.gname or m.mtime > config_created(config)]
+    sources = {n for n in names if n.startswith("usr/local/lib/") and n.endswith(".py")}
+    compiled = {n for n in names if n.endswith(".pyc")}
+    uncompiled = [s for s in sources if not any(c.startswith(os.path.dirname(s) + "/__pycache__/"
+                                                                + os.path.basename(s)[:-3] + ".") for c in compiled)]
+    assert sources and uncompiled == []
+
+
+def config_created(config: dict[str, object]) -> float:
+    return time.mktime(time.strptime(str(config["created"]), "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+
+
+def test_image_build_is_reproducible(archive: Path, tmp_path: Path) -> None:
+    """Two builds from the same cached Debian tree and source tree, at one SOURCE_DATE_EPOCH (by default the
+    last commit's time), are byte for byte the same archive."""
+    builds = [tmp_path / "first.tar", tmp_path / "second.tar"]
+    for build in builds:
+        done = make_image(build, epoch=1_700_000_000)
+        assert done.returncode == 0, done.stderr
+    assert builds[0].read_bytes() == builds[1].read_bytes()
