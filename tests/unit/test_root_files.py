@@ -104,7 +104,7 @@ def test_the_ledger_refuses_a_state_dir_others_can_write(tmp_path: Path) -> None
     with pytest.raises(LedgerError) as caught:
         Ledger(str(state)).book("a", os.getpid(), (Claim("vendor.com/gpu=0", ("c 195:0",)),),
                                 {"vendor.com/gpu": "exclusive"})
-    assert caught.value.message.startswith(f"{state}: the ledger lock's directory is writable by group or others")
+    assert caught.value.message.startswith(f"{state}: the state directory is writable by group or others")
     assert list(state.iterdir()) == []
 
 
