@@ -40,6 +40,27 @@ target_root_option = click.option(
     help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "
          "instead of under --host-root.")
 
+node_hook_option = click.option(
+    "--node-hook", default=None, metavar="DIRECTORY",
+    help="The node hook bundle at DIRECTORY (a host path; see install-node-hook) runs the specs' CDI hooks: "
+         "nothing is written unless it is installed, this devinject's and runs. Instead of --hook-path.")
+
+
+def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_root: str | None) -> str | None:
+    """--node-hook DIR: the hook path of the bundle there, once it is ready (else one line why, exit 1); under
+    the target root, or else the root, as the specs' other host paths."""
+    if node_hook is None:
+        return hook_path
+    if hook_path is not None:
+        raise DevinjectError("--node-hook and --hook-path: give one (--node-hook DIR sets the hook path)")
+    from devinject.agent.nodehook import hook_path as bundle_hook_path
+    from devinject.agent.nodehook import in_root, node_hook_ready
+
+    problem = node_hook_ready(root, node_hook)
+    if problem:
+        raise DevinjectError(f"--node-hook {node_hook}: {problem}", hint="devinject install-node-hook installs it")
+    return bundle_hook_path(in_root(root if target_root is None else target_root, node_hook))
+
 
 def _check_roots(*, root: str | None = None, profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
                  kernel_log: str | None = None) -> None:
@@ -95,11 +116,14 @@ def cli(verbose: int, quiet: bool) -> None:
 @bundles_option
 @target_root_option
 @driver_root_option
+@node_hook_option
 def generate(root: str, output_dir: str, output: str | None, fmt: str, strategies: tuple[str, ...],
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
-             nvml: bool | None, bundles: tuple[str, ...], target_root: str | None, driver_root: str | None) -> None:
+             nvml: bool | None, bundles: tuple[str, ...], target_root: str | None, driver_root: str | None,
+             node_hook: str | None) -> None:
     """Discover devices on the host and write CDI specs."""
     _check_roots(root=root, profile_dirs=profile_dirs)
+    hook_path = _node_hook(root, node_hook, hook_path, target_root)
     from devinject.core.spec import write_atomic
     from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 
@@ -342,6 +366,32 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
                    f"run `devinject hook-server --socket {server}`, or install its unit (--server-unit)", err=True)
 
 
+@cli.command("install-node-hook")
+@root_option
+@click.option("--dir", "directory", default="/opt/devinject/hook", show_default=True, metavar="DIRECTORY",
+              help="Where the bundle goes, as the host names it (its parent must be writable here).")
+@click.option("--check", is_flag=True, help="Install nothing: say whether the node hook there is ready (exit 1 "
+                                            "and why when it is not).")
+@click.option("--force", is_flag=True, help="Rebuild and replace it even when the one there is current.")
+def install_node_hook(root: str, directory: str, check: bool, force: bool) -> None:
+    """Install this devinject onto the host as a self-contained CDI hook (its interpreter, loader, libraries and
+    modules: the node needs only /bin/sh) and print the --hook-path for specs; see docs/node-hook.md."""
+    _check_roots(root=root)
+    from devinject.agent.nodehook import hook_path, in_root, install_node_hook, node_hook_ready
+
+    if check:
+        problem = node_hook_ready(root, directory)
+        if problem:
+            raise DevinjectError(problem)
+        click.echo(hook_path(directory))
+        return
+    done = install_node_hook(root, directory, force=force)
+    what = "installed" if done.changed else "already installed and current:"
+    click.echo(f"{what} {in_root(root, directory)} ({done.files} files, {done.size / 2**20:.1f} MiB); it runs",
+               err=True)
+    click.echo(done.hook_path)
+
+
 @cli.command()
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -392,6 +442,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
         bundles_option,
         target_root_option,
         driver_root_option,
+        node_hook_option,
     )):
         command = option(command)
     return command
@@ -400,7 +451,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
 def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float,
                    threshold: int, rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
-                   target_root: str | None, driver_root: str | None) -> WatchOptions:
+                   target_root: str | None, driver_root: str | None, node_hook: str | None = None) -> WatchOptions:
     from devinject.agent.watch import WatchOptions
     from devinject.core.trusteddir import trusted_dir
     from devinject.specs.generate import GenerateOptions, default_hook_path
@@ -414,6 +465,7 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
             raise DevinjectError(f"--recheck {recheck:g}: must be between 1 and 2 seconds")
     if min(interval, recheck, rescan) <= 0:
         raise DevinjectError("--interval, --recheck and --rescan must be positive")
+    hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
                           target_root=target_root, driver_root=driver_root)
     gen.check()
