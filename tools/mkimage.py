@@ -63,9 +63,22 @@ EXCLUDED_DIRS = tuple(option.split("=/", 1)[1].removesuffix("/*") for option in 
 # What the build leaves that no package owns and the image does not need (the build's package manager, its
 # logs and caches, and what the runtime mounts over).
 EMPTIED = ("var/cache", "var/log", "tmp", "run", "dev", "proc", "sys")
-LEFTOVERS = ("etc/apt", "var/lib/apt", "usr/share/info/dir", "etc/machine-id", "var/lib/dpkg/status-old",
+LEFTOVERS = ("etc/apt", "var/lib/apt", "usr/share/info/dir", "etc/machine-id", "etc/resolv.conf", "etc/hostname",
+             "var/lib/dpkg/status-old",
              "var/lib/dpkg/available", "var/lib/dpkg/diversions-old", "var/lib/dpkg/statoverride-old",
              "var/lib/dpkg/lock", "var/lib/dpkg/lock-frontend", "var/lib/dpkg/triggers/Lock")
+# The Debian tree's own time (shadow's last change, py_compile's mode): pinned, so a rebuilt tree is the same
+# tree; the image's mtimes are clamped to SOURCE_DATE_EPOCH besides. Debian 12.0's release.
+DEBIAN_EPOCH = 1686355200
+# Debian's byte-code as unchecked-hash: valid whatever the mtimes, never checked against the source (which
+# never changes in an image), so a read-only root never compiles.
+RECOMPILE = """import pathlib, py_compile, sys
+for cached in sorted(pathlib.Path(sys.argv[1]).rglob("__pycache__/*.cpython-*.pyc")):
+    source = cached.parent.parent / (cached.name.split(".")[0] + ".py")
+    if source.exists():
+        py_compile.compile(str(source), str(cached), doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+"""
 LAUNCHER = "#!/usr/bin/python3 -I\nimport sys\n\nfrom devinject.entry import main\n\nsys.exit(main())\n"
 
 
@@ -91,7 +104,8 @@ def debian_tree(work: Path, packages: list[str]) -> Path:
     """The mmdebstrap tree for these packages, built once per key (packages, suite, mirrors, options,
     mmdebstrap's version)."""
     version = run(["mmdebstrap", "--version"]).stdout.strip()
-    key_text = json.dumps([packages, SUITE, MIRRORS, DPKG_OPTIONS, version, "essential", "merged-usr"])
+    key_text = json.dumps([packages, SUITE, MIRRORS, DPKG_OPTIONS, version, "essential", "merged-usr", DEBIAN_EPOCH,
+                           RECOMPILE])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     tree = work / f"debian-{key}"
     if (work / f"debian-{key}.done").exists() and tree.is_dir():
@@ -102,9 +116,12 @@ def debian_tree(work: Path, packages: list[str]) -> Path:
                "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr", f"--include={','.join(packages)}",
                *(f"--dpkgopt={option}" for option in DPKG_OPTIONS), SUITE, str(tree), *MIRRORS]
     with open(work / "mmdebstrap.log", "w") as log:
-        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1200)
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=1200,
+                              env={**os.environ, "SOURCE_DATE_EPOCH": str(DEBIAN_EPOCH)})
     if done.returncode != 0:
         raise BuildError(f"mmdebstrap failed ({done.returncode}): see {work / 'mmdebstrap.log'}")
+    for top in ("/usr/lib", "/usr/share"):
+        run(["chroot", str(tree), "/usr/bin/python3", "-I", "-c", RECOMPILE, top], timeout=600)
     (work / f"debian-{key}.done").write_text(key_text + "\n")
     return tree
 
@@ -263,7 +280,7 @@ def python_of(installed: dict[str, dict[str, str]]) -> tuple[str, tuple[int, int
     return match.group(1), (int(libc.group(1)), int(libc.group(2)))
 
 
-def install_python(stage: Path, python: str, glibc: tuple[int, int], work: Path) -> Path:
+def install_python(stage: Path, python: str, glibc: tuple[int, int], work: Path, tree: Path = REPO) -> Path:
     """The pinned wheels and devinject from this tree into the stage's /usr/local, byte-compiled."""
     site = stage / f"usr/local/lib/python{python}/dist-packages"
     site.mkdir(parents=True, exist_ok=True)
@@ -277,8 +294,8 @@ def install_python(stage: Path, python: str, glibc: tuple[int, int], work: Path)
     source = Path(tempfile.mkdtemp(prefix="src-", dir=work))
     try:  # only what the package is built from, never the checkout's build/ or egg-info
         for name in ("pyproject.toml", "README.md"):
-            shutil.copy2(REPO / name, source / name)
-        shutil.copytree(REPO / "src" / "devinject", source / "src" / "devinject",
+            shutil.copy2(tree / name, source / name)
+        shutil.copytree(tree / "src" / "devinject", source / "src" / "devinject",
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         run([*pip, "--no-build-isolation", str(source)], timeout=600)
     finally:
@@ -468,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=REPO / "build" / "devinject-image.tar")
     parser.add_argument("--name", default=f"localhost/devinject:{version}")
     parser.add_argument("--work", type=Path, default=REPO / "build" / "image")
+    parser.add_argument("--source", type=Path, default=REPO,
+                        help="the devinject tree to install (pyproject.toml, README.md, src/devinject)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:

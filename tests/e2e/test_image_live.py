@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 from tools.mkimage import IMPORT_ALL  # every devinject module, the way the build checks the image
 
 from tests.e2e.conftest import DEVINJECT, REPO
@@ -39,9 +40,11 @@ def need(condition: bool, reason: str) -> None:
         pytest.fail(f"image test prerequisite missing: {reason}")
 
 
-def make_image(output: Path | None = None, epoch: int | None = None) -> subprocess.CompletedProcess[str]:
+def make_image(output: Path | None = None, epoch: int | None = None,
+               source: Path | None = None) -> subprocess.CompletedProcess[str]:
     command = ["make", "-s", "image"] if output is None else [
-        sys.executable, str(REPO / "tools" / "mkimage.py"), "--output", str(output)]
+        sys.executable, str(REPO / "tools" / "mkimage.py"), "--output", str(output),
+        *(["--source", str(source)] if source else [])]
     env = dict(os.environ) if epoch is None else {**os.environ, "SOURCE_DATE_EPOCH": str(epoch)}
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1500, env=env)
 
@@ -182,6 +185,25 @@ def test_image_python_never_compiles_on_its_read_only_root(containerd: Container
     assert "could not create" not in done.stderr
 
 
+VERSIONS = """import importlib.metadata as m
+for requirement in m.requires("devinject"):
+    if "extra ==" in requirement:  # dev tools, not in the image
+        continue
+    name = requirement.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip()
+    print(requirement, m.version(name), sep="|")
+"""
+
+
+def test_image_meets_devinjects_dependencies(containerd: Containerd) -> None:
+    """Debian's packages and the pinned wheels, as the image's Python sees them, meet pyproject.toml."""
+    done = containerd.ctr("run", "--rm", "--read-only", NAME, f"devinject-{uuid.uuid4().hex[:8]}",
+                          "python3", "-I", "-c", VERSIONS, check=False)
+    assert done.returncode == 0, done.stderr
+    found = dict(line.split("|") for line in done.stdout.splitlines())
+    assert {Requirement(r).name for r in found} >= {"click", "pyyaml", "grpcio", "protobuf", "pyroute2"}
+    assert [(r, v) for r, v in found.items() if not Requirement(r).specifier.contains(v)] == []
+
+
 def test_image_holds_only_what_the_agent_runs(archive: Path) -> None:
     index, config, members = read_image(archive)
     annotations = index["manifests"][0]["annotations"]  # type: ignore[index]
@@ -197,7 +219,8 @@ def test_image_holds_only_what_the_agent_runs(archive: Path) -> None:
                                                     "var/lib/apt/", "var/cache/", "var/log/", "usr/lib/gcc"))
                 or (n.startswith("usr/share/doc/") and n.count("/") > 3 and not n.endswith("/copyright"))
                 or os.path.basename(n) in ("gcc", "cc", "pip", "pip3", "apt", "apt-get", "perl")
-                or n.endswith(("/pip", "/ensurepip", "/setuptools"))]
+                or n.endswith(("/pip", "/ensurepip", "/setuptools"))
+                or n in ("etc/resolv.conf", "etc/hostname", "etc/machine-id")]  # the build host's
     assert unwanted == []
     assert not [m.name for m in members if m.isdev() or m.uname or m.gname or m.mtime > config_created(config)]
     sources = {n for n in names if n.startswith("usr/local/lib/") and n.endswith(".py")}
@@ -212,10 +235,14 @@ def config_created(config: dict[str, object]) -> float:
 
 
 def test_image_build_is_reproducible(archive: Path, tmp_path: Path) -> None:
-    """Two builds from the same cached Debian tree and source tree, at one SOURCE_DATE_EPOCH (by default the
-    last commit's time), are byte for byte the same archive."""
+    """Two builds of one source tree (a copy: the checkout may change meanwhile) from the same cached Debian
+    tree, at one SOURCE_DATE_EPOCH (by default the last commit's time), are byte for byte the same archive."""
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "src" / "devinject", source / "src" / "devinject")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
     builds = [tmp_path / "first.tar", tmp_path / "second.tar"]
     for build in builds:
-        done = make_image(build, epoch=1_700_000_000)
+        done = make_image(build, epoch=1_700_000_000, source=source)
         assert done.returncode == 0, done.stderr
     assert builds[0].read_bytes() == builds[1].read_bytes()

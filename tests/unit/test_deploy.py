@@ -124,13 +124,6 @@ def test_the_endpoints_listen_on_the_nodes_address_from_the_downward_api() -> No
     assert pod["hostNetwork"] is True and "host" not in container["livenessProbe"]["httpGet"]
 
 
-def test_containerfile_copies_what_exists() -> None:
-    lines = (DEPLOY / "Containerfile").read_text().splitlines()
-    sources = [part for line in lines if line.startswith("COPY ") and "--from" not in line
-               for part in line.split()[1:-1]]
-    assert sources and all((DEPLOY.parent / s).exists() for s in sources), sources
-
-
 # --- systemd units: checked by systemd's own parser (`systemd-analyze verify`), which also finds the programs
 # they start; the shipped ones name /usr/local/bin/devinject, here pointed at this installation's.
 
