@@ -61,7 +61,13 @@ Provides: awk
 
 Package: python3
 Status: install ok installed
-Depends: libc6
+Depends: libexpat1
+
+Package: libexpat1
+Status: install ok installed
+
+Package: mawk
+Status: install ok installed
 
 Package: perl-base
 Status: install ok installed
@@ -75,7 +81,8 @@ Status: deinstall ok config-files
 def test_closure_keeps_the_roots_and_what_they_need_only() -> None:
     installed = mkimage.parse_status(STATUS)
     assert "gone" not in installed
-    assert mkimage.closure(installed, ["app"]) == {"app", "libfoo", "libc6", "gawk-less-awk", "python3"}
+    assert mkimage.closure(installed, ["app"]) == {"app", "libfoo", "libc6", "gawk-less-awk", "python3",
+                                                      "libexpat1"}
 
 
 def test_closure_refuses_an_unmet_dependency_or_root() -> None:
