@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from devinject import __version__
+from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 from devinject.core.errors import DevinjectError
-from devinject.core.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 
 if TYPE_CHECKING:
     from devinject.agent.watch import WatchOptions
@@ -65,10 +65,10 @@ def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_r
 def _check_roots(*, root: str | None = None, profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
                  kernel_log: str | None = None) -> None:
     """What a command was pointed at, checked once before it reads anything: a wrong one is one line naming
-    it (core/roots.py). The kernel log may be missing only when it was not asked for."""
+    it (discovery/roots.py). The kernel log may be missing only when it was not asked for."""
     from click.core import ParameterSource
 
-    from devinject.core.roots import check_roots
+    from devinject.discovery.roots import check_roots
 
     source = click.get_current_context().get_parameter_source("kernel_log")
     check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devinject.core.spec import KNOWN_VERSIONS, load_file, required_version, spec_from_dict, spec_to_dict
+from devinject.core.cdiversion import KNOWN_VERSIONS, required_version
+from devinject.core.spec import load_file, spec_from_dict, spec_to_dict
 from devinject.hook.registry import Registry
 from devinject.specs.validate import validate_paths
 

@@ -3,9 +3,10 @@ import stat
 
 import pytest
 
+from devinject.core.cdiversion import required_version
 from devinject.core.errors import ConfigError, DevinjectError, SpecError
 from devinject.core.model import ContainerEdits, Device, DeviceNode, Spec
-from devinject.core.spec import load_file, required_version
+from devinject.core.spec import load_file
 from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 from tests.conftest import HOSTS
 

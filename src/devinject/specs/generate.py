@@ -12,11 +12,12 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, required_version, version_key
 from devinject.core.errors import ConfigError, DevinjectError, SpecError
 from devinject.core.identity import device_key
 from devinject.core.ldcache import LdCacheEntry
 from devinject.core.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
-from devinject.core.spec import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, dump, required_version, version_key
+from devinject.core.spec import dump
 from devinject.discovery.discover import FoundDevice, HostView, discover, shared_nodes
 from devinject.discovery.host import Host
 from devinject.discovery.libraries import (

@@ -11,20 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, released_version, version_key
 from devinject.core.errors import SpecError, SpecValidationError
 from devinject.core.identity import qualified
 from devinject.core.model import Spec
-from devinject.core.spec import (
-    DEFAULT_VERSION_CAP,
-    KNOWN_VERSIONS,
-    list_spec_files,
-    parse_spec_document,
-    read_spec_text,
-    released_version,
-    spec_dir_problem,
-    spec_from_dict,
-    version_key,
-)
+from devinject.core.spec import list_spec_files, parse_spec_document, read_spec_text, spec_dir_problem, spec_from_dict
 from devinject.core.specrules import spec_problems
 
 OLD_RUNTIMES = "podman 4.x and containerd 1.7"  # they refuse specs above 0.5.0
