@@ -386,7 +386,7 @@ def node_hook_ready(host_root: str, directory: str = DEFAULT_DIR, *, run: bool =
     try:
         problem = dir_problem(os.lstat(bundle))
     except FileNotFoundError:
-        return f"{bundle}: no node hook installed (devinject install-node-hook)"
+        return f"{bundle}: no node hook installed"
     except OSError as err:
         return f"{bundle}: {err.strerror}"
     if problem:
