@@ -1,5 +1,9 @@
 """Carries out a plan inside the container's mount namespace (before pivot_root, so host paths still
-resolve), recording an undo step for everything it changes. Every container path goes through `safepath`."""
+resolve), recording an undo step for everything it changes. Every container path goes through `safepath`.
+
+`Steps.apply` is the one walk through a plan's steps, and `describe` the one wording of each: the `Executor`
+performs them, `RecordingExecutor` (`hook --dry-run`) performs nothing and lists the same entries. A step the
+executor finds already done, or does another way, says so after its description: `<step>; <how>`."""
 
 from __future__ import annotations
 
@@ -18,6 +22,96 @@ from devinject.hook.safepath import _O_PATH, Created, Root
 TYPE_CHECKING = False  # `typing` and `collections` cost the hook milliseconds: type checkers only
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import NamedTuple
+else:
+    from devinject.core.records import NamedTuple
+
+
+class LinkerCache(NamedTuple):
+    """A plan's last step: its library folders into the image's linker cache, an image directory of newer
+    forward-compatible libraries first."""
+
+    folders: tuple[str, ...]
+    forward_compat: tuple[ForwardCompat, ...] = ()
+
+
+if TYPE_CHECKING:
+    Step = MakeNode | BindMount | Symlink | LinkerCache
+
+
+def describe(step: Step) -> str:
+    """The one wording of a step, for the executor's log and `hook --dry-run` alike."""
+    if isinstance(step, MakeNode):
+        return f"mknod {step.path} {step.type} {step.major}:{step.minor} mode {step.mode:o} owner {step.uid}:{step.gid}"
+    if isinstance(step, BindMount):
+        return f"bind {step.host_path} -> {step.container_path}{' (ro)' if step.readonly else ''}"
+    if isinstance(step, Symlink):
+        return f"symlink {step.link} -> {step.target}"
+    return f"ld.so.cache += {' '.join(step.folders)}"
+
+
+def plan_steps(plan: Plan) -> list[Step]:
+    """Every step of `plan` the container's filesystem sees, in the order they are taken."""
+    steps: list[Step] = [*plan.nodes, *plan.mounts, *plan.links]
+    if plan.ldcache_folders:
+        steps.append(LinkerCache(plan.ldcache_folders, plan.forward_compat))
+    return steps
+
+
+class Steps:
+    """What carries out a plan: one method per kind of step, each returning how it went when that is not
+    plainly what `describe` says (None). `apply` walks the plan and logs each step as it is taken. Here each
+    step performs nothing (the recording executor); `Executor` performs them all."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def make_node(self, node: MakeNode) -> str | None:
+        return None
+
+    def bind_mount(self, mount: BindMount) -> str | None:
+        return None
+
+    def symlink(self, link: Symlink) -> str | None:
+        return None
+
+    def update_ldcache(self, folders: tuple[str, ...], compat: tuple[ForwardCompat, ...] = ()) -> str | None:
+        return None
+
+    def take(self, step: Step) -> None:
+        if isinstance(step, MakeNode):
+            how = self.make_node(step)
+        elif isinstance(step, BindMount):
+            how = self.bind_mount(step)
+        elif isinstance(step, Symlink):
+            how = self.symlink(step)
+        else:
+            how = self.update_ldcache(step.folders, step.forward_compat)
+        self.log.append(describe(step) if how is None else f"{describe(step)}; {how}")
+
+    def apply(self, plan: Plan) -> list[str]:
+        """Carry out `plan`; on failure undo everything and raise HookError. The log: one entry per step."""
+        try:
+            for step in plan_steps(plan):
+                self.take(step)
+        except (OSError, HookError) as err:
+            self.rollback()
+            if isinstance(err, HookError):
+                raise
+            raise HookError(f"{err.filename or 'container'}: {err.strerror}") from None
+        finally:
+            self.close()
+        return self.log
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingExecutor(Steps):
+    """`hook --dry-run`: the executor's walk through the plan, performing nothing; its log lists the steps."""
 
 
 class Undo:
@@ -82,19 +176,19 @@ def _mount_id(fd: int) -> str | None:
         return None
 
 
-class Executor:
+class Executor(Steps):
     def __init__(self, rootfs: str, sonames: linkercache.SonameMemo | None = None) -> None:
+        super().__init__()
         self.rootfs = rootfs
         self.sonames = sonames  # libraries read on earlier starts, for the linker cache
         self.root = Root(rootfs)
         self.undo = Undo()
         self.created = Created()
-        self.log: list[str] = []
         self.mount_api = True  # open_tree/mount_setattr/move_mount; cleared when the kernel lacks them
         self._shared: dict[str, bool] = {}  # mount id -> shared, read once (again on a miss)
 
     # --- device nodes --------------------------------------------------------------------------------
-    def make_node(self, node: MakeNode) -> None:
+    def make_node(self, node: MakeNode) -> str | None:
         dir_fd, name = self.root.walk_parent(node.path, create=True, created=self.created)
         self.undo.keep(dir_fd)
         kind = stat.S_IFCHR if node.type == "c" else stat.S_IFBLK
@@ -105,8 +199,7 @@ class Executor:
             existing = None
         if existing is not None:
             if stat.S_IFMT(existing.st_mode) == kind and existing.st_rdev == rdev:
-                self.log.append(f"node {node.path} present")
-                return
+                return "present"
             if stat.S_ISDIR(existing.st_mode):
                 raise HookError(f"device node {node.path}: a directory is in the way in the container")
             os.unlink(name, dir_fd=dir_fd)  # an image file or link where the node belongs: never followed
@@ -114,13 +207,12 @@ class Executor:
         try:
             os.mknod(name, kind | node.mode, rdev, dir_fd=dir_fd)
         except PermissionError:
-            self._bind_node(node, dir_fd, name)  # user namespace: mknod is not permitted
-            return
+            return self._bind_node(node, dir_fd, name)  # user namespace: mknod is not permitted
         finally:
             os.umask(previous_umask)
         self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
         self._chown_node(node, dir_fd, name, kind, rdev)
-        self.log.append(f"mknod {node.path} {node.type} {node.major}:{node.minor}")
+        return None
 
     @staticmethod
     def _chown_node(node: MakeNode, dir_fd: int, name: str, kind: int, rdev: int) -> None:
@@ -136,14 +228,14 @@ class Executor:
         finally:
             os.close(fd)
 
-    def _bind_node(self, node: MakeNode, dir_fd: int, name: str) -> None:
+    def _bind_node(self, node: MakeNode, dir_fd: int, name: str) -> str:
         os.close(os.open(name, atomicfile.NEW_FILE, 0o644, dir_fd=dir_fd))
         self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
-        self._mount_on(node.host_path, dir_fd, name, syscalls.MS_NOSUID | syscalls.MS_NOEXEC, node.path)
-        self.log.append(f"bind {node.host_path} -> {node.path} (mknod not permitted)")
+        how = self._mount_on(node.host_path, dir_fd, name, syscalls.MS_NOSUID | syscalls.MS_NOEXEC, node.path)
+        return f"mknod not permitted: bound {node.host_path} there" + (f", {how}" if how else "")
 
     # --- mounts --------------------------------------------------------------------------------------
-    def bind_mount(self, mount: BindMount) -> None:
+    def bind_mount(self, mount: BindMount) -> str | None:
         try:
             source = os.stat(mount.host_path)
         except OSError as err:
@@ -157,14 +249,12 @@ class Executor:
             target = self._make_target(dir_fd, name, stat.S_ISDIR(source.st_mode))
         if target is not None:  # None: made here, empty, and the mount goes on it
             if (target.st_dev, target.st_ino) == (source.st_dev, source.st_ino):
-                self.log.append(f"mount {mount.container_path} present")
-                return  # the hook already ran for this container: never stack a second mount
+                return "present"  # the hook already ran for this container: never stack a second mount
             if stat.S_ISDIR(target.st_mode) != stat.S_ISDIR(source.st_mode):
                 raise HookError(f"mount {mount.container_path}: file/directory mismatch with {mount.host_path}")
         flags = (syscalls.MS_RDONLY * mount.readonly | syscalls.MS_NOSUID * mount.nosuid
                  | syscalls.MS_NODEV * mount.nodev | syscalls.MS_NOEXEC * mount.noexec)
-        self._mount_on(mount.host_path, dir_fd, name, flags, mount.container_path, recursive=mount.recursive)
-        self.log.append(f"bind {mount.host_path} -> {mount.container_path}")
+        return self._mount_on(mount.host_path, dir_fd, name, flags, mount.container_path, recursive=mount.recursive)
 
     def _make_target(self, dir_fd: int, name: str, directory: bool) -> os.stat_result | None:
         """An empty file or directory to mount on (None); what is there when another container's hook on a
@@ -181,7 +271,8 @@ class Executor:
         return None
 
     def _mount_on(self, source: str, dir_fd: int, name: str, flags: int, shown: str, *,
-                  recursive: bool = False) -> None:
+                  recursive: bool = False) -> str | None:
+        """Mount `source` on `name`; how, when the kernel lacks the new mount API."""
         target = os.open(name, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
             if self._in_shared_mount(target):
@@ -194,10 +285,9 @@ class Executor:
                     if err.errno != errno.ENOSYS:
                         raise HookError(f"mount {source} on {shown}: {os.strerror(err.errno or 0)}") from None
                     self.mount_api = False
-                    self.log.append("kernel lacks open_tree/mount_setattr: bind, then remount read-only")
                 else:
                     self.undo.add(lambda: self._unmount(dir_fd, name))
-                    return
+                    return None
             try:
                 syscalls.mount(source, _proc_fd(target), syscalls.MS_BIND | syscalls.MS_REC * recursive)
             except OSError as err:
@@ -213,6 +303,7 @@ class Executor:
             raise HookError(f"remount {shown} read-only: {os.strerror(err.errno or 0)}") from None
         finally:
             os.close(fd)
+        return "kernel lacks open_tree/mount_setattr: bound, then remounted read-only"
 
     @staticmethod
     def _attach_sealed(source: str, target: int, flags: int, recursive: bool) -> None:
@@ -251,7 +342,7 @@ class Executor:
             os.close(fd)
 
     # --- links and the linker cache -----------------------------------------------------------------
-    def symlink(self, link: Symlink) -> None:
+    def symlink(self, link: Symlink) -> str | None:
         dir_fd, name = self.root.walk_parent(link.link, create=True, created=self.created)
         self.undo.keep(dir_fd)
         try:
@@ -259,14 +350,13 @@ class Executor:
         except FileExistsError:
             try:
                 if os.readlink(name, dir_fd=dir_fd) == link.target:
-                    return  # made by an earlier run of the hook for this container
+                    return "present"  # made by an earlier run of the hook for this container
             except OSError:  # not a link
                 in_way = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 if self._is_target(in_way, link):
                     # the link's own target, mounted there already (a device plugin's Allocate answer
                     # mounts what this hook would link, for runtimes without CDI): the container has it
-                    self.log.append(f"symlink {link.link}: its target is mounted there already")
-                    return
+                    return "its target is mounted there already"
                 if stat.S_ISDIR(in_way.st_mode):
                     raise HookError(f"link {link.link}: a directory is in the way in the container") from None
             # an image file or link in the way: replace it atomically, never write through it
@@ -280,7 +370,7 @@ class Executor:
                     raise HookError(f"link {link.link}: another file is mounted there in the container") from None
                 raise
         self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
-        self.log.append(f"symlink {link.link} -> {link.target}")
+        return None
 
     def _is_target(self, in_way: os.stat_result, link: Symlink) -> bool:
         """Whether `in_way` (what stands at the link's path) is the very file the link would name, resolved
@@ -313,8 +403,9 @@ class Executor:
         return None
 
     def _forward_compat(self, compat: ForwardCompat) -> str | None:
-        """`compat.directory` when the image carries a newer `library` there than the host driver (its
-        libraries must then be found first), else None. Names only: nothing from the image is opened."""
+        """How `compat.directory` goes first, when the image carries a newer `library` there than the host
+        driver (its libraries must then be found first), else None. Names only: nothing from the image is
+        opened."""
         dir_fd = self.root.open_dir(compat.directory)
         if dir_fd is None:
             return None
@@ -327,25 +418,25 @@ class Executor:
         newer = [v for v in versions if newer_than(v, compat.host_version)]
         if not newer:
             return None
-        self.log.append(f"forward compat {compat.directory} ({compat.library} {max(newer)} > {compat.host_version})")
-        return compat.directory
+        return f"forward compat {compat.directory} first ({compat.library} {max(newer)} > {compat.host_version})"
 
-    def update_ldcache(self, folders: tuple[str, ...], compat: tuple[ForwardCompat, ...] = ()) -> None:
-        first = tuple(d for d in (self._forward_compat(c) for c in compat) if d)
-        folders = tuple(dict.fromkeys((*first, *folders)))  # the image's newer libraries win ties
+    def update_ldcache(self, folders: tuple[str, ...], compat: tuple[ForwardCompat, ...] = ()) -> str | None:
+        firsts = [(c.directory, how) for c in compat if (how := self._forward_compat(c))]
+        folders = tuple(dict.fromkeys((*(d for d, _ in firsts), *folders)))  # the image's newer libraries win ties
+        hows = [how for _, how in firsts]
         musl_arch = self._is_musl()
         if musl_arch:
-            self._write_musl_path(musl_arch, folders)
-            return
+            hows.append(self._write_musl_path(musl_arch, folders))
+            return ", ".join(hows)
         etc_fd, name, previous = linkercache.update(self.root, folders, self.created, self.sonames)
         self.undo.keep(etc_fd)
         if previous is None:
             self.undo.add(lambda: os.unlink(name, dir_fd=etc_fd))
         else:
             self.undo.add(lambda: atomicfile.replace_at(etc_fd, name, previous))
-        self.log.append(f"ld.so.cache {' '.join(folders)}")
+        return ", ".join(hows) or None
 
-    def _write_musl_path(self, arch: str, folders: tuple[str, ...]) -> None:
+    def _write_musl_path(self, arch: str, folders: tuple[str, ...]) -> str:
         dir_fd, name = self.root.walk_parent(f"/etc/ld-musl-{arch}.path", create=True, created=self.created)
         try:
             fd = linkercache.open_regular(dir_fd, name)
@@ -358,30 +449,13 @@ class Executor:
             atomicfile.replace_at(dir_fd, name, ("\n".join(wanted) + "\n").encode())
         finally:
             os.close(dir_fd)
-        self.log.append(f"musl path {' '.join(folders)}")
+        return f"musl: /etc/ld-musl-{arch}.path {' '.join(folders)}"
 
-    # --- whole plan ----------------------------------------------------------------------------------
-    def apply(self, plan: Plan) -> list[str]:
-        """Carry out `plan`; on failure undo everything and raise HookError."""
-        try:
-            for node in plan.nodes:
-                self.make_node(node)
-            for mount in plan.mounts:
-                self.bind_mount(mount)
-            for link in plan.links:
-                self.symlink(link)
-            if plan.ldcache_folders:
-                self.update_ldcache(plan.ldcache_folders, plan.forward_compat)
-        except (OSError, HookError) as err:
-            self.rollback()
-            if isinstance(err, HookError):
-                raise
-            raise HookError(f"{err.filename or 'container'}: {err.strerror}") from None
-        finally:
-            self.undo.close()
-            self.root.close()
-            self.created.close()
-        return self.log
+    # --- whole plan: Steps.apply ---------------------------------------------------------------------
+    def close(self) -> None:
+        self.undo.close()
+        self.root.close()
+        self.created.close()
 
     def rollback(self) -> None:
         self.undo.rollback()

@@ -256,7 +256,8 @@ class HostParts:
 
 
 class DryRunParts(HostParts):
-    """`--dry-run`: resolve and plan for real (the same specs, the same checks), change nothing."""
+    """`--dry-run`: resolve and plan for real (the same specs, the same checks), change nothing; the steps
+    are the executor's walk through the plan, listed in its words (hook/executor.py RecordingExecutor)."""
 
     def book(self, container_id: str, pid: int, resolved: Resolved) -> Booking | None:
         return None
@@ -268,11 +269,9 @@ class DryRunParts(HostParts):
         return []
 
     def apply(self, pid: int, rootfs: str, steps: Plan) -> list[str]:
-        return ([f"mknod {n.path} {n.type} {n.major}:{n.minor} mode {n.mode:o} owner {n.uid}:{n.gid}"
-                 for n in steps.nodes]
-                + [f"bind {m.host_path} -> {m.container_path}{' (ro)' if m.readonly else ''}" for m in steps.mounts]
-                + [f"symlink {link.link} -> {link.target}" for link in steps.links]
-                + [f"ld.so.cache += {folder}" for folder in steps.ldcache_folders])
+        from devinject.hook.executor import RecordingExecutor
+
+        return RecordingExecutor().apply(steps)  # the executor's own walk and words, performing nothing
 
 
 def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
