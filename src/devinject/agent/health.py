@@ -4,12 +4,18 @@ Sources (all under the host root): the PCI function's presence, driver binding, 
 width/speed against the maximum, AER counters, the driver's own flags and the fatal errors it logs in the kernel
 log. Every probe runs with a deadline: a read that hangs (a driver file of a dead device) becomes
 `unhealthy: probe timed out`.
+
+Two kinds of failure: a *reading* (AER counters, link width and speed, `enable`, the driver's flag, a probe
+that timed out) may be noise and is confirmed by `watch` over `--threshold` checks; a *statement* by the kernel
+(a fatal error it logged, the function unbound from its driver or gone from the bus) is `definite` and acted
+on at once.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 from dataclasses import dataclass, field
 
@@ -25,6 +31,8 @@ HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
 _RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
 PROBE_TIMEOUT = 2.0
 DEFAULT_KERNEL_LOG = "/var/log/kern.log"
+LOG_READ_MAX = 1 << 20  # bytes of kernel log read per wake-up; the rest at the next one
+LOG_LINE_MAX = 64 << 10  # an unterminated "line" this long is dropped (the kernel's own are < 1 KiB)
 _SPEED = re.compile(r"([\d.]+)\s*GT/s")
 
 
@@ -36,6 +44,7 @@ class Verdict:
     status: str
     reasons: tuple[str, ...] = ()
     nodes: tuple[str, ...] = ()  # "c 195:2": what the ledger refuses while unhealthy
+    definite: bool = False  # unhealthy by the kernel's own statement (fatal error logged, unbound, gone)
 
     @property
     def healthy(self) -> bool:
@@ -93,23 +102,25 @@ def _speed(text: str | None) -> float | None:
 
 
 def probe_function(host: Host, found: FoundDevice, xids: dict[str, list[int]],
-                   baseline: AerBaseline | None) -> tuple[str, list[str]]:
-    """Status and reasons for one device (may block on a dead device's files: run it with a deadline)."""
-    status, reasons = HEALTHY, []
+                   baseline: AerBaseline | None) -> tuple[str, list[str], bool]:
+    """Status, reasons and whether an unhealthy verdict is definite (the kernel's statement, not a reading) for
+    one device (may block on a dead device's files: run it with a deadline)."""
+    status, reasons, definite = HEALTHY, [], False
 
-    def worse(level: str, reason: str) -> None:
-        nonlocal status
+    def worse(level: str, reason: str, stated: bool = False) -> None:
+        nonlocal status, definite
         reasons.append(reason)
+        definite = definite or stated
         if _RANK[level] > _RANK[status]:
             status = level
 
     for pci in found.functions:
         path = pci.sys_path
         if not host.exists(f"/sys/bus/pci/devices/{pci.address}"):
-            worse(UNHEALTHY, f"{pci.address}: gone from the PCI bus")
+            worse(UNHEALTHY, f"{pci.address}: gone from the PCI bus", stated=True)
             continue
         if host.readlink(f"{path}/driver") is None:
-            worse(UNHEALTHY, f"{pci.address}: driver unbound")
+            worse(UNHEALTHY, f"{pci.address}: driver unbound", stated=True)
         if host.read_attr(f"{path}/enable") == "0":
             worse(UNHEALTHY, f"{pci.address}: PCI function disabled (enable=0)")
         width, max_width = host.read_attr(f"{path}/current_link_width"), host.read_attr(f"{path}/max_link_width")
@@ -131,12 +142,108 @@ def probe_function(host: Host, found: FoundDevice, xids: dict[str, list[int]],
         if errors is not None:
             for code in xids.get(pci.address.rpartition(".")[0], []):
                 if code in errors.fatal:
-                    worse(UNHEALTHY, f"{pci.address}: fatal {errors.name} {code}")
+                    worse(UNHEALTHY, f"{pci.address}: fatal {errors.name} {code}", stated=True)
     for flag in found.profile.health_flags:  # the driver's own verdict, where it gives one
         info = parse_key_values(host.read_text(flag.file.format(address=found.address)) or "")
         if info.get(flag.key, "").lower() == flag.unhealthy.lower():
             worse(UNHEALTHY, f"{found.address}: {flag.key}: {info[flag.key]} (the driver's own verdict)")
-    return status, list(dict.fromkeys(reasons))
+    return status, list(dict.fromkeys(reasons)), definite and status == UNHEALTHY
+
+
+def _identity(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}"
+
+
+class KernelLog:
+    """Follows the kernel log as syslog writes it: appends, rotation (the file renamed and a new one made:
+    the old one is read to its end first), truncation (copytruncate: read from the start). A read returns
+    only whole lines, at most LOG_READ_MAX bytes of them (the rest at the next read); a line still being
+    written is left for the read that finds its end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._identity: str | None = None  # of the open file
+        self._offset: int | None = None  # read up to (the end of the last whole line); None: from its end
+        self._seen: tuple[str | None, int] = (None, -1)  # (identity, size) of the path at the last read
+
+    def position(self) -> tuple[str | None, int | None]:
+        return self._identity, self._offset
+
+    def resume(self, identity: str | None, offset: int | None) -> None:
+        """Read on from `offset` of the file `identity` (a different file: the log was rotated meanwhile, read
+        the new one from its start); `offset` 0 and no identity: the whole log; None: from its end."""
+        self.close()
+        self._identity, self._offset = identity, offset
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def pending(self) -> bool:
+        """Whether the path changed since the last read (one stat: cheap enough to ask every 0.2 s)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (_identity(st), st.st_size) != self._seen
+
+    def _open(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        except OSError:
+            return False
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return False
+        identity = _identity(st)
+        if self._offset is None:  # first look: what is logged from now on
+            self._offset = st.st_size
+        elif self._identity not in (None, identity):  # another file than the one read before: rotated
+            self._offset = 0
+        self._fd, self._identity = fd, identity
+        return True
+
+    def _lines(self, budget: int, final: bool) -> tuple[bytes, bool]:
+        """Whole lines from the open file, within budget, and whether that reached its end. `final`: the file
+        is done with (rotated away), so a last line without its newline is taken too."""
+        assert self._fd is not None and self._offset is not None
+        size = os.fstat(self._fd).st_size
+        if size < self._offset:  # truncated in place (copytruncate)
+            self._offset = 0
+        want = size - self._offset
+        data = os.pread(self._fd, min(budget, want), self._offset)
+        end = data.rfind(b"\n") + 1
+        if (final and len(data) == want) or (not end and len(data) >= LOG_LINE_MAX):
+            end = len(data)  # a last line that will never end, or a "line" too long to be one
+        self._offset += end
+        return data[:end], len(data) == want
+
+    def read(self) -> bytes:
+        """What was logged since the last read: whole lines, at most LOG_READ_MAX bytes."""
+        try:
+            st: os.stat_result | None = os.stat(self.path)
+        except OSError:
+            st = None  # renamed away and not made again yet: read on in the one we have
+        if self._fd is None and not self._open():
+            self._seen = (_identity(st), st.st_size) if st is not None else (None, -1)
+            return b""
+        out, done = b"", True
+        if st is not None and _identity(st) != self._identity:  # rotated: finish the old file, then the new
+            out, done = self._lines(LOG_READ_MAX, final=True)
+            if done:
+                self.close()
+                self._offset = 0
+                if not self._open():
+                    return out
+        if done:
+            more, done = self._lines(LOG_READ_MAX - len(out), final=False)
+            out += more
+        # a read cut short by the bound leaves the path "changed", so the next wake-up reads on
+        self._seen = (_identity(st), st.st_size) if st is not None and done else (None, -1)
+        return out
 
 
 class HealthChecker:
@@ -149,13 +256,12 @@ class HealthChecker:
         self.timeout = timeout
         self.baseline = baseline
         self._hung: dict[str, threading.Event] = {}
-        self._log_offset: int | None = None
-        self._log_identity: str | None = None  # "dev:inode" of the log file the offset is in
+        self.log = KernelLog(host.real(host.resolve(kernel_log)))
         self._recent: dict[str, list[int]] = {}
 
     def log_position(self) -> tuple[str | None, int | None]:
         """(file identity, offset) of the kernel log read so far, to resume from after a restart."""
-        return self._log_identity, self._log_offset
+        return self.log.position()
 
     def recent_errors(self) -> dict[str, list[int]]:
         """The fatal-candidate error codes read from the kernel log so far, per PCI slot."""
@@ -165,38 +271,45 @@ class HealthChecker:
         """Continue where an earlier agent stopped: from `offset` of the log file `identity` (from the start of
         another file: the log was rotated meanwhile; `offset` 0 and no identity: read the whole log), with the
         errors it had read."""
-        self._log_identity, self._log_offset = identity, offset
+        self.log.resume(identity, offset)
         self._recent = {slot: list(codes) for slot, codes in errors.items()}
 
-    def _xids(self, patterns: tuple[str, ...]) -> dict[str, list[int]]:
-        """One-shot: every error the profiles' patterns find in the kernel log. Watch (with a baseline): only
-        those logged since it started (or since the position it resumed from)."""
-        path = self.host.real(self.host.resolve(self.kernel_log))
-        try:
-            with open(path, "rb") as handle:
-                size = handle.seek(0, 2)
-                if self.baseline is None:
-                    handle.seek(0)
-                    return parse_kernel_log(handle.read().decode(errors="replace"), patterns)
-                st = os.fstat(handle.fileno())
-                identity = f"{st.st_dev}:{st.st_ino}"
-                if self._log_offset is None:  # first look: what is logged from now on
-                    self._log_offset = size
-                elif size < self._log_offset or self._log_identity not in (None, identity):  # rotated
-                    self._log_offset = 0
-                self._log_identity = identity
-                handle.seek(self._log_offset)
-                new = handle.read(size - self._log_offset)
-                self._log_offset = size
-        except OSError:
-            return self._recent
-        for slot, ids in parse_kernel_log(new.decode(errors="replace"), patterns).items():
-            self._recent.setdefault(slot, []).extend(ids)
-        return self._recent
+    @staticmethod
+    def _patterns(devices: list[FoundDevice]) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(f.profile.kernel_log.pattern for f in devices if f.profile.kernel_log))
 
-    def check(self, devices: list[FoundDevice]) -> list[Verdict]:
-        patterns = tuple(dict.fromkeys(f.profile.kernel_log.pattern for f in devices if f.profile.kernel_log))
-        xids = self._xids(patterns) if patterns else {}
+    def read_log(self, devices: list[FoundDevice]) -> set[str]:
+        """Watch (with a baseline): read what the kernel logged since the last read; the PCI slots it names
+        with an error code (kept, sticky, for the checks that follow)."""
+        patterns = self._patterns(devices)
+        if not patterns or self.baseline is None:
+            return set()
+        try:
+            new = self.log.read()
+        except OSError:
+            return set()
+        found = parse_kernel_log(new.decode(errors="replace"), patterns)
+        for slot, ids in found.items():
+            self._recent.setdefault(slot, []).extend(ids)
+        return set(found)
+
+    def _xids(self, patterns: tuple[str, ...]) -> dict[str, list[int]]:
+        """One-shot: every error the profiles' patterns find in the kernel log."""
+        try:
+            with open(self.log.path, "rb") as handle:
+                return parse_kernel_log(handle.read().decode(errors="replace"), patterns)
+        except OSError:
+            return {}
+
+    def check(self, devices: list[FoundDevice], *, read_log: bool = True) -> list[Verdict]:
+        """Verdicts for `devices`; the kernel log is read first unless the caller just did (`read_log`)."""
+        if self.baseline is None:
+            patterns = self._patterns(devices)
+            xids = self._xids(patterns) if patterns else {}
+        else:
+            if read_log:
+                self.read_log(devices)
+            xids = self._recent
         return [self._check_one(found, xids) for found in devices]
 
     def clear_xids(self, address: str) -> None:
@@ -211,19 +324,19 @@ class HealthChecker:
             return Verdict(key, found.profile.kind, found.address, UNHEALTHY, ("probe timed out",), nodes)
         finished = threading.Event()
 
-        def probe() -> tuple[str, list[str]]:
+        def probe() -> tuple[str, list[str], bool]:
             try:
                 return probe_function(self.host, found, xids, self.baseline)
             finally:
                 finished.set()
 
         try:
-            status, reasons = call_with_timeout(probe, self.timeout)
+            status, reasons, definite = call_with_timeout(probe, self.timeout)
         except ProbeTimeout:
             self._hung[key] = finished
             return Verdict(key, found.profile.kind, found.address, UNHEALTHY,
                            (f"probe timed out after {self.timeout:g}s",), nodes)
-        return Verdict(key, found.profile.kind, found.address, status, tuple(reasons), nodes)
+        return Verdict(key, found.profile.kind, found.address, status, tuple(reasons), nodes, definite)
 
 
 def unbound_functions(host: Host, profiles: list[Profile]) -> list[tuple[Profile, PciDevice]]:
@@ -241,7 +354,8 @@ def unbound_functions(host: Host, profiles: list[Profile]) -> list[tuple[Profile
 def unbound_verdict(profile: Profile, pci: PciDevice) -> Verdict:
     reason = f"{pci.address}: driver unbound" if pci.driver is None else (
         f"{pci.address}: bound to {pci.driver}, not {'/'.join(profile.drivers)}")
-    return Verdict(device_key(profile.kind, pci.address), profile.kind, pci.address, UNHEALTHY, (reason,))
+    return Verdict(device_key(profile.kind, pci.address), profile.kind, pci.address, UNHEALTHY, (reason,),
+                   definite=True)
 
 
 def check_host(host: Host, profiles: list[Profile], *, kernel_log: str = DEFAULT_KERNEL_LOG,

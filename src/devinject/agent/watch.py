@@ -1,10 +1,14 @@
 """`devinject watch`: keep the CDI specs true to the hardware.
 
 Rescans on kernel uevents (netlink, via pyroute2) and periodically as a safety net; polls health every
-`interval` seconds, re-checks a failing device every `recheck` seconds, and acts only after `threshold`
-consecutive failures (or passes, to put a device back), so one glitch does not flap. What it has judged,
-and the readings its verdicts rest on, outlive the process (`healthstate`): a restarted agent starts from
-them, so a device taken out stays out until re-enumeration or an admin's put-back clears it.
+`interval` seconds, re-checks a failing device every `recheck` seconds, and acts on a reading only after
+`threshold` consecutive failures (or passes, to put a device back), so one glitch does not flap. A fault the
+kernel announces is acted on as it happens, between rounds: a line in the kernel log naming a device (followed
+with one stat every LOG_POLL seconds), a PCI `unbind` or `remove` uevent; the device named is checked at once
+and, if the check confirms the kernel's statement (a fatal Xid logged, the driver unbound, the function gone:
+`Verdict.definite`), taken out in that check, without rechecks. What it has judged, and the readings its
+verdicts rest on, outlive the process (`healthstate`): a restarted agent starts from them, so a device taken
+out stays out until re-enumeration or an admin's put-back clears it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from devinject.agent.health import (
 )
 from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
-from devinject.core.identity import device_key, node_id_of
+from devinject.core.identity import device_key, node_id_of, qualified
 from devinject.core.model import Spec
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
@@ -44,6 +48,7 @@ from devinject.specs.generate import GenerateOptions, build_specs, discover_devi
 log = logging.getLogger(__name__)
 
 RESCAN_DEBOUNCE = 0.2
+LOG_POLL = 0.2  # seconds between looks (one stat) at the kernel log's size: no inotify in the stdlib
 BASE_UEVENTS = ("pci",)  # a function appearing or going: every family; the rest come from the profiles
 
 
@@ -53,6 +58,24 @@ def wants_rescan(message: Any, subsystems: tuple[str, ...] | frozenset[str] = BA
         return str(message.get("SUBSYSTEM", "")) in subsystems
     except AttributeError:
         return False
+
+
+def _plain(verdict: Verdict) -> str:
+    """The verdict's reasons, without the device's own address in front of each."""
+    prefix = f"{verdict.address}: "
+    return "; ".join(r.removeprefix(prefix) for r in verdict.reasons) or verdict.status
+
+
+def announced_address(message: Any) -> str | None:
+    """The PCI function a uevent says was unbound from its driver or removed (`PCI_SLOT_NAME`, else the last
+    component of `DEVPATH`); None for any other uevent."""
+    try:
+        if str(message.get("SUBSYSTEM", "")) != "pci" or str(message.get("ACTION", "")) not in ("unbind", "remove"):
+            return None
+        address = str(message.get("PCI_SLOT_NAME") or str(message.get("DEVPATH", "")).rpartition("/")[2])
+    except AttributeError:
+        return None
+    return address.lower() or None
 
 
 @dataclass(frozen=True)
@@ -98,6 +121,10 @@ class Watcher:
                                      baseline=self.baseline)
         self.written_kinds: set[str] = set()
         self.rescan_requested = threading.Event()
+        self.wake = threading.Event()  # set by the uevent and kernel-log threads: something to look at now
+        self._announced: set[str] = set()  # PCI functions a uevent said were unbound or removed
+        self._log_grew = False  # the kernel log changed since the loop last read it
+        self._lock = threading.Lock()  # guards the two above
         self.identities: dict[str, dict[str, str]] = {}  # device key -> its functions' identities
         self._rescanned = False
         self.sweep_left_to_hooks = False  # the ledger is another pid namespace's (said once in the log)
@@ -226,31 +253,68 @@ class Watcher:
         verdicts = self.checker.check(self.found) + self.unbound
         present = {v.key for v in verdicts}
         verdicts += [Verdict(key, t.last.kind, t.last.address, UNHEALTHY, (f"{t.last.address}: no longer present",),
-                             t.last.nodes)
+                             t.last.nodes, definite=True)
                      for key, t in self.tracks.items() if key not in present and t.last is not None]
         changed = False
         for verdict in verdicts:
-            track = self.tracks.setdefault(verdict.key, DeviceTrack())
-            if verdict.nodes or track.last is None:
-                track.last = verdict
-            else:  # keep the nodes we knew, so the ledger can still refuse them
-                track.last = replace(verdict, nodes=track.last.nodes)
-            if verdict.status != track.observed:  # every observed change is an event, debounced or not
-                events.record(self.opts.state_dir, verdict.status, verdict.key, reasons=list(verdict.reasons),
-                              previous=track.observed)
-                track.observed = verdict.status
-            failing = verdict.status == UNHEALTHY
-            track.fails, track.passes = (track.fails + 1, 0) if failing else (0, track.passes + 1)
-            if track.published != UNHEALTHY and track.fails >= self.opts.threshold:
-                track.published = UNHEALTHY
-                changed = True
-                events.record(self.opts.state_dir, "taken-out", verdict.key, reasons=list(verdict.reasons))
-            elif track.published == UNHEALTHY and track.passes >= self.opts.threshold:
-                track.published = HEALTHY
-                changed = True
-                events.record(self.opts.state_dir, "put-back", verdict.key, status=verdict.status)
+            changed |= self._judge(verdict)
         self._persist()
         return changed
+
+    def check_announced(self, addresses: frozenset[str] = frozenset()) -> bool:
+        """Out of band, between rounds: read the kernel log, and check at once the devices it names with a new
+        error code or that have a function in `addresses` (a uevent said unbound or removed). A verdict that
+        confirms the kernel's statement (`definite`) takes the device out now; anything else is left to the
+        rounds, so no device is judged more often than they judge it. Returns True when the published state
+        changed."""
+        self.host.refresh()
+        slots = self.checker.read_log(self.found)
+        targets = [f for f in self.found
+                   if any(p.address in addresses or p.address.rpartition(".")[0] in slots for p in f.functions)]
+        changed = False
+        for verdict in self.checker.check(targets, read_log=False) if targets else []:
+            if verdict.status == UNHEALTHY and verdict.definite:
+                changed |= self._judge(verdict)
+        self._persist()
+        return changed
+
+    def _judge(self, verdict: Verdict) -> bool:
+        """One verdict counted for its device; True when what is published for it changed. A reading takes the
+        device out after `threshold` failures in a row; the kernel's statement (`definite`) at the first."""
+        track = self.tracks.setdefault(verdict.key, DeviceTrack())
+        if verdict.nodes or track.last is None:
+            track.last = verdict
+        else:  # keep the nodes we knew, so the ledger can still refuse them
+            track.last = replace(verdict, nodes=track.last.nodes)
+        if verdict.status != track.observed:  # every observed change is an event, debounced or not
+            events.record(self.opts.state_dir, verdict.status, verdict.key, reasons=list(verdict.reasons),
+                          previous=track.observed)
+            track.observed = verdict.status
+        failing = verdict.status == UNHEALTHY
+        track.fails, track.passes = (track.fails + 1, 0) if failing else (0, track.passes + 1)
+        if track.published != UNHEALTHY and failing and (verdict.definite or track.fails >= self.opts.threshold):
+            track.published = UNHEALTHY
+            events.record(self.opts.state_dir, "taken-out", verdict.key, reasons=list(verdict.reasons),
+                          at_once=verdict.definite)
+            how = ("at once: the kernel's own statement" if verdict.definite else
+                   f"after {track.fails} failed checks in a row")
+            log.info("taking out %s: %s (%s)", self._describe(verdict), _plain(verdict), how)
+            return True
+        if track.published == UNHEALTHY and track.passes >= self.opts.threshold:
+            track.published = HEALTHY
+            events.record(self.opts.state_dir, "put-back", verdict.key, status=verdict.status)
+            now = "healthy again" if verdict.status == HEALTHY else f"no longer failing ({_plain(verdict)})"
+            log.info("putting back %s: %s, %d checks passed in a row", self._describe(verdict), now, track.passes)
+            return True
+        return False
+
+    def _describe(self, verdict: Verdict) -> str:
+        """`nvidia.com/gpu=0 (PCI 0000:18:00.0)`: the kind and the device's name in the specs (what
+        `devinject put-back` takes), and its PCI address; the kind alone when it is not discovered now."""
+        found = next((f for f in self.found if f.profile.kind == verdict.kind and f.address == verdict.address),
+                     None)
+        name = qualified(verdict.kind, str(found.index)) if found is not None else verdict.kind
+        return f"{name} (PCI {verdict.address})"
 
     def unhealthy(self) -> frozenset[str]:
         return frozenset(k for k, t in self.tracks.items() if t.published == UNHEALTHY)
@@ -297,6 +361,17 @@ class Watcher:
             log.info("ledger sweep left to the hooks: the ledger counts the node's pids, and this agent runs in "
                      "a pid namespace of its own")
 
+    def uevent(self, message: Any) -> None:
+        """A kernel uevent (from the listener thread): an unbind or removal of a PCI function is checked at
+        once; any event of a subsystem we offer asks for a rescan."""
+        address = announced_address(message)
+        if address is not None:
+            with self._lock:
+                self._announced.add(address)
+        if address is not None or wants_rescan(message, self.uevent_subsystems):
+            self.rescan_requested.set()
+            self.wake.set()
+
     def _uevent_listener(self, stop: threading.Event) -> None:
         try:
             from pyroute2 import UeventSocket
@@ -309,17 +384,40 @@ class Watcher:
         try:
             while not stop.is_set():
                 ready, _, _ = select.select([sock], [], [], 0.5)
-                if not ready:
-                    continue
-                if any(wants_rescan(message, self.uevent_subsystems) for message in sock.get()):
-                    self.rescan_requested.set()
+                if ready:
+                    for message in sock.get():
+                        self.uevent(message)
         finally:
             sock.close()
+
+    def _log_follower(self, stop: threading.Event) -> None:
+        """Wake the loop when the kernel log changes (one stat per LOG_POLL); the loop reads it. Also wakes it
+        when told to stop."""
+        follow = any(p.kernel_log for p in self.profiles)
+        while not stop.wait(LOG_POLL):
+            if follow and self.checker.log.pending():
+                with self._lock:
+                    self._log_grew = True
+                self.wake.set()
+        self.wake.set()
+
+    def _announcements(self) -> bool:
+        """Act on what the threads announced since the last look; True when the specs were rewritten."""
+        with self._lock:
+            addresses, grew = frozenset(self._announced), self._log_grew
+            self._announced, self._log_grew = set(), False
+        if not (addresses or grew) or not self.check_announced(addresses):
+            return False
+        self.write()
+        log.info("specs rewritten (generation %s); unhealthy: %s", self.generation,
+                 ", ".join(sorted(self.unhealthy())) or "none")
+        return True
 
     def run(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
         if self.opts.uevents:
             threading.Thread(target=self._uevent_listener, args=(stop,), name="uevents", daemon=True).start()
+        threading.Thread(target=self._log_follower, args=(stop,), name="kernel-log", daemon=True).start()
         self.rescan()
         self.check()
         self.write()
@@ -329,11 +427,15 @@ class Watcher:
         next_rescan = time.monotonic() + self.opts.rescan
         while not stop.is_set():
             suspicious = any(t.fails or (t.published == UNHEALTHY and t.passes) for t in self.tracks.values())
-            wait = self.opts.recheck if suspicious else self.opts.interval
-            self.rescan_requested.wait(timeout=wait)
+            due = time.monotonic() + (self.opts.recheck if suspicious else self.opts.interval)
+            while not stop.is_set() and not self.rescan_requested.is_set() and time.monotonic() < due:
+                self.wake.wait(timeout=max(0.0, due - time.monotonic()))
+                self.wake.clear()
+                self._announcements()  # between rounds: the rounds keep their own pace
             if stop.is_set():
                 break
             if self.rescan_requested.is_set():
+                self._announcements()  # an unbind is checked before the debounce, not after it
                 time.sleep(RESCAN_DEBOUNCE)  # let a burst of uevents (a card's functions) settle first
             inventory_changed = False
             if self.rescan_requested.is_set() or time.monotonic() >= next_rescan:
@@ -345,4 +447,3 @@ class Watcher:
                 log.info("specs rewritten (generation %s); unhealthy: %s", self.generation,
                          ", ".join(sorted(self.unhealthy())) or "none")
             self.sweep_ledger()
-
