@@ -270,19 +270,27 @@ exec "$D/lib/{loader_name}" --inhibit-cache --library-path "$D/lib" "$D/bin/pyth
 # -- building, checking, installing ------------------------------------------------------------------------------
 
 
-def source_digest() -> str:
-    """What a bundle is built from: this devinject (version and every module's source) and its interpreter.
-    A bundle whose stamp names another is stale."""
-    import devinject
+def _file_digest(path: str) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
-    digest = hashlib.sha256(f"{__version__}\0{sys.version}\0".encode())
-    package = Path(devinject.__file__).resolve().parent
-    for path in sorted(package.rglob("*.py")):
-        digest.update(f"{path.relative_to(package)}\0".encode())
-        digest.update(path.read_bytes())
-    with open(interpreter(), "rb") as handle:
-        digest.update(hashlib.file_digest(handle, "sha256").digest())
-    return digest.hexdigest()
+
+def stale_sources(sources: object) -> str | None:
+    """The first file the bundle copied (its stamp's `sources`: bundle path -> [this agent's file, its SHA-256
+    then]) that this agent no longer has as it was, e.g. after a new image: its interpreter, a library, a
+    module the cdi-hook imports. None when every one is unchanged."""
+    if not isinstance(sources, dict) or not sources:
+        return "its stamp lists no sources"
+    for rel, entry in sorted(sources.items()):
+        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(e, str) for e in entry)):
+            return f"its stamp's source for {rel} is malformed"
+        try:
+            if _file_digest(entry[0]) == entry[1]:
+                continue
+        except OSError:
+            pass
+        return f"{rel} was copied from this agent's {entry[0]}, which has changed or is gone"
+    return None
 
 
 def content_digest(bundle: str) -> tuple[str, int, int]:
@@ -314,10 +322,12 @@ def build(stage: str, final_dir: str, work_dir: str) -> tuple[int, int]:
     import py_compile
 
     files = layout(measure(work_dir))
+    sources: dict[str, list[str]] = {}
     for rel, source in sorted(files.items()):
         target = os.path.join(stage, rel)
         os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
         shutil.copyfile(source, target)
+        sources[rel] = [source, _file_digest(target)]
         executable = rel == "bin/python3" or (rel.startswith("lib/") and _is_elf(source))
         os.chmod(target, 0o755 if executable else 0o644)
         if rel.endswith(".py"):
@@ -335,8 +345,8 @@ def build(stage: str, final_dir: str, work_dir: str) -> tuple[int, int]:
             os.chmod(os.path.join(top, name), 0o755)
     os.chmod(stage, 0o755)
     content, count, size = content_digest(stage)
-    stamp = {"version": __version__, "source": source_digest(), "content": content, "python": sys.version.split()[0],
-             "files": count, "bytes": size}
+    stamp = {"version": __version__, "content": content, "python": sys.version.split()[0], "files": count,
+             "bytes": size, "sources": sources}
     Path(stage, STAMP).write_text(json.dumps(stamp, indent=1, sort_keys=True) + "\n")
     os.chmod(os.path.join(stage, STAMP), 0o644)
     return count, size
@@ -379,7 +389,9 @@ def _runs(bundle: str, work_dir: str | None = None) -> str | None:
 def node_hook_ready(host_root: str, directory: str = DEFAULT_DIR, *, run: bool = True) -> str | None:
     """Why the node hook at `directory` (a host path; the host's / is at `host_root` here) cannot serve this
     agent's specs, or None when it can: installed, root's alone, this agent's version and build, unchanged
-    since it was installed, and (with `run`) its launcher answers `--version`."""
+    since it was installed, and (with `run`) its launcher answers `--version`. The build is this agent's when
+    every file the bundle copied (interpreter, libraries, modules) is unchanged here: an edit of a module the
+    cdi-hook does not import does not make it stale."""
     from devinject.core.trusteddir import dir_problem
 
     bundle = in_root(host_root, directory)
@@ -401,8 +413,9 @@ def node_hook_ready(host_root: str, directory: str = DEFAULT_DIR, *, run: bool =
         return f"{bundle}/{STAMP}: unreadable: {getattr(err, 'strerror', None) or err}"
     if stamp.get("version") != __version__:
         return f"{bundle}: stale: devinject {stamp.get('version')}'s node hook, this agent is {__version__}"
-    if stamp.get("source") != source_digest():
-        return f"{bundle}: stale: built from another devinject build or interpreter than this agent's"
+    stale = stale_sources(stamp.get("sources"))
+    if stale:
+        return f"{bundle}: stale: {stale}"
     try:
         content = content_digest(bundle)[0]
     except OSError as err:
