@@ -1,6 +1,6 @@
+from devinject.core.devcgroup import find_device_cgroup
 from devinject.core.mountinfo import parse_mountinfo
 from devinject.hook.bpf import decode_rules, encode_prefix, insn
-from devinject.hook.cgroup import find_device_cgroup
 from devinject.hook.plan import AllowDevice
 
 HYBRID = """\
@@ -102,7 +102,7 @@ def test_prefix_is_recognised_and_stripped_on_a_second_run():
 
 def test_cgroup_discovery_from_fixture_proc_trees():
 
-    from devinject.hook.cgroup import device_cgroup_of
+    from devinject.core.devcgroup import device_cgroup_of
     from tests.conftest import FIXTURES
 
     proc = FIXTURES / "proc"

@@ -7,6 +7,7 @@ import os
 import posixpath
 import stat as statmod
 
+from devinject.core.devcgroup import AllowDevice as AllowDevice  # a device cgroup rule: the plan's, the ledger's
 from devinject.core.errors import HookError
 from devinject.core.identity import node_id
 from devinject.core.model import ContainerEdits, DeviceNode, Hook, NetDevice
@@ -53,17 +54,6 @@ class BindMount(NamedTuple):
 class Symlink(NamedTuple):
     target: str
     link: str
-
-
-class AllowDevice(NamedTuple):
-    type: str
-    major: int
-    minor: int
-    access: str
-
-    @property
-    def rule(self) -> str:
-        return f"{self.type} {self.major}:{self.minor} {self.access}"
 
 
 class Plan(NamedTuple):

@@ -108,9 +108,9 @@ def _v1_nodes(directory: str) -> tuple[str, ...]:
 
 
 def _v2_nodes(directory: str) -> tuple[str, ...]:
-    from devinject.hook import bpf
+    from devinject.core import devprogram
 
-    return tuple(dict.fromkeys(node_id(r.type, r.major, r.minor) for r in bpf.granted_rules(directory)))
+    return tuple(dict.fromkeys(node_id(r.type, r.major, r.minor) for r in devprogram.granted_rules(directory)))
 
 
 def processes(proc: str = "/proc", *, other_mount_namespaces: bool = False) -> list[int]:
@@ -136,8 +136,8 @@ def processes(proc: str = "/proc", *, other_mount_namespaces: bool = False) -> l
 def granted_nodes(pid: int, proc: str = "/proc") -> frozenset[str]:
     """The nodes process `pid`'s own device cgroup grants by name (v1 `devices.list`, v2 devinject's
     prefix): what makes its use of a node a container's. Empty when it is unrestricted or gone."""
+    from devinject.core.devcgroup import device_cgroup_of
     from devinject.core.errors import DevinjectError
-    from devinject.hook.cgroup import device_cgroup_of
 
     try:
         cgroup = device_cgroup_of(pid, proc)
