@@ -166,3 +166,20 @@ def test_the_server_unit_install_hook_writes_is_valid_even_for_an_awkward_path(t
         assert done.returncode == 0, done.stderr
         checked = _verify(units / "devinject-hook-server.service")
         assert checked.returncode == 0 and checked.stderr == "", checked.stderr
+
+
+def test_the_node_hook_installer_is_held_to_the_agents_rules_and_writes_only_its_own_directory() -> None:
+    """The specs' CDI hooks run on the host: an init container installs the agent's self-contained hook
+    there (docs/node-hook.md), and the agent names that bundle, never a devinject the node may not have."""
+    pod, container = _daemonset()
+    (installer,) = pod["initContainers"]
+    assert installer["image"] == container["image"] and installer["command"] == ["devinject"]
+    assert installer["securityContext"] == container["securityContext"]
+    args = installer["args"]
+    params = cli.cli.commands[args[0]].make_context(args[0], args[1:]).params  # raises on an unknown option
+    assert params["root"] == "/host" and params["directory"] == "/opt/devinject/hook"
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    written = {host_paths[m["name"]]: m["mountPath"] for m in installer["volumeMounts"] if not m.get("readOnly")}
+    assert written == {"/opt/devinject": "/host/opt/devinject"}
+    assert "--node-hook=/opt/devinject/hook" in container["args"]
+    assert not [a for a in container["args"] if a.startswith("--hook-path")]
