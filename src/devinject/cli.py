@@ -158,25 +158,28 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
 @click.option("--max-version", default=None, metavar="VERSION",
               help="Refuse specs above this CDI version (default: accept every released version, and warn "
                    "about specs that podman 4.x and containerd 1.7 cannot read).")
-def validate(paths: tuple[str, ...], max_version: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the problems as a JSON list of {file, field, message, severity} (no ok lines).")
+def validate(paths: tuple[str, ...], max_version: str | None, as_json: bool) -> None:
     """Check CDI spec files (default: the CDI spec directories)."""
     from devinject.core.paths import DEFAULT_SPEC_DIRS
-    from devinject.specs.validate import validate_paths
+    from devinject.specs.validate import check_paths
 
     targets = paths or tuple(d for d in DEFAULT_SPEC_DIRS if Path(d).is_dir())
-    warnings: list[str] = []
-    files, problems = validate_paths(targets, max_version=max_version, warnings=warnings)
-    for problem in problems:
-        click.echo(problem, err=True)
-    for warning in warnings:
-        click.echo(f"warning: {warning}", err=True)
-    bad = {p.split(": ", 1)[0] for p in problems}
-    for file in files:
-        if str(file) not in bad:
-            click.echo(f"ok: {file}")
-    if problems:
+    found = check_paths(targets, max_version=max_version)
+    if as_json:
+        click.echo(json.dumps([p.as_json() for p in found.problems], indent=2))
+    else:
+        for problem in found.errors:
+            click.echo(str(problem), err=True)
+        for problem in found.warnings:
+            click.echo(f"warning: {problem}", err=True)
+        for file in found.files:
+            if found.valid(file):
+                click.echo(f"ok: {file}")
+    if found.errors:
         sys.exit(1)
-    if not files:
+    if not found.files and not as_json:
         click.echo("no spec files found", err=True)
 
 

@@ -1,14 +1,16 @@
 """`validate`: CDI specs read the way CDI's reference library reads them — every released version (0.3.0 to
 1.1.0) and every field those versions define, strict about unknown fields, types and values.
 
-Every problem is reported as `file: devices[3].containerEdits.deviceNodes[0].permissions: message`.
-A spec newer than what podman 4 and containerd 1.7 read is valid, with a warning naming who cannot read it;
-`max_version` turns that into a problem.
+Every finding is a `Problem`: the file, the field in it (`devices[3].containerEdits.deviceNodes[0].permissions`),
+the message and its severity; its text is `file: field: message`. A spec newer than what podman 4 and
+containerd 1.7 read is valid, with a warning naming who cannot read it; `max_version` makes that an error.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, released_version, version_key
@@ -19,6 +21,53 @@ from devinject.core.spec import list_spec_files, parse_spec_document, read_spec_
 from devinject.core.specrules import spec_problems
 
 OLD_RUNTIMES = "podman 4.x and containerd 1.7"  # they refuse specs above 0.5.0
+_FIELD = re.compile(r"[A-Za-z]\w*(?:\[\d+\])*(?:\.[A-Za-z]\w*(?:\[\d+\])*)*")  # devices[0].containerEdits
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding: in `file` (None: not about one file), at `field` of it (None: the file as a whole), and
+    how bad: an `error` makes the file invalid, a `warning` (who cannot read it) does not."""
+
+    file: str | None
+    field: str | None
+    message: str
+    severity: str = "error"  # or "warning"
+
+    def __str__(self) -> str:
+        return ": ".join(part for part in (self.file, self.field, self.message) if part is not None)
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"file": self.file, "field": self.field, "message": self.message, "severity": self.severity}
+
+
+def _problem(file: str | None, text: str, severity: str = "error") -> Problem:
+    """A problem from the spec rules' `field: message` text (a reader's error may name `file: ` first)."""
+    if file is not None and text.startswith(file + ": "):
+        text = text[len(file) + 2:]
+    field, sep, message = text.partition(": ")
+    if sep and _FIELD.fullmatch(field):
+        return Problem(file, field, message, severity)
+    return Problem(file, None, text, severity)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """The spec files read and every problem found, in the order found."""
+
+    files: list[Path]
+    problems: list[Problem]
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "warning"]
+
+    def valid(self, file: Path) -> bool:
+        return not any(p.file == str(file) for p in self.errors)
 
 
 def document_problems(data: object) -> list[str]:
@@ -48,58 +97,63 @@ def validate_spec(spec: Spec, *, source: str) -> None:
         raise SpecValidationError([f"{source}: {p}" for p in problems])
 
 
-def spec_files(paths: Iterable[str]) -> tuple[list[Path], list[str]]:
+def spec_files(paths: Iterable[str]) -> tuple[list[Path], list[Problem]]:
     """Files named, plus `*.yaml`/`*.json` regular files in directories named (not recursive, as CDI
     scans); and the problems of untrusted directories, whose files are refused."""
     files: list[Path] = []
-    problems: list[str] = []
+    problems: list[Problem] = []
     for name in paths:
         path = Path(name)
-        if path.is_dir():
-            problem = spec_dir_problem(name)
-            if problem:
-                problems.append(problem)
-                continue
-            files += [Path(p) for p in list_spec_files(name)]
-        elif path.exists():
-            problem = spec_dir_problem(str(path.parent))
-            if problem:
-                problems.append(problem)
-                continue
-            files.append(path)
-        else:
+        directory = name if path.is_dir() else str(path.parent)
+        if not path.exists():
             raise SpecError(f"{path}: no such file or directory")
+        problem = spec_dir_problem(directory)
+        if problem:
+            problems.append(_problem(directory, problem))
+        elif path.is_dir():
+            files += [Path(p) for p in list_spec_files(name)]
+        else:
+            files.append(path)
     return files, problems
 
 
-def validate_paths(paths: Iterable[str], *, max_version: str | None = None,
-                   warnings: list[str] | None = None) -> tuple[list[Path], list[str]]:
+def check_paths(paths: Iterable[str], *, max_version: str | None = None) -> Validation:
     """Validate files and spec dirs; also flags one device defined twice at the same priority (same dir).
-    Compatibility notes go to `warnings` — or, with `max_version`, are problems."""
+    Compatibility notes are warnings — or, with `max_version`, errors."""
     if max_version is not None and max_version not in KNOWN_VERSIONS:
         raise SpecError(f"--max-version: {max_version!r} is not a released CDI version ({', '.join(KNOWN_VERSIONS)})")
     files, problems = spec_files(paths)
     owners: dict[tuple[Path, str], Path] = {}
     for file in files:
+        name = str(file)
         try:
-            data = parse_spec_document(read_spec_text(file), str(file))
+            data = parse_spec_document(read_spec_text(file), name)
         except SpecError as err:
-            problems.append(str(err))
+            problems.append(_problem(name, str(err)))
             continue
         file_problems = document_problems(data)
-        problems += [f"{file}: {p}" for p in file_problems]
+        problems += [_problem(name, p) for p in file_problems]
         if file_problems:
             continue
         spec = spec_from_dict(data)
         note = compatibility_warning(spec, max_version)
-        if note and max_version:
-            problems.append(f"{file}: {note}")
-        elif note and warnings is not None:
-            warnings.append(f"{file}: {note}")
-        for device in spec.devices:
+        if note:
+            problems.append(_problem(name, note, "error" if max_version else "warning"))
+        for i, device in enumerate(spec.devices):
             key = (file.parent.resolve(), qualified(spec.kind, device.name))
             if key in owners:
-                problems.append(f"{file}: {key[1]}: also defined in {owners[key]} at the same priority")
+                problems.append(Problem(name, f"devices[{i}].name",
+                                        f"{key[1]}: also defined in {owners[key]} at the same priority"))
             else:
                 owners[key] = file
-    return files, problems
+    return Validation(files, problems)
+
+
+def validate_paths(paths: Iterable[str], *, max_version: str | None = None,
+                   warnings: list[str] | None = None) -> tuple[list[Path], list[str]]:
+    """`check_paths` as text, for callers that compare lines: the errors returned, the warnings appended to
+    `warnings`."""
+    found = check_paths(paths, max_version=max_version)
+    if warnings is not None:
+        warnings += [str(p) for p in found.warnings]
+    return found.files, [str(p) for p in found.errors]
