@@ -205,7 +205,7 @@ def test_a_served_start_imports_nothing_but_the_client(server, tmp_path: Path) -
     served = _imports([python, isolated, "-X", "importtime", launcher, "hook", "--server", str(path),
                        "--log-file", str(tmp_path / "hook.log")], state)
     # (had the server not taken it, the in-process hook's imports would be here too)
-    assert served - bare == {"devinject", "devinject.hook", "devinject.hook.client", "_socket"}
+    assert served - bare == {"devinject", "devinject.entry", "devinject.hook", "devinject.hook.client", "_socket"}
 
 
 def test_install_hook_points_the_hook_at_the_server_and_says_when_none_answers(server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""The hook's side of `devinject hook-server`: hand the invocation (arguments, and the runtime's own
+"""The hook's side of `devinject hook-server` (the socket client): hand the invocation (arguments, and the runtime's own
 stdin, stdout and stderr, passed as file descriptors) to a resident server, whose worker has every module
 loaded already, and exit with its status (bench/bench_hook.py measures both ways).
 
@@ -128,41 +128,3 @@ def run_via_server(args: list[str]) -> int | None:
         return reply[0]
     finally:
         sock.close()
-
-
-def launch(argv: list[str]) -> None:
-    """The launcher's whole run (hook/launcher.py): a `hook` goes to the hook server when one answers;
-    otherwise (and any other command) runs here, with the package directories `site` would have added.
-    Exits without the interpreter's teardown of every loaded module (~1.7 ms on each container start):
-    everything the hook writes is written and closed by then (its log line, the spec cache)."""
-    status = run_via_server(argv) if argv[:1] == ["hook"] else None
-    if status is None:
-        sys.path += _package_dirs()
-        if argv[:1] == ["hook"]:
-            from devinject.hook.main import main  # the server was tried above
-        else:
-            from devinject.entry import main
-        status = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    posix._exit(status)
-
-
-def _package_dirs() -> list[str]:
-    """What `site` would add for what a cold path imports (yaml on a spec-cache miss, pyroute2 for network
-    devices): a virtual environment's package directory (found by its pyvenv.cfg), and the system's when it
-    shares them; no .pth files."""
-    import os
-
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    prefixes = [sys.prefix, sys.exec_prefix, "/usr/local"]
-    venv = os.path.dirname(os.path.dirname(sys.executable))
-    try:
-        with open(f"{venv}/pyvenv.cfg", encoding="utf-8") as cfg:
-            shared = any(line.replace(" ", "").lower() == "include-system-site-packages=true\n" for line in cfg)
-        prefixes = [venv, *(prefixes if shared else [])]
-    except OSError:
-        pass  # not a virtual environment
-    subdirs = (f"lib/{version}/site-packages", f"lib/{version}/dist-packages", "lib/python3/dist-packages")
-    candidates = (f"{prefix}/{sub}" for prefix in dict.fromkeys(prefixes) for sub in subdirs)
-    return [path for path in candidates if os.path.isdir(path)]

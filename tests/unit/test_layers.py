@@ -1,0 +1,152 @@
+"""The package's real import graph, read from the source (every `import`, at module level or inside a
+function, under TYPE_CHECKING or not): no import circle, and each package imports only the layers below it
+(docs/architecture.md). tests/e2e/test_hook_edges.py checks what a real hook run loads; this checks what
+the code may load at all."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = SRC / "devinject"
+
+# What each package may import besides itself (docs/architecture.md); a module directly in devinject/ is
+# a command (cli, entry, hooksd, __main__): the top, which may import anything. Every package may import
+# the top-level `devinject` (its __version__), which imports nothing.
+MAY_IMPORT = {
+    "core": set(),
+    "discovery": {"core"},
+    "nodestate": {"core", "discovery"},
+    "specs": {"core", "discovery"},
+    "hook": {"core", "nodestate"},
+    "agent": {"core", "discovery", "nodestate", "specs"},
+    "kubelet": {"core", "discovery", "nodestate", "specs", "agent"},
+}
+# Scripts a runtime runs by path, at the top like the commands although they sit in a package: the hook
+# launcher's path is in every hooks.d file and runc config `install-hook` wrote, so it stays where it is.
+SCRIPTS = {"devinject.hook.launcher"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imported(name: str, modules: dict[str, Path]) -> str | None:
+    """The module an import of `name` loads (`devinject.hook.cgroup.CgroupGrant` is devinject.hook.cgroup)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the devinject modules it imports (its parent packages not counted: they import nothing
+    but the top-level __init__'s __version__)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        names: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's own package upwards
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                names += [f"{base}.{alias.name}" for alias in node.names]
+        graph[module] = {target for name in names if name.split(".")[0] == "devinject"
+                         and (target := _imported(name, modules)) not in (None, module)}
+    return graph
+
+
+def _layer(module: str) -> str | None:
+    """The package a module belongs to; None for the top (devinject itself and the commands beside it)."""
+    if module in SCRIPTS:
+        return None
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in MAY_IMPORT) else None
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        layer = _layer(module)
+        for target in sorted(targets):
+            theirs = _layer(target)
+            if target == "devinject" or layer is None or theirs == layer:
+                continue
+            if theirs is None or theirs not in MAY_IMPORT[layer]:
+                wrong.append(f"{module} imports {target}")
+    return wrong
+
+
+def test_the_walk_sees_imports_at_every_level() -> None:
+    """The walk itself: module-level, function-level and TYPE_CHECKING imports are all edges."""
+    graph = import_graph()
+    assert "devinject.core.errors" in graph["devinject.hook.plan"]  # module level
+    assert "devinject.hook.executor" in graph["devinject.hook.main"]  # imported inside a function
+    assert {"devinject.cli", "devinject.core", "devinject.hook", "devinject.kubelet.api.v1beta1_pb2"} <= set(graph)
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert upward_imports({"devinject.core.x": {"devinject.hook.y"}, "devinject.hook.y": {"devinject.core.x"},
+                           "devinject.cli": {"devinject.hook.y"}}) == ["devinject.core.x imports devinject.hook.y"]
+
+
+def test_no_import_circle() -> None:
+    found = cycles(import_graph())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_each_package_imports_only_the_layers_below_it() -> None:
+    wrong = upward_imports(import_graph())
+    assert not wrong, "imports against the layers (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def test_every_package_has_a_layer_and_the_top_level_imports_nothing() -> None:
+    graph = import_graph()
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert packages == set(MAY_IMPORT), "a new package: give it a layer here and in docs/architecture.md"
+    assert graph["devinject"] == set()
+    assert not [module for module, targets in graph.items() if targets & SCRIPTS]  # run, never imported
