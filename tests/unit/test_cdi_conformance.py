@@ -14,7 +14,7 @@ import yaml
 from devinject.core.cdiversion import KNOWN_VERSIONS, required_version
 from devinject.core.spec import load_file, spec_from_dict, spec_to_dict
 from devinject.hook.registry import Registry
-from devinject.specs.validate import validate_paths
+from devinject.specs.validate import check_paths, validate_paths
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 NODE = {"path": "/dev/vendor0", "type": "c", "major": 240, "minor": 0, "fileMode": 0o660, "permissions": "rw",
@@ -63,9 +63,9 @@ def test_every_released_version_with_every_field_it_defines(tmp_path: Path, vers
     path.parent.mkdir()
     data = spec_for(version)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    warnings: list[str] = []
-    assert validate_paths([str(path)], warnings=warnings)[1] == []
-    assert bool(warnings) == (version not in ("0.3.0", "0.4.0", "0.5.0"))  # old runtimes cannot read it
+    found = check_paths([str(path)])
+    assert found.errors == []
+    assert bool(found.warnings) == (version not in ("0.3.0", "0.4.0", "0.5.0"))  # old runtimes cannot read it
     spec = load_file(path)
     assert spec_to_dict(spec) == data  # nothing lost: the hook's cache stores exactly this
     assert spec_from_dict(json.loads(json.dumps(spec_to_dict(spec)))) == spec
@@ -159,9 +159,9 @@ def test_a_v_prefix_on_cdi_version_reads_as_the_reference_reads_it(tmp_path: Pat
     path.parent.mkdir()
     data = {**spec_for(version), "cdiVersion": f"v{version}"}
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    warnings: list[str] = []
-    assert validate_paths([str(path)], warnings=warnings)[1] == []
-    assert bool(warnings) == (version not in ("0.3.0", "0.4.0", "0.5.0"))
+    found = check_paths([str(path)])
+    assert found.errors == []
+    assert bool(found.warnings) == (version not in ("0.3.0", "0.4.0", "0.5.0"))
     resolved = Registry((str(path.parent),)).resolve((f"{data['kind']}={data['devices'][0]['name']}",))  # type: ignore[index]
     assert resolved.edits.device_nodes[0].path == "/dev/vendor0"
 

@@ -149,11 +149,7 @@ def check_paths(paths: Iterable[str], *, max_version: str | None = None) -> Vali
     return Validation(files, problems)
 
 
-def validate_paths(paths: Iterable[str], *, max_version: str | None = None,
-                   warnings: list[str] | None = None) -> tuple[list[Path], list[str]]:
-    """`check_paths` as text, for callers that compare lines: the errors returned, the warnings appended to
-    `warnings`."""
+def validate_paths(paths: Iterable[str], *, max_version: str | None = None) -> tuple[list[Path], list[str]]:
+    """`check_paths`'s files and errors as text (`file: field: message`), for callers that compare lines."""
     found = check_paths(paths, max_version=max_version)
-    if warnings is not None:
-        warnings += [str(p) for p in found.warnings]
     return found.files, [str(p) for p in found.errors]
