@@ -313,7 +313,9 @@ def install_python(stage: Path, python: str, glibc: tuple[int, int], work: Path,
         lines = record.read_text().splitlines()
         _replace(record, "".join(line + "\n" for line in lines
                                  if (record.parent.parent / line.split(",", 1)[0]).exists()))
-    run([sys.executable, "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash",
+    # one process, in compileall's sorted order: marshal's output depends on what the compiling process holds
+    # (its reference flags), so the same files in the same order give the same bytes; workers might not
+    run([sys.executable, "-m", "compileall", "-q", "--invalidation-mode", "unchecked-hash",
          "-s", str(stage), "-p", "/", str(site)], timeout=600)
     return site
 
@@ -505,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             keep = closure(installed, packages)
             dropped = trim(stage, keep, installed)
             python, glibc = python_of(installed)
-            install_python(stage, python, glibc, args.work)
+            install_python(stage, python, glibc, args.work, args.source)
             run(["ldconfig", "-r", str(stage)])  # the image's own libraries only
             shutil.rmtree(stage / "var/cache/ldconfig", ignore_errors=True)
             verify(stage)
