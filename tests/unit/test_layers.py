@@ -150,3 +150,17 @@ def test_every_package_has_a_layer_and_the_top_level_imports_nothing() -> None:
     assert packages == set(MAY_IMPORT), "a new package: give it a layer here and in docs/architecture.md"
     assert graph["devinject"] == set()
     assert not [module for module, targets in graph.items() if targets & SCRIPTS]  # run, never imported
+
+
+def test_the_hand_over_to_the_hook_server_is_routed_in_one_place() -> None:
+    """`hook` to the server, else in-process: entry.py decides it for the console script and the launcher
+    alike (it was written twice, in entry.py and hook/client.py's launcher, and the two could drift)."""
+    callers = set()
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name == "run_via_server":
+                    callers.add(module)
+    assert callers == {"devinject.entry"}
+
