@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devinject")
 
+AGENT_COMMANDS = ("watch", "device-plugin")  # long-running: `kubectl logs` / the journal is how they are read
+
 bundles_option = click.option(
     "--bundles", "bundles", multiple=True, type=click.Choice(["gpu-nic"]),
     help="Also offer co-bound devices: gpu-nic = each GPU with its closest RDMA NIC (<vendor>/gpu-nic=<index>) "
@@ -89,10 +91,13 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="devinject")
-@click.option("-v", "--verbose", count=True, help="More logging (repeat for debug).")
+@click.option("-v", "--verbose", count=True,
+              help="More logging (repeat for debug); watch and device-plugin log at info already.")
 @click.option("-q", "--quiet", is_flag=True, help="Errors only.")
 def cli(verbose: int, quiet: bool) -> None:
     """Discover accelerators, write CDI specs, and inject devices into containers."""
+    if click.get_current_context().invoked_subcommand in AGENT_COMMANDS:
+        verbose = max(verbose, 1)  # a node agent's log is what it did: at info unless -q
     level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
     logging.basicConfig(level=level, format="devinject: %(levelname)s: %(message)s", stream=sys.stderr)
 

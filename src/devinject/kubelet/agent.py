@@ -6,8 +6,14 @@ the kubelet's device-plugins directory, registered as a resource. Health reaches
 published state as the specs, so a device `watch` takes out is `Unhealthy` in the stream in the same round.
 
 The kubelet removes plugin sockets when it starts: a supervisor thread notices its socket being recreated
-(or ours gone) and serves and registers again within `kubelet_poll` seconds. Device IDs are PCI addresses,
-so they are the same after a plugin restart, and the ledger is untouched by a restart.
+(or ours gone) and serves and registers again within `kubelet_poll` seconds. A kubelet that dies leaves its
+socket behind and breaks the ListAndWatch streams: a resource whose stream ended is not ready until it is
+registered again, which waits for something to listen on the kubelet's socket. Device IDs are PCI
+addresses, so they are the same after a plugin restart, and the ledger is untouched by a restart.
+
+The log (`kubectl logs`, at info) has one plain line for each thing the agent does: its start, waiting for
+the kubelet (once, then every `WAIT_LOG_EVERY` seconds), each registration and how long it took, a kubelet
+gone or restarted, a device's health changing in ListAndWatch, each Allocate, its stop.
 """
 
 from __future__ import annotations
@@ -15,17 +21,21 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
 import grpc
 
+from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
 from devinject.core.identity import device_key, qualified
 from devinject.discovery.topology import place_of
+from devinject.kubelet.allocation import HEALTHY as HEALTHY_NAME
+from devinject.kubelet.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.kubelet.allocation import PluginDevice
 from devinject.kubelet.metrics import Metrics, serve
 from devinject.kubelet.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
@@ -35,6 +45,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 HOOK_LOG = "/var/log/devinject/hook.log"  # the hook's default log, read under the host root
 HOOK_LOG_TAIL = 64 << 10
+WAIT_LOG_EVERY = 30.0  # seconds between "still waiting for the kubelet" lines (the poll is every second)
+PROBE_TIMEOUT = 1.0  # seconds to connect to the kubelet's socket before registering
 
 
 def last_hook_duration(path: str) -> float | None:
@@ -53,6 +65,19 @@ def last_hook_duration(path: str) -> float | None:
         if isinstance(record, dict) and record.get("stage") == "prestart" and "duration_ms" in record:
             return float(record["duration_ms"])
     return None
+
+
+def stream_changes(resource: str, before: dict[str, PluginDevice], after: dict[str, PluginDevice]) -> list[str]:
+    """One log line per device whose health (or presence) the next ListAndWatch list changes."""
+    lines = []
+    for device_id in sorted(set(before) | set(after)):
+        old, new = before.get(device_id), after.get(device_id)
+        if new is None:
+            lines.append(f"{resource}: ListAndWatch: {device_id} removed")
+        elif old is None or old.healthy != new.healthy:
+            health = HEALTHY_NAME if new.healthy else UNHEALTHY_NAME
+            lines.append(f"{resource}: ListAndWatch: {device_id} {health}" + ("" if old else " (new)"))
+    return lines
 
 
 @dataclass(frozen=True)
@@ -88,6 +113,14 @@ class DevicePluginAgent:
         self.kubelet_identity: tuple[int, int] | None = None
         self.reported: set[str] = set()  # errors already logged (the supervisor retries every poll)
         self.gauged: set[tuple[str, str]] = set()  # (kind, health) pairs the devices gauge has shown
+        self.started = threading.Event()  # the first round is published: the supervisor may start
+        self.started_at = time.time()
+        self.metrics_bound: str | None = None  # host:port /metrics listens on
+        self.due: dict[str, tuple[float, str]] = {}  # kind -> since when (wall clock) and why it must register
+        self.ever_registered: set[str] = set()
+        self.waiting: tuple[str, float, float] | None = None  # what for, since, last said (monotonic)
+        self.registering: str | None = None  # the kind whose Register call is on its way
+        self.stream_lost = False  # that kind's stream of this registration ended before Register returned
 
     # --- from the health loop --------------------------------------------------------------------------
     def _published(self, watcher: Watcher) -> None:
@@ -121,6 +154,7 @@ class DevicePluginAgent:
         for kind, health in set(counts) | self.gauged:  # set, never cleared: a scrape must not see a gap
             self.metrics.devices.labels(kind, health).set(counts.get((kind, health), 0))
         self.gauged |= set(counts)
+        changes: list[str] = []
         with self.lock:
             for kind, devices in by_kind.items():
                 if self.opts.watch.generate.kinds and kind not in self.opts.watch.generate.kinds:
@@ -128,10 +162,29 @@ class DevicePluginAgent:
                 state = self.states.get(kind)
                 if state is None:
                     state = self.states[kind] = ResourceState(self.opts.resource_names.get(kind, kind), kind)
-                state.update(devices, specs.get(kind))
+                    self.due.setdefault(kind, (time.time(), "it was found"))
+                listed = state.devices
+                if state.update(devices, specs.get(kind)) and self.started.is_set():
+                    changes += stream_changes(state.resource, listed, devices)
             for kind, state in self.states.items():
                 if kind not in by_kind:  # every device of the kind is gone: an empty list, not a stale one
-                    state.update({}, None)
+                    listed = state.devices
+                    if state.update({}, None):
+                        changes += stream_changes(state.resource, listed, {})
+        for line in changes:
+            log.info("%s", line)
+        if not self.started.is_set():
+            self._say_started()
+            self.started.set()
+
+    def _say_started(self) -> None:
+        with self.lock:
+            served = ", ".join(f"{s.resource} {len(s.devices)}" for _, s in sorted(self.states.items()))
+        watch = self.opts.watch
+        log.info("devinject %s device plugin on node %s: %s; specs in %s, state in %s, kubelet plugin dir %s, "
+                 "metrics %s", __version__, os.environ.get("NODE_NAME") or os.uname().nodename,
+                 served or "no devices found", watch.output_dir, watch.state_dir, self.opts.plugin_dir,
+                 f"on {self.metrics_bound}" if self.metrics_bound else "off")
 
     # --- serving and registering -----------------------------------------------------------------------
     def _kubelet_identity(self) -> tuple[int, int] | None:
@@ -141,49 +194,149 @@ class DevicePluginAgent:
             return None
         return st.st_ino, st.st_ctime_ns
 
+    def _kubelet_socket(self) -> str:
+        return os.path.join(self.opts.plugin_dir, KUBELET_SOCKET)
+
+    def _kubelet_changed(self, before: tuple[int, int] | None, after: tuple[int, int] | None) -> None:
+        """Its socket appeared, went or was made anew: every resource registers again."""
+        path = self._kubelet_socket()
+        with self.lock:
+            self.registered.clear()
+        if after is None:
+            if before is not None:
+                log.warning("kubelet socket %s is gone: not ready until the kubelet is back", path)
+                self.waiting = ("socket", time.monotonic(), time.monotonic())
+            return
+        since, why = min(after[1] / 1e9, time.time()), "the kubelet socket appeared"  # made then (its ctime)
+        if before is None and self.ever_registered:
+            log.info("kubelet socket %s is back: registering again", path)
+        elif before is not None:
+            why = "the kubelet restarted"
+            log.info("kubelet restarted (its socket %s was made anew): registering again", path)
+        elif since < self.started_at:  # there before us (this agent's pod was restarted or updated)
+            since, why = self.started_at, "the agent started"
+        with self.lock:
+            for kind in self.states:
+                self.due[kind] = (since, why)
+
+    def _wait(self, what: str, message: str, again: str) -> None:
+        """Say what the agent waits for once, then every WAIT_LOG_EVERY seconds while it still does."""
+        now = time.monotonic()
+        if self.waiting is None or self.waiting[0] != what:
+            log.info(message, self._kubelet_socket())
+            self.waiting = (what, now, now)
+        elif now - self.waiting[2] >= WAIT_LOG_EVERY:
+            log.info(again, self._kubelet_socket(), now - self.waiting[1])
+            self.waiting = (what, self.waiting[1], now)
+
+    def _kubelet_listening(self) -> bool:
+        """Something accepts connections on the kubelet's socket (a dead kubelet leaves its socket behind)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(PROBE_TIMEOUT)
+            try:
+                probe.connect(self._kubelet_socket())
+            except OSError:
+                return False
+        return True
+
+    def _say_once(self, level: int, message: str, *args: object) -> None:
+        """What the supervisor would repeat every poll: said once until a registration succeeds."""
+        text = message % args
+        if text not in self.reported:
+            self.reported.add(text)
+            log.log(level, "%s", text)
+
     def supervise_once(self) -> None:
         """Serve every known resource and register it with the kubelet; again when the kubelet restarted
-        (its socket recreated) or our socket was removed."""
+        (its socket recreated), its stream to us ended or our socket was removed."""
         identity = self._kubelet_identity()
         if identity != self.kubelet_identity:
-            if self.kubelet_identity is not None:
-                log.info("kubelet socket %s: registering again", "recreated" if identity else "gone")
-            self.kubelet_identity = identity
-            self.registered.clear()
+            before, self.kubelet_identity = self.kubelet_identity, identity
+            self._kubelet_changed(before, identity)
         if identity is None:
+            self._wait("socket", "waiting for the kubelet socket %s",
+                       "still waiting for the kubelet socket %s (%.0f s)")
             return
         with self.lock:
             states = dict(self.states)
+        listening: bool | None = None
         for kind, state in states.items():
             server = self.servers.get(kind)
             if server is None:
                 service = DevicePluginService(state, fallback=self.opts.fallback, stopping=self.stopping,
-                                              on_allocate=self._allocated)
+                                              on_allocate=self._allocated, on_stream_end=self._stream_ended)
                 server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource))
                 self.servers[kind] = server
             if not server.alive():
+                server.service.new_epoch()  # streams of the server it replaces are not this registration's
                 try:
                     server.start()
                 except OSError as err:
-                    if str(err) not in self.reported:
-                        self.reported.add(str(err))
-                        log.error("%s: %s", state.resource, err)
+                    self._say_once(logging.ERROR, "%s: %s", state.resource, err)
                     continue
-                self.registered.discard(kind)
+                if kind in self.registered:
+                    with self.lock:
+                        self.registered.discard(kind)
+                    self.due[kind] = (time.time(), "its socket was removed")
             if kind in self.registered:
                 continue
-            try:
-                register(self.opts.plugin_dir, server.endpoint, state.resource)
-            except grpc.FutureTimeoutError:
-                log.warning("%s: the kubelet did not answer on its socket; retrying", state.resource)
-                continue
-            except grpc.RpcError as err:
-                log.warning("%s: the kubelet refused the registration (%s); retrying", state.resource, err)
-                continue
+            if listening is None:
+                listening = self._kubelet_listening()
+            if not listening:
+                self._wait("listener", "waiting for the kubelet: nothing listens on its socket %s",
+                           "still waiting for the kubelet: nothing listens on its socket %s (%.0f s)")
+                return
+            self._register(kind, state, server)
+
+    def _register(self, kind: str, state: ResourceState, server: ResourceServer) -> None:
+        server.service.new_epoch()  # the kubelet opens its stream while Register is answered
+        with self.lock:
+            self.registering, self.stream_lost = kind, False
+        try:
+            register(self.opts.plugin_dir, server.endpoint, state.resource)
+        except grpc.FutureTimeoutError:
+            self._say_once(logging.WARNING, "%s: the kubelet did not answer on its socket; retrying", state.resource)
+            return
+        except grpc.RpcError as err:
+            detail = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.Call) else str(err)
+            self._say_once(logging.WARNING, "%s: the kubelet refused the registration (%s); retrying",
+                           state.resource, detail)
+            return
+        finally:
+            with self.lock:
+                self.registering, lost = None, self.stream_lost
+        if lost:  # its stream opened and ended while Register was answered: not registered after all
+            self.ever_registered.add(kind)
+            self._lost_stream(kind, state.resource)
+            return
+        with self.lock:
             self.registered.add(kind)
-            self.metrics.registrations.labels(state.resource).inc()
-            log.info("%s: registered with the kubelet (endpoint %s, %d devices)", state.resource, server.endpoint,
-                     len(state.devices))
+        self.reported.clear()
+        self.waiting = None
+        self.metrics.registrations.labels(state.resource).inc()
+        since, why = self.due.pop(kind, (time.time(), "it was due"))
+        again = " again" if kind in self.ever_registered else ""
+        self.ever_registered.add(kind)
+        log.info("%s: registered%s with the kubelet (%d devices, endpoint %s), %.2f s after %s", state.resource,
+                 again, len(state.devices), server.endpoint, max(0.0, time.time() - since), why)
+
+    def _stream_ended(self, kind: str) -> None:
+        """From a server thread: the kubelet's ListAndWatch stream of this registration ended."""
+        if self.stopping.is_set():
+            return
+        with self.lock:
+            if kind == self.registering:
+                self.stream_lost = True  # said when Register returns
+                return
+            if kind not in self.registered:
+                return
+            self.registered.discard(kind)
+            resource = self.states[kind].resource
+        self._lost_stream(kind, resource)
+
+    def _lost_stream(self, kind: str, resource: str) -> None:
+        self.due[kind] = (time.time(), "its ListAndWatch stream ended")
+        log.warning("%s: the kubelet's ListAndWatch stream ended: not ready until registered again", resource)
 
     def _allocated(self, resource: str, count: int | None) -> None:
         """`count` devices handed out, or None: a request refused."""
@@ -193,6 +346,9 @@ class DevicePluginAgent:
             self.metrics.allocations.labels(resource).inc(count)
 
     def _supervise(self) -> None:
+        while not self.started.wait(0.5):  # the start-up line first, and the kinds it found
+            if self.stopping.is_set():
+                return
         while not self.stopping.is_set():
             try:
                 self.supervise_once()
@@ -205,6 +361,8 @@ class DevicePluginAgent:
         return time.monotonic() - self.last_round < 3 * self.opts.watch.interval + self.opts.watch.rescan
 
     def ready(self) -> bool:
+        """Every resource registered with the kubelet there now: not while its socket is gone, nothing listens
+        on it or a resource's ListAndWatch stream ended, until registered again."""
         with self.lock:
             return bool(self.states) and set(self.states) <= self.registered
 
@@ -212,6 +370,8 @@ class DevicePluginAgent:
         http = None
         if self.opts.metrics_address:
             http = serve(self.opts.metrics_address, self.metrics, self.alive, self.ready)
+            host, port = http.server_address
+            self.metrics_bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         supervisor = threading.Thread(target=self._supervise, name="kubelet", daemon=True)
         supervisor.start()
         try:
@@ -223,3 +383,5 @@ class DevicePluginAgent:
                 server.stop()
             if http is not None:
                 http.shutdown()
+            served = sorted(server.service.state.resource for server in self.servers.values())
+            log.info("stopped%s", f": {', '.join(served)} no longer served" if served else "")

@@ -1,5 +1,7 @@
 """The node agent's HTTP endpoints: `/metrics` (Prometheus text format), `/healthz` (liveness: the health
-loop is turning) and `/readyz` (readiness: every resource is registered with the kubelet).
+loop is turning) and `/readyz` (readiness: every resource is registered with the kubelet there now: 503
+while its socket is gone, nothing listens on it or the kubelet's stream to a resource ended, until the agent
+registered again).
 
 The listener faces the node's network (the DaemonSet binds the node's address), so a client gets a bounded
 share of it: one thread reads every request head without blocking; a head must arrive whole within

@@ -64,16 +64,43 @@ def device_message(device: PluginDevice) -> api.Device:
 
 class DevicePluginService(api_grpc.DevicePluginServicer):
     def __init__(self, state: ResourceState, *, fallback: bool = True, stopping: threading.Event | None = None,
-                 on_allocate: Callable[[str, int | None], None] | None = None) -> None:
+                 on_allocate: Callable[[str, int | None], None] | None = None,
+                 on_stream_end: Callable[[str], None] | None = None) -> None:
         self.state = state
         self.fallback = fallback
         self.stopping = stopping or threading.Event()
         self.on_allocate = on_allocate
+        self.on_stream_end = on_stream_end  # told the kind when the last stream of the current epoch ends
+        self.epoch = 0  # one per registration (and per server start): older streams are not the kubelet's now
+        self.streams: dict[int, int] = {}  # epoch -> ListAndWatch streams open
+        self.streams_lock = threading.Lock()
+
+    def new_epoch(self) -> None:
+        with self.streams_lock:
+            self.epoch += 1
+
+    def _stream_opened(self) -> int:
+        with self.streams_lock:
+            self.streams[self.epoch] = self.streams.get(self.epoch, 0) + 1
+            return self.epoch
+
+    def _stream_closed(self, epoch: int) -> None:
+        with self.streams_lock:
+            self.streams[epoch] -= 1
+            if self.streams[epoch]:
+                return
+            del self.streams[epoch]
+            if epoch != self.epoch:
+                return
+        if self.on_stream_end is not None and not self.stopping.is_set():
+            self.on_stream_end(self.state.kind)
 
     def GetDevicePluginOptions(self, request: api.Empty, context: grpc.ServicerContext) -> api.DevicePluginOptions:
         return api.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
     def ListAndWatch(self, request: api.Empty, context: grpc.ServicerContext) -> Iterator[api.ListAndWatchResponse]:
+        epoch = self._stream_opened()
+        context.add_callback(lambda: self._stream_closed(epoch))  # on any end: the kubelet's, ours, an error
         seen = -1
         while context.is_active() and not self.stopping.is_set():
             version, devices, _ = self.state.snapshot()
@@ -109,6 +136,9 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
             if self.on_allocate is not None:
                 self.on_allocate(self.state.resource, None)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.state.resource}: {err.message}")
+        given_ids = [" ".join(c.devices_ids) for c in request.container_requests]
+        log.info("%s: Allocate for %d container%s: %s", self.state.resource, len(given_ids),
+                 "" if len(given_ids) == 1 else "s", " | ".join(given_ids))
         if self.on_allocate is not None:
             self.on_allocate(self.state.resource, sum(len(c.devices_ids) for c in request.container_requests))
         return api.AllocateResponse(container_responses=responses)
