@@ -235,17 +235,21 @@ def test_a_stream_the_kubelet_closes_means_register_again(host_copy, tmp_path, p
 def test_the_waiting_line_comes_back_every_so_often_not_every_poll(host_copy, tmp_path, plugin_dir, monkeypatch,  # type: ignore[no-untyped-def]
                                                                   caplog) -> None:
     monkeypatch.setattr(agent_module, "WAIT_LOG_EVERY", 0.6)  # 30 s in the agent; the poll here is 0.2 s
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "waiting for the kubelet socket" in r.getMessage()]
+
     with caplog.at_level(logging.INFO, logger="devinject"):
         running = start_agent(host_copy("hgx-h100"), plugin_dir, tmp_path)
         try:
+            assert _until(said)
             time.sleep(2.1)
         finally:
             running.stop.set()
             running.thread.join(timeout=10)
-    said = [r.getMessage() for r in caplog.records if "waiting for the kubelet socket" in r.getMessage()]
-    assert 3 <= len(said) <= 5, said  # at 0, 0.6, 1.2, 1.8 s: not the ten polls
-    assert said[0].startswith("waiting for the kubelet socket " + str(plugin_dir / "kubelet.sock"))
-    assert all(m.startswith("still waiting") for m in said[1:]), said
+    assert 3 <= len(said()) <= 5, said()  # at 0, 0.6, 1.2, 1.8 s: not the ten polls
+    assert said()[0].startswith("waiting for the kubelet socket " + str(plugin_dir / "kubelet.sock"))
+    assert all(m.startswith("still waiting") for m in said()[1:]), said()
     assert os.path.exists(plugin_dir) and not os.path.exists(plugin_dir / "kubelet.sock")
 
 
