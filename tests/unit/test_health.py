@@ -32,28 +32,31 @@ def test_all_healthy_on_pristine_fixture():
 
 
 @pytest.mark.parametrize(
-    ("fault", "status", "reason"),
+    ("fault", "status", "reason", "definite"),
     [
-        (lambda r: _write(r, f"{GPU}/current_link_width", "8\n"), "degraded", "PCIe link x8 of x16"),
-        (lambda r: _write(r, f"{GPU}/current_link_speed", "16.0 GT/s PCIe\n"), "degraded", "PCIe link 16 of 32"),
-        (lambda r: _write(r, f"{GPU}/enable", "0\n"), "unhealthy", "enable=0"),
-        (lambda r: _write(r, f"{GPU}/aer_dev_fatal", "Undefined 0\nTOTAL_ERR_FATAL 2\n"), "unhealthy", "AER fatal"),
-        (lambda r: _write(r, f"{GPU}/aer_dev_nonfatal", "TOTAL_ERR_NONFATAL 1\n"), "degraded", "AER non-fatal"),
+        (lambda r: _write(r, f"{GPU}/current_link_width", "8\n"), "degraded", "PCIe link x8 of x16", False),
+        (lambda r: _write(r, f"{GPU}/current_link_speed", "16.0 GT/s PCIe\n"), "degraded", "PCIe link 16 of 32", False),
+        (lambda r: _write(r, f"{GPU}/enable", "0\n"), "unhealthy", "enable=0", False),
+        (lambda r: _write(r, f"{GPU}/aer_dev_fatal", "Undefined 0\nTOTAL_ERR_FATAL 2\n"), "unhealthy", "AER fatal",
+         False),
+        (lambda r: _write(r, f"{GPU}/aer_dev_nonfatal", "TOTAL_ERR_NONFATAL 1\n"), "degraded", "AER non-fatal", False),
         (lambda r: _write(r, "proc/driver/nvidia/gpus/0000:18:00.0/information",
-                          "Device Minor: \t 2\nGPU Excluded:\t Yes\n"), "unhealthy", "GPU Excluded"),
+                          "Device Minor: \t 2\nGPU Excluded:\t Yes\n"), "unhealthy", "GPU Excluded", False),
         (lambda r: _write(r, "var/log/kern.log",
                           "kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus.\n"),
-         "unhealthy", "fatal Xid 79"),
-        (lambda r: (r / GPU / "driver").unlink(), "unhealthy", "driver unbound"),
+         "unhealthy", "fatal Xid 79", True),
+        (lambda r: (r / GPU / "driver").unlink(), "unhealthy", "driver unbound", True),
     ],
     ids=["link-width", "link-speed", "disabled", "aer-fatal", "aer-nonfatal", "excluded", "xid-79", "unbound"],
 )
-def test_fault_gives_verdict(host_copy, fault, status, reason):
+def test_fault_gives_verdict(host_copy, fault, status, reason, definite):
+    """`definite`: the kernel's own statement (acted on at once by the agents), not a reading to confirm."""
     root = host_copy("hgx-h100")
     fault(root)
     verdict = _verdicts(root)[KEY]
     assert verdict.status == status
     assert any(reason in r for r in verdict.reasons), verdict.reasons
+    assert verdict.definite is definite
     others = [v for k, v in _verdicts(root).items() if k != KEY]
     assert all(v.healthy for v in others)
 
