@@ -143,3 +143,19 @@ def test_take_out_and_put_back_are_said_at_info_with_the_device_and_the_reason(s
         "putting back nvidia.com/gpu=0 (PCI 0000:18:00.0): healthy again, 3 checks passed in a row",
         "taking out nvidia.com/gpu=0 (PCI 0000:18:00.0): driver unbound (at once: the kernel's own statement)",
     ]
+
+
+def test_a_chatty_kernel_log_does_not_rewrite_the_state_file_on_every_line(slow_agent):
+    """Unrelated kernel messages wake the loop each time the log grows; the persisted state (fsynced) is left
+    for the next round unless a device was checked."""
+    opts, root, tmp_path = slow_agent
+    w = Watcher(opts)
+    w.rescan()
+    w.check()
+    state = tmp_path / "state" / "health-state.json"
+    before = state.stat().st_ino
+    for i in range(5):
+        with open(root / "var/log/kern.log", "a") as handle:
+            handle.write(f"Jan 1 00:00:0{i} node kernel: eth0: link up\n")
+        assert not w.check_announced()
+    assert state.stat().st_ino == before

@@ -271,8 +271,10 @@ class Watcher:
         slots = self.checker.read_log(self.found)
         targets = [f for f in self.found
                    if any(p.address in addresses or p.address.rpartition(".")[0] in slots for p in f.functions)]
+        if not targets:  # a chatty log: nothing to persist until the next round (no fsync per line)
+            return False
         changed = False
-        for verdict in self.checker.check(targets, read_log=False) if targets else []:
+        for verdict in self.checker.check(targets, read_log=False):
             if verdict.status == UNHEALTHY and verdict.definite:
                 changed |= self._judge(verdict)
         self._persist()
