@@ -18,6 +18,7 @@ from devinject.core.errors import LedgerError
 from devinject.nodestate import evidence
 from devinject.nodestate.ledger import Claim, Ledger
 from tests.e2e.conftest import (
+    UNLISTED_NODE,
     held_in_a_container,
     node_holder,
     pid_namespace_init,
@@ -27,12 +28,12 @@ from tests.e2e.conftest import (
 )
 
 POLICY = {"vendor.com/gpu": "exclusive", "vendor.com/nic": "shared"}
-FULL = os.stat("/dev/full")  # a node nobody else here holds (pytest keeps /dev/null open)
+NODE_STAT = os.stat(UNLISTED_NODE)  # no container's cgroup names it by default, nobody else here holds it
 NOBODY = 65534
-FULL_NODE = f"c {os.major(FULL.st_rdev)}:{os.minor(FULL.st_rdev)}"
+NODE = f"c {os.major(NODE_STAT.st_rdev)}:{os.minor(NODE_STAT.st_rdev)}"
 
 
-def claim(node: str = FULL_NODE, name: str = "vendor.com/gpu=0") -> tuple[Claim, ...]:
+def claim(node: str = NODE, name: str = "vendor.com/gpu=0") -> tuple[Claim, ...]:
     return (Claim(name, (node,)),)
 
 
@@ -42,7 +43,7 @@ def corrupt(state_dir: Path) -> None:
 
 def test_a_rebuild_holds_even_when_the_booking_that_made_it_is_refused(tmp_path: Path) -> None:
     """corrupt -> a clashing start (refused) -> the next start: refused too, while the holder lives."""
-    with held_in_a_container("/dev/full"):
+    with held_in_a_container(UNLISTED_NODE):
         corrupt(tmp_path)
         with pytest.raises(LedgerError, match="held by container recovered: "):
             Ledger(str(tmp_path)).book("b", os.getpid(), claim(), POLICY)
@@ -75,29 +76,30 @@ def test_an_unprivileged_users_namespace_holding_a_node_is_no_container(tmp_path
     """`unshare -Urm` as nobody, then open the node (O_PATH needs no permission at all): before, the next
     rebuild booked that process as an exclusive holder and every container was refused while it lived."""
     require(shutil.which("setpriv") is not None, "setpriv (util-linux) not installed")
-    with world_reachable_node(FULL.st_rdev) as node, \
+    with world_reachable_node(NODE_STAT.st_rdev) as node, \
             node_holder(node, cgroup_grants=False, flags=flags, uid=NOBODY) as attacker:
         assert os.stat(f"/proc/{attacker}/status").st_uid != 0
         corrupt(tmp_path)
         assert Ledger(str(tmp_path)).book("b", os.getpid(), claim(), POLICY).new
-        assert list(json.loads((tmp_path / "ledger.json").read_text())["allocations"]) == ["b"]
+        bookings = json.loads((tmp_path / "ledger.json").read_text())["allocations"]
+        assert [name for name, b in bookings.items() if NODE in b["exclusive"]] == ["b"]
 
 
 def test_a_monitoring_agent_keeping_every_gpu_open_is_no_holder(tmp_path: Path) -> None:
     """A DCGM-style agent (root, a mount namespace of its own, an unrestricted device cgroup) keeps the
     node open for real: not a container's use, before or after a rebuild."""
-    with node_holder("/dev/full", cgroup_grants=False) as monitor:
-        assert FULL_NODE in evidence.open_device_nodes(monitor)  # it does hold the node
+    with node_holder(UNLISTED_NODE, cgroup_grants=False) as monitor:
+        assert NODE in evidence.open_device_nodes(monitor)  # it does hold the node
         corrupt(tmp_path)
         assert Ledger(str(tmp_path)).book("b", os.getpid(), claim(), POLICY).new
 
 
 def test_an_o_path_handle_is_not_an_open_device(tmp_path: Path) -> None:
-    handle = os.open("/dev/full", os.O_PATH)
+    handle = os.open(UNLISTED_NODE, os.O_PATH)
     try:
-        assert FULL_NODE not in evidence.open_device_nodes(os.getpid())
-        with open("/dev/full"):
-            assert FULL_NODE in evidence.open_device_nodes(os.getpid())
+        assert NODE not in evidence.open_device_nodes(os.getpid())
+        with open(UNLISTED_NODE):
+            assert NODE in evidence.open_device_nodes(os.getpid())
     finally:
         os.close(handle)
 
@@ -107,7 +109,7 @@ def test_an_outsider_cannot_keep_a_released_device_reclaiming(tmp_path: Path) ->
     holds the node: the next booking is not refused for the 30 s of a reclaim."""
     ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
     ledger.book("a", os.getpid(), claim(), POLICY)
-    with node_holder("/dev/full", cgroup_grants=False):
+    with node_holder(UNLISTED_NODE, cgroup_grants=False):
         assert ledger.release("a") == "released"
         assert ledger.book("b", os.getpid(), claim(), POLICY).new
     assert "a" not in ledger.snapshot()["allocations"]
@@ -121,7 +123,7 @@ def test_a_recovered_booking_names_the_containers_init(tmp_path: Path, v1_device
         for pid in sorted((helper.pid, init)):
             (group / "cgroup.procs").write_text(str(pid))
         (group / "devices.deny").write_text("a")
-        (group / "devices.allow").write_text(f"{FULL_NODE} rw")
+        (group / "devices.allow").write_text(f"{NODE} rw")
         corrupt(tmp_path)
         with pytest.raises(LedgerError, match=f"pid {init}\\)"):
             Ledger(str(tmp_path)).book("b", os.getpid(), claim(), POLICY)
@@ -130,7 +132,7 @@ def test_a_recovered_booking_names_the_containers_init(tmp_path: Path, v1_device
 def test_a_recovered_holding_of_a_shared_kinds_node_is_shared(tmp_path: Path) -> None:
     """Evidence books what it finds exclusive, but a NIC (a shared kind) held by a recovered container is
     still granted to the next container that shares it; a GPU is not."""
-    with held_in_a_container("/dev/full"):
+    with held_in_a_container(UNLISTED_NODE):
         corrupt(tmp_path)
         with pytest.raises(LedgerError, match="held by container recovered: "):
             Ledger(str(tmp_path)).book("gpu", os.getpid(), claim(), POLICY)

@@ -16,11 +16,12 @@ from devinject.core.model import DeviceNode
 from devinject.hook.plan import node_identity
 from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger, process_start_time
-from tests.e2e.conftest import held_in_a_container, stand_ins
+from tests.e2e.conftest import UNLISTED_NODE, held_in_a_container, stand_ins
 
 POLICY = {"vendor.com/gpu": "exclusive"}
 NULL = os.stat("/dev/null")
 NULL_NODE = f"c {os.major(NULL.st_rdev)}:{os.minor(NULL.st_rdev)}"
+UNLISTED = f"c {os.major(os.stat(UNLISTED_NODE).st_rdev)}:{os.minor(os.stat(UNLISTED_NODE).st_rdev)}"
 
 
 def claim(*nodes: str, name: str = "vendor.com/gpu=0") -> tuple[Claim, ...]:
@@ -78,12 +79,12 @@ def test_a_broken_ledger_is_moved_aside_and_the_node_goes_on(tmp_path: Path, con
 
 
 def test_rebuild_books_nodes_a_containers_process_holds_open(tmp_path: Path) -> None:
-    full = os.stat("/dev/full")
-    node = f"c {os.major(full.st_rdev)}:{os.minor(full.st_rdev)}"
-    with held_in_a_container("/dev/full") as holder:
+    st = os.stat(UNLISTED_NODE)
+    node = f"c {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+    with held_in_a_container(UNLISTED_NODE) as holder:
         (tmp_path / "ledger.json").write_text("{truncated")
         # The host (this test) holding the node open is not a container's use; the container's is.
-        with open("/dev/full"), pytest.raises(LedgerError, match="held by container recovered: "):
+        with open(UNLISTED_NODE), pytest.raises(LedgerError, match="held by container recovered: "):
             Ledger(str(tmp_path)).book("c2", os.getpid(), claim(node), POLICY)
         recovered = json.loads((tmp_path / "ledger.json").read_text())["allocations"]
         assert recovered[f"recovered: open by pid {holder}"]["exclusive"] == [node]
@@ -96,10 +97,10 @@ def test_rebuild_books_nodes_a_v1_device_cgroup_allows(tmp_path: Path, v1_device
     with stand_ins(1) as (container,):
         (group / "cgroup.procs").write_text(str(container.pid))
         (group / "devices.deny").write_text("a")
-        (group / "devices.allow").write_text("c 1:7 rwm")
+        (group / "devices.allow").write_text(f"{UNLISTED} rwm")
         (tmp_path / "ledger.json").write_text("")
         with pytest.raises(LedgerError, match=f"held by container recovered: cgroup v1 {group}"):
-            Ledger(str(tmp_path)).book("c2", os.getpid(), claim("c 1:7"), POLICY)
+            Ledger(str(tmp_path)).book("c2", os.getpid(), claim(UNLISTED), POLICY)
 
 
 def test_a_reused_container_id_is_not_waved_through(tmp_path: Path) -> None:
