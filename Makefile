@@ -75,6 +75,7 @@ bench: venv
 	$(BIN)/python bench/bench_hook.py
 	$(BIN)/python bench/bench_specs.py
 	$(BIN)/python bench/bench_watch.py
+	$(BIN)/python bench/bench_health_latency.py
 	$(BIN)/python bench/bench_topology.py
 
 # Rebuild the fixture hosts (needs gcc and ldconfig) and then their golden specs; HOSTS="a b" for only those
