@@ -42,6 +42,9 @@ target_root_option = click.option(
     help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "
          "instead of under --host-root.")
 
+profile_dir_option = click.option(
+    "--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY",
+    help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d; repeatable).")
 node_hook_option = click.option(
     "--node-hook", default=None, metavar="DIRECTORY",
     help="The node hook bundle at DIRECTORY (a host path; see install-node-hook) runs the specs' CDI hooks: "
@@ -77,6 +80,14 @@ def _check_roots(*, root: str | None = None, profile_dirs: tuple[str, ...] = (),
                 kernel_log_explicit=source not in (None, ParameterSource.DEFAULT))
 
 
+def note(text: str, *, error: bool = False) -> None:
+    """A line for the user on stderr (what was written, what was not found, a warning; or, `error`, a problem
+    found). The one place that decides what -q keeps: errors only, as it keeps the log at error level."""
+    ctx = click.get_current_context(silent=True)
+    if error or ctx is None or not ctx.find_root().params.get("quiet"):
+        click.echo(text, err=True)
+
+
 class _Group(click.Group):
     """Turns library errors into one line on stderr and exit 1; no tracebacks for users."""
 
@@ -93,7 +104,8 @@ class _Group(click.Group):
 @click.version_option(__version__, prog_name="devinject")
 @click.option("-v", "--verbose", count=True,
               help="More logging (repeat for debug); watch and device-plugin log at info already.")
-@click.option("-q", "--quiet", is_flag=True, help="Errors only.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="Errors only on stderr: no log below error, no 'wrote ...' or 'no devices found' lines.")
 def cli(verbose: int, quiet: bool) -> None:
     """Discover accelerators, write CDI specs, and inject devices into containers."""
     if click.get_current_context().invoked_subcommand in AGENT_COMMANDS:
@@ -107,7 +119,8 @@ def cli(verbose: int, quiet: bool) -> None:
 @click.option("--output-dir", default="/etc/cdi", show_default=True, type=click.Path(file_okay=False),
               help="Write one <vendor>-<class> spec per kind here.")
 @click.option("--output", "output", default=None, help="Write to this file instead ('-' for stdout).")
-@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True,
+              help="The spec files' format.")
 @click.option("--device-name-strategy", "strategies", multiple=True,
               type=click.Choice(["index", "uuid", "pci"]),
               help="Names to give each device (repeatable). Default: index and uuid, or index and pci.")
@@ -115,8 +128,7 @@ def cli(verbose: int, quiet: bool) -> None:
               type=click.Choice(KNOWN_VERSIONS), help="Highest CDI version to emit (podman 4, containerd 1.7: 0.5.0).")
 @click.option("--kind", "kinds", multiple=True, help="Only this kind, e.g. nvidia.com/gpu (repeatable).")
 @click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks.")
-@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY",
-              help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d).")
+@profile_dir_option
 @click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
 @bundles_option
 @target_root_option
@@ -152,10 +164,10 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
             raise DevinjectError(f"--output {output}: {len(specs)} kinds found ({kinds_found}); "
                                  "a spec file holds one kind", hint="use --kind or --output-dir")
         write_atomic(Path(output), render(specs[0], fmt))
-        click.echo(f"wrote {output} ({specs[0].kind}, {len(specs[0].devices)} names)", err=True)
+        note(f"wrote {output} ({specs[0].kind}, {len(specs[0].devices)} names)")
         return
     for spec, path in zip(specs, write_specs(specs, Path(output_dir), fmt), strict=True):
-        click.echo(f"wrote {path} ({spec.kind}, {len(spec.devices)} names)", err=True)
+        note(f"wrote {path} ({spec.kind}, {len(spec.devices)} names)")
 
 
 @cli.command()
@@ -176,16 +188,16 @@ def validate(paths: tuple[str, ...], max_version: str | None, as_json: bool) -> 
         click.echo(json.dumps([p.as_json() for p in found.problems], indent=2))
     else:
         for problem in found.errors:
-            click.echo(str(problem), err=True)
+            note(str(problem), error=True)
         for problem in found.warnings:
-            click.echo(f"warning: {problem}", err=True)
+            note(f"warning: {problem}")
         for file in found.files:
             if found.valid(file):
                 click.echo(f"ok: {file}")
     if found.errors:
         sys.exit(1)
     if not found.files and not as_json:
-        click.echo("no spec files found", err=True)
+        note("no spec files found")
 
 
 state_dir_option = click.option("--state-dir", default="/run/devinject", show_default=True,
@@ -200,7 +212,7 @@ kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", sh
               help="text: the matrix and GPU-NIC pairs; dot: the PCIe tree for Graphviz; svg: rendered by `dot`.")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write to FILE, not stdout.")
-@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY")
+@profile_dir_option
 def topo(root: str, fmt: str, as_json: bool, output: str | None, profile_dirs: tuple[str, ...]) -> None:
     """How close the devices are in the PCIe tree and across NUMA nodes (as `nvidia-smi topo -m`, any vendor)."""
     _check_roots(root=root, profile_dirs=profile_dirs)
@@ -212,7 +224,7 @@ def topo(root: str, fmt: str, as_json: bool, output: str | None, profile_dirs: t
     host = Host(root)
     found = discover(host, load_profiles(host, profile_dirs))
     if not found:
-        click.echo("no devices found", err=True)
+        note("no devices found")
         return
     result = topology(host, found)
     fmt = "json" if as_json else fmt
@@ -257,7 +269,7 @@ def _graphviz_svg(dot_text: str) -> str:
 @cli.command("list")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY")
+@profile_dir_option
 @state_dir_option
 @kernel_log_option
 def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_dir: str, kernel_log: str) -> None:
@@ -270,7 +282,7 @@ def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_
         click.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        click.echo("no devices found", err=True)
+        note("no devices found")
         return
     header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "PAIRED WITH", "NODES")
     table = [header] + [
@@ -308,6 +320,26 @@ def hook_server(socket_path: str | None) -> None:
         raise DevinjectError(f"{socket_path or DEFAULT_SOCKET}: cannot serve: {err.strerror or err}") from None
     except KeyboardInterrupt:
         pass
+
+
+def _lean_command(name: str, short: str, summary: str) -> None:
+    """`hook` and `cdi-hook` run before click is imported (entry.py): listed here so that `devinject --help`
+    names them; their --help is the hook's own. Click runs them only when cli.run is called directly."""
+
+    @cli.command(name, short_help=short, help=summary, add_help_option=False,
+                 context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    @click.pass_context
+    def lean(ctx: click.Context) -> None:
+        from devinject.hook.main import main as hook_main
+
+        ctx.exit(hook_main([name, *ctx.args]))
+
+
+_lean_command("hook", "OCI hook: inject the devices a container asks for.",
+              "The OCI hook (prestart, createRuntime, poststop): give a container the CDI devices it asks for, "
+              "with cgroup grants and the device ledger (see install-hook).")
+_lean_command("cdi-hook", "The specs' hooks: create-symlinks, update-ldcache.",
+              "The generated specs' createContainer hooks: create-symlinks, update-ldcache.")
 
 
 @cli.command("install-hook")
@@ -359,7 +391,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         target = directory / HOOK_FILE
         write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop,
                                                   server=server)))
-        click.echo(f"wrote {target}", err=True)
+        note(f"wrote {target}")
     if server_unit:
         unit = Path(unit_dir or DEFAULT_UNIT_DIR) / SERVER_UNIT
         try:
@@ -367,11 +399,10 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         except OSError as err:
             raise DevinjectError(f"{unit.parent}: cannot create unit dir: {err.strerror}") from None
         write_atomic(unit, render_server_unit(command, server))
-        click.echo(f"wrote {unit}; start it: systemctl daemon-reload && systemctl enable --now {SERVER_UNIT}",
-                   err=True)
+        note(f"wrote {unit}; start it: systemctl daemon-reload && systemctl enable --now {SERVER_UNIT}")
     elif not server_answers(server):  # the hook still works: in-process, ~4 ms slower on each container start
-        click.echo(f"note: no hook server answers at {server}: each container start will load the hook itself; "
-                   f"run `devinject hook-server --socket {server}`, or install its unit (--server-unit)", err=True)
+        note(f"note: no hook server answers at {server}: each container start will load the hook itself; "
+             f"run `devinject hook-server --socket {server}`, or install its unit (--server-unit)")
 
 
 @cli.command("install-node-hook")
@@ -395,17 +426,17 @@ def install_node_hook(root: str, directory: str, check: bool, force: bool) -> No
         return
     done = install_node_hook(root, directory, force=force)
     what = "installed" if done.changed else "already installed and current:"
-    click.echo(f"{what} {in_root(root, directory)} ({done.files} files, {done.size / 2**20:.1f} MiB); it runs",
-               err=True)
+    note(f"{what} {in_root(root, directory)} ({done.files} files, {done.size / 2**20:.1f} MiB); it runs")
     click.echo(done.hook_path)
 
 
 @cli.command()
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY")
+@profile_dir_option
 @kernel_log_option
-@click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0.1, 60))
+@click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0.1, 60),
+              help="Seconds each device's probe may take before it counts as failed.")
 def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: str, probe_timeout: float) -> None:
     """Check every device once; exit 0 only when all are healthy."""
     _check_roots(root=root, profile_dirs=profile_dirs, kernel_log=kernel_log)
@@ -422,7 +453,7 @@ def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: 
         for v in verdicts:
             click.echo(f"{v.key:40} {v.status:10} {'; '.join(v.reasons)}".rstrip())
         if not verdicts:
-            click.echo("no devices found", err=True)
+            note("no devices found")
     sys.exit(0 if all(v.healthy for v in verdicts) else 1)
 
 
@@ -433,7 +464,8 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--output-dir", default="/var/run/cdi", show_default=True, type=click.Path(file_okay=False),
                      help="Dynamic spec dir (wins over /etc/cdi)."),
         state_dir_option,
-        click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True),
+        click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True,
+                     help="The spec files' format."),
         click.option("--interval", default=10.0, show_default=True, type=float,
                      help="Seconds between health checks (5-60)."),
         click.option("--recheck", default=1.5, show_default=True, type=float,
@@ -500,6 +532,28 @@ def watch(**options: Any) -> None:
     Watcher(opts).run(_stop_on_signals())
 
 
+class ConfigFileError(DevinjectError):
+    """A --config file that cannot be used: a usage error (exit 2, as click's), said in one line."""
+
+    exit_code = 2
+
+
+def _yaml_problem(path: str, err: Exception) -> str:
+    """`FILE:LINE:COL: problem (context from LINE:COL)` from PyYAML's marks (0-based), in one line."""
+    from yaml import MarkedYAMLError
+    from yaml.reader import ReaderError
+
+    if isinstance(err, ReaderError):  # not text in its encoding: a byte offset, no line
+        return f"{path}: byte {err.position}: {err.reason}"
+    if not isinstance(err, MarkedYAMLError) or err.problem_mark is None or not err.problem:
+        return f"{path}: {' '.join(str(err).split())}"
+    mark, where = err.problem_mark, err.context_mark
+    text = f"{path}:{mark.line + 1}:{mark.column + 1}: {err.problem}"
+    if err.context and where is not None:
+        text += f" ({err.context} from {where.line + 1}:{where.column + 1})"
+    return text
+
+
 def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
     """`--config FILE`: a YAML mapping of this command's option names (without dashes) to values, read before
     the other options, which win over it. Unknown names are an error, not silently ignored."""
@@ -508,26 +562,28 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
     import yaml
 
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, "rb") as handle:  # bytes: PyYAML decodes, and marks where a file is not UTF-8
             data = yaml.safe_load(handle) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise click.BadParameter(f"{path}: {getattr(err, 'strerror', None) or err}") from None
+    except OSError as err:
+        raise ConfigFileError(f"{path}: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigFileError(_yaml_problem(path, err)) from None
     if not isinstance(data, dict):
-        raise click.BadParameter(f"{path}: expected a mapping of option names to values")
+        raise ConfigFileError(f"{path}: expected a mapping of option names to values")
     known = {p.name: p for p in ctx.command.params if isinstance(p, click.Option) and p.name}
     names = {opt.lstrip("-").replace("-", "_"): p.name for p in known.values() for opt in p.opts if p.name}
     defaults: dict[str, Any] = {}
     for key, value in data.items():
         name = names.get(str(key).replace("-", "_"))
         if name is None or name == "config":
-            raise click.BadParameter(f"{path}: unknown option {key!r}")
+            raise ConfigFileError(f"{path}: unknown option {key!r}")
         defaults[name] = list(value) if known[name].multiple and isinstance(value, list) else value
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return path
 
 
 @cli.command("device-plugin")
-@click.option("--config", type=click.Path(dir_okay=False), is_eager=True, expose_value=False, callback=_load_config,
+@click.option("--config", metavar="FILE", is_eager=True, expose_value=False, callback=_load_config,
               help="YAML file of option values (e.g. the DaemonSet's ConfigMap); flags given win over it.")
 @watch_options
 @click.option("--plugin-dir", default="/var/lib/kubelet/device-plugins", show_default=True,
@@ -563,7 +619,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @cli.command("events")
 @click.argument("device", required=False)
 @state_dir_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
     """The last transitions per device (all devices, or those matching DEVICE)."""
     _check_roots(state_dir=state_dir)
@@ -574,7 +630,7 @@ def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
         click.echo(json.dumps(history, indent=2))
         return
     if not history:
-        click.echo("no events", err=True)
+        note("no events")
     for key, entries in sorted(history.items()):
         click.echo(key)
         for entry in entries:
@@ -587,7 +643,7 @@ def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
 @click.argument("device")
 @root_option
 @state_dir_option
-@click.option("--profile-dir", "profile_dirs", multiple=True, metavar="DIRECTORY")
+@profile_dir_option
 def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ...]) -> None:
     """Clear DEVICE's sticky verdicts (AER fatal errors, fatal Xids): its AER totals as they read now become
     its baseline; `watch`/`device-plugin` puts it back once its checks pass."""
@@ -604,7 +660,7 @@ def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ..
 @click.argument("device", required=False)
 @root_option
 @state_dir_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
     """Processes holding device nodes open (pid, command, container if known)."""
     _check_roots(root=root, state_dir=state_dir)
@@ -615,7 +671,7 @@ def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
         click.echo(json.dumps(rows, indent=2))
         return
     if not rows:
-        click.echo("no process holds a device node", err=True)
+        note("no process holds a device node")
     for r in rows:
         click.echo(f"{r['device']:32} {r['node']:24} pid {r['pid']:<8} {r['command']:16} {r['container'] or '-'}")
 
@@ -639,4 +695,4 @@ def create_dev_char_links(root: str, dry_run: bool) -> None:
             continue
         except OSError as err:
             raise DevinjectError(f"{link}: cannot create: {err.strerror}") from None
-        click.echo(f"{link} -> {target}", err=True)
+        note(f"{link} -> {target}")

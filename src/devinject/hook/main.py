@@ -34,8 +34,7 @@ USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--l
                       [--env-requests | --no-env-requests] [--no-ledger] [--dry-run]
                       [--server SOCKET | --no-server]
                       [--stage prestart|createRuntime|poststop] < state.json
-       devinject cdi-hook create-symlinks --link TARGET::LINK... < state.json
-       devinject cdi-hook update-ldcache --folder DIR... < state.json"""
+       devinject cdi-hook create-symlinks|update-ldcache ... < state.json   (devinject cdi-hook --help)"""
 
 
 class HookOptions:
@@ -55,16 +54,33 @@ _CONFIG_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
+def _json_problem(path: str, text: str, err: ValueError) -> str:
+    """`FILE:LINE:COL: problem` for a config jsonlite refused, as json reads it (the error path only)."""
+    import json
+
+    try:
+        json.loads(text, parse_constant=jsonlite.loads)  # NaN, Infinity: refused, as jsonlite does
+    except json.JSONDecodeError as where:
+        return f"{path}:{where.lineno}:{where.colno}: {where.msg}"
+    except ValueError:
+        pass
+    return f"{path}: invalid config: {err}"
+
+
 def _load_config(path: str, opts: HookOptions, *, required: bool) -> None:
     try:
         with open(path, encoding="utf-8") as handle:
-            data = jsonlite.loads(handle.read())
+            text = handle.read()
     except FileNotFoundError:
         if required:
             raise HookError(f"{path}: no such config file") from None
         return
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError) as err:  # ValueError: not UTF-8
         raise HookError(f"{path}: invalid config: {err}") from None
+    try:
+        data = jsonlite.loads(text)
+    except ValueError as err:
+        raise HookError(_json_problem(path, text, err)) from None
     if not isinstance(data, dict):
         raise HookError(f"{path}: expected a JSON object")
     for key, value in data.items():
@@ -384,9 +400,12 @@ def main(argv: list[str]) -> int:
         record["server"] = SERVED_BY
     try:
         if command == "cdi-hook":
-            if args and args[0] in ("-h", "--help"):
-                print(USAGE)
-                return 0
+            if any(arg in ("-h", "--help") for arg in args):  # no flag's value is either (not a path, no ::)
+                from devinject.hook.plan import CDI_HOOK_COMMANDS, cdi_hook_usage
+
+                if args[0] in ("-h", "--help", *CDI_HOOK_COMMANDS):  # else: run_cdi_hook names the unknown one
+                    print(cdi_hook_usage(args[0]))
+                    return 0
             opts.log_file = None
             run_cdi_hook(args)
             return 0

@@ -129,7 +129,32 @@ def _devinject_hook_args(hook: Hook) -> list[str] | None:
     return None
 
 
-_CDI_HOOK_FLAGS = {"create-symlinks": ("--link",), "update-ldcache": ("--folder", "--forward-compat")}
+CDI_HOOK_COMMANDS = {  # subcommand -> (what it does, its flags: (flag, value, meaning)); parsing and --help read it
+    "create-symlinks": ("Make symlinks in the container, as the host's driver has them (the soname links).", (
+        ("--link", "TARGET::LINK", "make LINK (an absolute path in the container) a symlink to TARGET"),
+    )),
+    "update-ldcache": ("Add library directories to the container's linker cache (ld.so.cache, or musl's path).", (
+        ("--folder", "DIR", "a directory of the driver's libraries in the container"),
+        ("--forward-compat", "DIR:LIBRARY:VERSION",
+         "DIR first when the image's LIBRARY.<version> there is newer than VERSION, the host driver's"),
+    )),
+}
+
+
+def cdi_hook_usage(command: str | None = None) -> str:
+    """`cdi-hook --help`: each subcommand's usage line; `cdi-hook COMMAND --help`: its own, and its flags."""
+    def usage(name: str) -> str:
+        flags = " ".join(f"[{flag} {value}]..." for flag, value, _ in CDI_HOOK_COMMANDS[name][1])
+        return f"devinject cdi-hook {name} {flags} < state.json"
+
+    if command not in CDI_HOOK_COMMANDS:
+        lines = [("usage: " if i == 0 else "       ") + usage(name) for i, name in enumerate(CDI_HOOK_COMMANDS)]
+        return "\n".join([*lines, "", "The specs' CDI createContainer hooks, run in the container's mount namespace.",
+                          "`devinject cdi-hook COMMAND --help` lists its flags."])
+    summary, flags = CDI_HOOK_COMMANDS[command]
+    width = max(len(f"{flag} {value}") for flag, value, _ in flags)
+    return "\n".join([f"usage: {usage(command)}", "", summary, "", "flags (each repeatable; --flag=value too):",
+                      *(f"  {f'{flag} {value}':{width}}  {meaning}" for flag, value, meaning in flags)])
 
 
 def parse_cdi_hook(args: list[str]) -> tuple[str, dict[str, list[str]]]:
@@ -138,10 +163,9 @@ def parse_cdi_hook(args: list[str]) -> tuple[str, dict[str, list[str]]]:
     if not args:
         raise HookError("cdi-hook: subcommand missing (create-symlinks or update-ldcache)")
     command, rest = args[0], args[1:]
-    flags = _CDI_HOOK_FLAGS.get(command)
-    if flags is None:
+    if command not in CDI_HOOK_COMMANDS:
         raise HookError(f"cdi-hook: unknown subcommand {command!r}")
-    values: dict[str, list[str]] = {flag: [] for flag in flags}
+    values: dict[str, list[str]] = {flag: [] for flag, _, _ in CDI_HOOK_COMMANDS[command][1]}
     i = 0
     while i < len(rest):
         arg = rest[i]
