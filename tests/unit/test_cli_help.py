@@ -166,6 +166,10 @@ def test_a_malformed_config_file_is_one_line_naming_file_line_and_column(tmp_pat
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and str(config) in done.stderr
     done = run(command, "--config", str(tmp_path / "absent.yaml"))
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "absent.yaml" in done.stderr
+    config.write_text("kind: [nvidia.com/gpu]\ninterval: often\n")  # a value of the wrong type: the file's fault
+    done = run(command, "--config", str(config))
+    assert done.returncode == 2 and done.stderr == f"devinject: error: {config}: interval: 'often' is not a valid " \
+                                                   "float.\n", done.stderr
 
 
 def test_a_malformed_hook_config_file_is_one_line_naming_file_line_and_column(tmp_path):
