@@ -84,10 +84,11 @@ fixtures: venv
 	$(BIN)/python tests/fixtures/build_hosts.py $(HOSTS)
 	$(BIN)/pytest -q tests/integration/test_golden.py --update-golden $(if $(HOSTS),-k "$(shell echo $(HOSTS) | sed 's/ / or /g')")
 
-# The kubelet device plugin API: Python modules generated from the .proto (committed; a test checks they match).
+# The kubelet device plugin and DRA APIs: Python modules generated from the .proto files (committed; tests check
+# they match).
 proto: venv
 	$(BIN)/python -m grpc_tools.protoc -Isrc --python_out=src --pyi_out=src --grpc_python_out=src \
-		src/devinject/kubelet/api/v1beta1.proto
+		src/devinject/kubelet/api/v1beta1.proto $(wildcard src/devinject/dra/api/*.proto)
 
 golden: venv
 	$(BIN)/pytest -q tests/integration/test_golden.py --update-golden

@@ -22,6 +22,7 @@ MAY_IMPORT = {
     "hook": {"core", "nodestate"},
     "agent": {"core", "discovery", "nodestate", "specs"},
     "kubelet": {"core", "discovery", "nodestate", "specs", "agent"},
+    "dra": {"core", "discovery", "nodestate", "specs", "agent"},
 }
 # Scripts a runtime runs by path, at the top like the commands although they sit in a package: the hook
 # launcher's path is in every hooks.d file and runc config `install-hook` wrote, so it stays where it is.
