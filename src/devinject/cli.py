@@ -17,9 +17,11 @@ import click
 from devinject import __version__
 from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 from devinject.core.errors import DevinjectError
+from devinject.core.paths import DEFAULT_STATE_DIR
 
 if TYPE_CHECKING:
     from devinject.agent.watch import WatchOptions
+    from devinject.api import Node
 
 log = logging.getLogger("devinject")
 
@@ -67,17 +69,24 @@ def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_r
     return bundle_hook_path(in_root(root if target_root is None else target_root, node_hook))
 
 
-def _check_roots(*, root: str | None = None, profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
-                 kernel_log: str | None = None) -> None:
-    """What a command was pointed at, checked once before it reads anything: a wrong one is one line naming
-    it (discovery/roots.py). The kernel log may be missing only when it was not asked for."""
+def _node(*, root: str = "/", target_root: str | None = None, profile_dirs: tuple[str, ...] = (),
+          state_dir: str | None = None, kernel_log: str | None = None) -> Node:
+    """The node a command was pointed at (devinject.api), its roots checked once before it reads anything: a
+    wrong one is one line naming it (discovery/roots.py). The kernel log may be missing only when it was not
+    asked for."""
     from click.core import ParameterSource
 
-    from devinject.discovery.roots import check_roots
+    from devinject.api import Node
 
     source = click.get_current_context().get_parameter_source("kernel_log")
-    check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log,
-                kernel_log_explicit=source not in (None, ParameterSource.DEFAULT))
+    return Node(root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
+                kernel_log=kernel_log, kernel_log_explicit=source not in (None, ParameterSource.DEFAULT))
+
+
+def _check_roots(*, root: str = "/", profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
+                 kernel_log: str | None = None) -> None:
+    """The roots of a command that reads no devices (install-node-hook, watch), checked as _node checks them."""
+    _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
 
 
 def note(text: str, *, error: bool = False) -> None:
@@ -139,15 +148,14 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
              nvml: bool | None, bundles: tuple[str, ...], target_root: str | None, driver_root: str | None,
              node_hook: str | None) -> None:
     """Discover devices on the host and write CDI specs."""
-    _check_roots(root=root, profile_dirs=profile_dirs)
+    node = _node(root=root, target_root=target_root, profile_dirs=profile_dirs)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     from devinject.core.spec import write_atomic
-    from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
+    from devinject.specs.generate import GenerateOptions, render, write_specs
 
-    opts = GenerateOptions(root=root, kinds=kinds, strategies=strategies, version_cap=version_cap,
-                           hook_path=hook_path, profile_dirs=profile_dirs, nvml=nvml, bundles=bundles,
-                           target_root=target_root, driver_root=driver_root)
-    specs = generate_specs(opts)
+    opts = GenerateOptions(kinds=kinds, strategies=strategies, version_cap=version_cap, hook_path=hook_path,
+                           nvml=nvml, bundles=bundles, driver_root=driver_root)
+    specs = node.specs(opts)
     if not specs:
         log.warning("no devices found under %s; nothing written", root)
         return
@@ -200,7 +208,7 @@ def validate(paths: tuple[str, ...], max_version: str | None, as_json: bool) -> 
         note("no spec files found")
 
 
-state_dir_option = click.option("--state-dir", default="/run/devinject", show_default=True,
+state_dir_option = click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True,
                                 help="devinject's node state: ledger, health, events.")
 kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", show_default=True,
                                  help="Kernel log (under --root) scanned for NVIDIA Xid events.")
@@ -215,19 +223,13 @@ kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", sh
 @profile_dir_option
 def topo(root: str, fmt: str, as_json: bool, output: str | None, profile_dirs: tuple[str, ...]) -> None:
     """How close the devices are in the PCIe tree and across NUMA nodes (as `nvidia-smi topo -m`, any vendor)."""
-    _check_roots(root=root, profile_dirs=profile_dirs)
-    from devinject.discovery.discover import discover
-    from devinject.discovery.host import Host
-    from devinject.discovery.profiles import load_profiles
-    from devinject.discovery.topology import render_dot, topology
+    from devinject.discovery.topology import render_dot
 
-    host = Host(root)
-    found = discover(host, load_profiles(host, profile_dirs))
-    if not found:
+    result = _node(root=root, profile_dirs=profile_dirs).topology()
+    fmt = "json" if as_json else fmt
+    if not result.labels and fmt != "json":  # the JSON of no devices is the empty topology (docs/json.md)
         note("no devices found")
         return
-    result = topology(host, found)
-    fmt = "json" if as_json else fmt
     if fmt == "json":
         text = json.dumps(result.to_json(), indent=2) + "\n"
     elif fmt == "text":
@@ -274,21 +276,19 @@ def _graphviz_svg(dot_text: str) -> str:
 @kernel_log_option
 def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_dir: str, kernel_log: str) -> None:
     """Show every discovered device, its health and which container holds it."""
-    _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
-    from devinject.agent.inventory import inventory
-
-    rows = inventory(root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
+    rows = node.inventory()
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps([r.to_json() for r in rows], indent=2))
         return
     if not rows:
         note("no devices found")
         return
     header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "PAIRED WITH", "NODES")
     table = [header] + [
-        (r["names"][0], r["pci"], r["model"], str(r["numa_node"]), r["driver"] or "-", r["health"],
-         ",".join(r["held_by"]) or "-", ",".join(p.partition(" ")[0] for p in r["paired_with"]) or "-",
-         " ".join(n["path"] for n in r["nodes"]))
+        (r.name, r.pci_address, r.model, "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
+         r.health, ",".join(h.container or "?" for h in r.holders) or "-",
+         ",".join(name for name, _ in r.paired_with) or "-", " ".join(path for path, _, _ in r.nodes))
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
@@ -439,19 +439,13 @@ def install_node_hook(root: str, directory: str, check: bool, force: bool) -> No
               help="Seconds each device's probe may take before it counts as failed.")
 def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: str, probe_timeout: float) -> None:
     """Check every device once; exit 0 only when all are healthy."""
-    _check_roots(root=root, profile_dirs=profile_dirs, kernel_log=kernel_log)
-    from devinject.agent.health import check_host
-    from devinject.discovery.host import Host
-    from devinject.discovery.profiles import load_profiles
-
-    host = Host(root)
-    verdicts = check_host(host, load_profiles(host, profile_dirs), kernel_log=kernel_log, timeout=probe_timeout)
+    node = _node(root=root, profile_dirs=profile_dirs, kernel_log=kernel_log)
+    verdicts = node.health(timeout=probe_timeout)
     if as_json:
-        click.echo(json.dumps([{"device": v.key, "status": v.status, "reasons": list(v.reasons)} for v in verdicts],
-                              indent=2))
+        click.echo(json.dumps([v.to_json() for v in verdicts], indent=2))
     else:
         for v in verdicts:
-            click.echo(f"{v.key:40} {v.status:10} {'; '.join(v.reasons)}".rstrip())
+            click.echo(f"{v.kind + '=' + v.pci_address:40} {v.health:10} {'; '.join(v.reasons)}".rstrip())
         if not verdicts:
             note("no devices found")
     sys.exit(0 if all(v.healthy for v in verdicts) else 1)
@@ -626,21 +620,18 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
     """The last transitions per device (all devices, or those matching DEVICE)."""
-    _check_roots(state_dir=state_dir)
-    from devinject.nodestate.events import device_history
-
-    history = device_history(state_dir, device)
+    found = _node(state_dir=state_dir).events(device)
     if as_json:
-        click.echo(json.dumps(history, indent=2))
+        click.echo(json.dumps([e.to_json() for e in found], indent=2))
         return
-    if not history:
+    if not found:
         note("no events")
-    for key, entries in sorted(history.items()):
-        click.echo(key)
-        for entry in entries:
-            extra = "; ".join(entry.get("reasons", [])) or entry.get("status", "")
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["time"]))
-            click.echo(f"  {stamp}  {entry['event']:10} {extra}".rstrip())
+    for index, event in enumerate(found):
+        if index == 0 or found[index - 1].name != event.name:
+            click.echo(event.name)
+        extra = "; ".join(event.reasons) or str(dict(event.details).get("health", ""))
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.time))
+        click.echo(f"  {stamp}  {event.event:10} {extra}".rstrip())
 
 
 @cli.command("put-back")
@@ -651,10 +642,10 @@ def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
 def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ...]) -> None:
     """Clear DEVICE's sticky verdicts (AER fatal errors, fatal Xids): its AER totals as they read now become
     its baseline; `watch`/`device-plugin` puts it back once its checks pass."""
-    _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
     from devinject.agent.healthstate import request_put_back
 
-    key, accepted = request_put_back(root, state_dir, device, profile_dirs)
+    key, accepted = request_put_back(root, state_dir, device, profile_dirs, node=node)
     totals = ", ".join(f"{fn} fatal {f} non-fatal {n}" for fn, (f, n) in sorted(accepted.items()))
     click.echo(f"{key}: put-back requested (AER totals accepted: {totals}); the agent puts it back after "
                "--threshold passing checks")
@@ -664,31 +655,29 @@ def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ..
 @click.argument("device", required=False)
 @root_option
 @state_dir_option
+@profile_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def who(device: str | None, root: str, state_dir: str, as_json: bool) -> None:
+def who(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, ...], as_json: bool) -> None:
     """Processes holding device nodes open (pid, command, container if known)."""
-    _check_roots(root=root, state_dir=state_dir)
-    from devinject.agent.inventory import holders
-
-    rows = holders(root, state_dir=state_dir, device=device)
+    rows = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir).holders(device)
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps([r.to_json() for r in rows], indent=2))
         return
     if not rows:
         note("no process holds a device node")
     for r in rows:
-        click.echo(f"{r['device']:32} {r['node']:24} pid {r['pid']:<8} {r['command']:16} {r['container'] or '-'}")
+        held = r.holder
+        click.echo(f"{r.name:32} {held.node or '-':24} pid {held.pid:<8} {held.command or '?':16} "
+                   f"{held.container or '-'}")
 
 
 @cli.command("create-dev-char-links")
 @root_option
 @click.option("--dry-run", is_flag=True, help="Print the links instead of creating them.")
-def create_dev_char_links(root: str, dry_run: bool) -> None:
+@profile_dir_option
+def create_dev_char_links(root: str, dry_run: bool, profile_dirs: tuple[str, ...]) -> None:
     """Create /dev/char/MAJ:MIN links for discovered nodes that udev did not make (systemd reload caveat)."""
-    _check_roots(root=root)
-    from devinject.discovery.devchar import missing_links
-
-    for link, target in missing_links(root):
+    for link, target in _node(root=root, profile_dirs=profile_dirs).dev_char_links():
         if dry_run:
             click.echo(f"{link} -> {target}")
             continue

@@ -125,7 +125,8 @@ def test_list_shows_the_pairing(topology_hosts) -> None:  # type: ignore[no-unty
     done = subprocess.run([DEVINJECT, "list", "--root", str(topology_hosts / "root-ports"), "--json",
                            "--state-dir", "/nonexistent"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    paired = {row["names"][0]: row["paired_with"] for row in json.loads(done.stdout)}
+    paired = {row["name"]: [f"{p['name']} ({p['relation']})" for p in row["paired_with"]]
+              for row in json.loads(done.stdout)}
     assert paired == {"nvidia.com/gpu=0": ["nvidia.com/rdma=0 (PHB)"], "nvidia.com/gpu=1": ["nvidia.com/rdma=0 (PHB)"],
                       "nvidia.com/gpu=2": [],
                       "nvidia.com/rdma=0": ["nvidia.com/gpu=0 (PHB)", "nvidia.com/gpu=1 (PHB)"]}

@@ -197,7 +197,7 @@ def test_who_lists_processes_holding_a_device_node(host_copy, tmp_path):
     with open("/dev/null") as held:  # noqa: F841 - held open for the scan
         done = run("who", "--root", str(root), "--state-dir", str(tmp_path / "state"), "--json")
     assert done.returncode == 0, done.stderr
-    rows = [r for r in json.loads(done.stdout) if r["device"] == "intel.com/gpu=0"]
+    rows = [r for r in json.loads(done.stdout) if r["name"] == "intel.com/gpu=0"]
     assert any(r["pid"] == os.getpid() and r["node"] == "c 1:3" for r in rows)
 
 

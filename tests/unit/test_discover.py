@@ -118,13 +118,14 @@ def test_a_family_added_as_data_only(tmp_path):
     uevent subsystem the agent listens to all come from the profile."""
     from devinject.agent.inventory import inventory
     from devinject.agent.watch import Watcher, WatchOptions
+    from devinject.discovery.node import Node
     from devinject.specs.generate import GenerateOptions
 
     found = _found("tenstorrent-n300")
     assert [(f.profile.kind, [n.path for n in f.nodes]) for f in found] == [
         ("tenstorrent.com/card", ["/dev/tenstorrent/0"]), ("tenstorrent.com/card", ["/dev/tenstorrent/1"])]
-    rows = inventory(str(HOSTS / "tenstorrent-n300"))
-    assert {(r["vendor"], r["model"]) for r in rows} == {("Tenstorrent", "Tenstorrent Wormhole")}
+    rows = inventory(Node(str(HOSTS / "tenstorrent-n300")))
+    assert {(r.vendor, r.model) for r in rows} == {("Tenstorrent", "Tenstorrent Wormhole")}
     watcher = Watcher(WatchOptions(generate=GenerateOptions(root=str(HOSTS / "tenstorrent-n300")),
                                    output_dir=tmp_path / "cdi", state_dir=str(tmp_path / "state")))
     assert {"pci", "tenstorrent", "drm", "infiniband"} <= watcher.uevent_subsystems

@@ -54,8 +54,9 @@ def test_json_for_tools() -> None:
     done = subprocess.run([DEVINJECT, "topo", "--root", str(HOSTS / "hgx-h100"), "--json"], capture_output=True,
                           text=True, timeout=60)
     data = json.loads(done.stdout)
-    gpu0 = data["devices"][0]
-    assert (gpu0["label"], gpu0["pci"], gpu0["numa_node"]) == ("GPU0", "0000:18:00.0", 0)
+    assert next(iter(data["devices"])) == "GPU0"
+    gpu0 = data["devices"]["GPU0"]
+    assert (gpu0["name"], gpu0["pci_address"], gpu0["numa_node"]) == ("nvidia.com/gpu=0", "0000:18:00.0", 0)
     assert data["matrix"]["GPU0"]["NIC0"] == PIX and data["matrix"]["GPU0"]["GPU4"] == SYS
     assert data["matrix"]["GPU0"]["GPU1"] == NODE
 

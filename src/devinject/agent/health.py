@@ -359,9 +359,9 @@ def unbound_verdict(profile: Profile, pci: PciDevice) -> Verdict:
 
 
 def check_host(host: Host, profiles: list[Profile], *, kernel_log: str = DEFAULT_KERNEL_LOG,
-               timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
-    """One-shot verdicts for every device of every profile, bound or not."""
+               timeout: float = PROBE_TIMEOUT, found: list[FoundDevice] | None = None) -> list[Verdict]:
+    """One-shot verdicts for every device of every profile, bound or not (`found`: as already discovered)."""
     checker = HealthChecker(host, kernel_log=kernel_log, timeout=timeout)
-    verdicts = checker.check(discover(host, profiles))
+    verdicts = checker.check(discover(host, profiles) if found is None else found)
     verdicts += [unbound_verdict(profile, pci) for profile, pci in unbound_functions(host, profiles)]
     return sorted(verdicts, key=lambda v: (v.kind, v.address))

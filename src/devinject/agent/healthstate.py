@@ -27,10 +27,13 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from devinject.core import atomicfile, filelock, jsonlite
 from devinject.core.errors import DevinjectError
+
+if TYPE_CHECKING:
+    from devinject.discovery.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -250,25 +253,22 @@ def take_requests(state_dir: str) -> dict[str, dict[str, tuple[int, int]]]:
     return {key: entry["aer"] for key, entry in requests.items()}
 
 
-def request_put_back(root: str, state_dir: str, device: str,
-                     profile_dirs: tuple[str, ...] = ()) -> tuple[str, dict[str, tuple[int, int]]]:
+def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple[str, ...] = (), *,
+                     node: Node | None = None) -> tuple[str, dict[str, tuple[int, int]]]:
     """`devinject put-back DEVICE`: the admin clears DEVICE's sticky verdicts (its key, a PCI address of one of
     its functions, or a CDI name). Its AER totals as they read now become its baseline; the agent takes the
-    request at its next round (or when it starts) and puts the device back once `--threshold` checks pass."""
+    request at its next round (or when it starts) and puts the device back once `--threshold` checks pass.
+    `node`: the node the command made (else the one at `root` with `profile_dirs`)."""
     from devinject.agent.health import aer_totals
-    from devinject.core.identity import device_key, qualified
-    from devinject.discovery.discover import discover
-    from devinject.discovery.host import Host
-    from devinject.discovery.profiles import load_profiles
+    from devinject.core.identity import device_key
+    from devinject.discovery.node import Node
     from devinject.nodestate import events
-    from devinject.specs.generate import device_names
 
-    host = Host(root)
-    matches = [found for found in discover(host, load_profiles(host, profile_dirs))
-               if device in (device_key(found.profile.kind, found.address), *(p.address for p in found.functions),
-                             *(qualified(found.profile.kind, n) for n in device_names(found, ())))]
+    node = node or Node(root, profile_dirs=profile_dirs, check=False)
+    host = node.host
+    matches = node.find(device)
     if len(matches) != 1:
-        raise DevinjectError(f"{device}: no such device under {root}" if not matches else
+        raise DevinjectError(f"{device}: no such device under {node.root}" if not matches else
                              f"{device}: names {len(matches)} devices; give one's key (kind=PCI address)")
     (found,) = matches
     key = device_key(found.profile.kind, found.address)

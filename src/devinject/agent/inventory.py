@@ -1,76 +1,162 @@
-"""What `devinject list` and `devinject who` show, as plain data."""
+"""What `devinject list`, `health` and `who` show: result records over a Node, each with its JSON form in the
+one vocabulary of docs/json.md (`name`, `kind`, `pci_address`, `numa_node`, `health`, `reasons`, `holders`)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
-from devinject.agent.health import HealthChecker
-from devinject.core.identity import device_key, node_id_of, qualified
-from devinject.discovery.discover import FoundDevice, discover
-from devinject.discovery.host import Host
-from devinject.discovery.profiles import load_profiles
+from devinject.agent.health import DEFAULT_KERNEL_LOG, PROBE_TIMEOUT, Verdict, check_host
+from devinject.core.identity import device_key, node_id_of
+from devinject.discovery.node import Node
+from devinject.discovery.topology import known_numa
 from devinject.nodestate.ledger import Ledger, holders_of
-from devinject.specs.generate import device_names
 
 
-def _allocations(state_dir: str) -> dict[str, dict[str, Any]]:
-    if not os.path.exists(os.path.join(state_dir, "ledger.json")):
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds a device: a container the ledger booked it for (its `state` active or reclaiming, the pid it
+    booked with), or a process with one of its nodes open (`who`: its pid, command, the node)."""
+
+    pid: int | None
+    container: str | None
+    command: str | None = None
+    node: str | None = None  # "c 195:0"
+    state: str | None = None  # the ledger's: active, reclaiming
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "container": self.container, "command": self.command, "node": self.node,
+                "state": self.state}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceHealth:
+    """One device's verdict (`health`)."""
+
+    name: str
+    kind: str
+    pci_address: str
+    health: str  # healthy, degraded, unhealthy
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def healthy(self) -> bool:
+        return self.health == "healthy"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, "health": self.health,
+                "reasons": list(self.reasons)}
+
+
+@dataclass(frozen=True, slots=True)
+class HeldNode:
+    """A process holding one of a device's nodes open (`who`)."""
+
+    name: str
+    kind: str
+    pci_address: str
+    holder: Holder
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, **self.holder.to_json()}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRecord:
+    """One discovered device as `list` shows it."""
+
+    names: tuple[str, ...]  # its CDI names, index name first
+    kind: str
+    pci_address: str
+    functions: tuple[str, ...]
+    vendor: str
+    model: str
+    pci_id: str
+    uuid: str | None
+    numa_node: int | None  # None: the kernel does not know (-1)
+    driver: str | None
+    sharing: str
+    health: str
+    reasons: tuple[str, ...]
+    holders: tuple[Holder, ...]
+    allocation: str  # free, allocated, reclaiming
+    nodes: tuple[tuple[str, int | None, int | None], ...]  # path, major, minor
+    paired_with: tuple[tuple[str, str], ...]  # (CDI name, relation) for --bundles gpu-nic
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "names": list(self.names), "kind": self.kind, "pci_address": self.pci_address,
+            "functions": list(self.functions), "vendor": self.vendor, "model": self.model, "pci_id": self.pci_id,
+            "uuid": self.uuid, "numa_node": self.numa_node, "driver": self.driver, "sharing": self.sharing,
+            "health": self.health, "reasons": list(self.reasons), "holders": [h.to_json() for h in self.holders],
+            "allocation": self.allocation,
+            "nodes": [{"path": path, "major": major, "minor": minor} for path, major, minor in self.nodes],
+            "paired_with": [{"name": name, "relation": relation} for name, relation in self.paired_with],
+        }
+
+
+def _allocations(state_dir: str | None) -> dict[str, dict[str, Any]]:
+    if not state_dir or not os.path.exists(os.path.join(state_dir, "ledger.json")):
         return {}
     allocations: dict[str, dict[str, Any]] = Ledger(state_dir).snapshot()["allocations"]
     return allocations
 
 
-def inventory(root: str, *, profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
-              kernel_log: str = "/var/log/kern.log") -> list[dict[str, Any]]:
-    host = Host(root)
-    found = discover(host, load_profiles(host, profile_dirs))
-    verdicts = {v.key: v for v in HealthChecker(host, kernel_log=kernel_log).check(found)}
-    allocations = _allocations(state_dir) if state_dir else {}
-    paired = _pairs(host, found)
+def verdicts(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
+    """Every device's verdict, bound or not, sorted by kind and address (agent/health.py's check_host)."""
+    return check_host(node.host, node.profiles, kernel_log=node.kernel_log or DEFAULT_KERNEL_LOG, timeout=timeout,
+                      found=node.devices())
+
+
+def device_health(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceHealth]:
+    return [DeviceHealth(node.name_of(v.kind, v.address), v.kind, v.address, v.status, v.reasons)
+            for v in verdicts(node, timeout=timeout)]
+
+
+def inventory(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceRecord]:
+    """Every discovered device with its health, the containers the ledger booked it for and its GPU-NIC pairs."""
+    by_key = {v.key: v for v in verdicts(node, timeout=timeout)}
+    allocations = _allocations(node.state_dir)
+    paired = _pairs(node)
     rows = []
-    for item in found:
+    for item in node.devices():
         pci = item.pci
         vendor = item.profile.vendor_name or f"{pci.vendor:04x}"
-        nodes = [node_id_of(n) for n in item.nodes]
-        verdict = verdicts[device_key(item.profile.kind, item.address)]
+        nodes = {node_id_of(n) for n in item.nodes}
+        verdict = by_key[device_key(item.profile.kind, item.address)]
         held_by = sorted(cid for cid, entry in allocations.items()
-                         if set(nodes) & set(entry.get("exclusive", []) + entry.get("shared", [])))
-        states = {allocations[cid].get("state", "active") for cid in held_by}
-        rows.append({
-            "names": [qualified(item.profile.kind, n) for n in device_names(item, ())],
-            "kind": item.profile.kind,
-            "pci": item.address,
-            "functions": [f.address for f in item.functions],
-            "vendor": vendor,
-            "model": item.model or f"{vendor} {pci.device:04x}",
-            "pci_id": f"{pci.vendor:04x}:{pci.device:04x}",
-            "uuid": item.uuid,
-            "numa_node": pci.numa_node,
-            "driver": pci.driver,
-            "sharing": item.profile.sharing,
-            "health": verdict.status,
-            "health_reasons": list(verdict.reasons),
-            "held_by": held_by,
-            "state": "reclaiming" if "reclaiming" in states else ("allocated" if held_by else "free"),
-            "nodes": [{"path": n.path, "major": n.major, "minor": n.minor} for n in item.nodes],
-            "paired_with": paired.get(device_key(item.profile.kind, item.address), []),
-        })
+                         if nodes & set(entry.get("exclusive", []) + entry.get("shared", [])))
+        holders = tuple(Holder(allocations[cid].get("pid"), cid, state=allocations[cid].get("state", "active"))
+                        for cid in held_by)
+        states = {h.state for h in holders}
+        rows.append(DeviceRecord(
+            names=tuple(node.names(item)), kind=item.profile.kind, pci_address=item.address,
+            functions=tuple(f.address for f in item.functions), vendor=vendor,
+            model=item.model or f"{vendor} {pci.device:04x}", pci_id=f"{pci.vendor:04x}:{pci.device:04x}",
+            uuid=item.uuid, numa_node=known_numa(pci.numa_node), driver=pci.driver, sharing=item.profile.sharing,
+            health=verdict.status, reasons=verdict.reasons, holders=holders,
+            allocation="reclaiming" if "reclaiming" in states else ("allocated" if holders else "free"),
+            nodes=tuple((n.path, n.major, n.minor) for n in item.nodes),
+            paired_with=tuple(paired.get(device_key(item.profile.kind, item.address), ())),
+        ))
     return rows
 
 
-def _pairs(host: Host, found: list[FoundDevice]) -> dict[str, list[str]]:
+def _pairs(node: Node) -> dict[str, list[tuple[str, str]]]:
     """device key -> the devices it is paired with for `--bundles gpu-nic` (a GPU: its NIC; a NIC: its GPUs),
-    each as `<kind>=<index> (<relation>)`."""
-    from devinject.discovery.topology import topology
-
-    topo = topology(host, found)
-    paired: dict[str, list[str]] = {}
+    each as (CDI name, relation)."""
+    topo = node.topology()
+    paired: dict[str, list[tuple[str, str]]] = {}
     for pair in topo.pairs():
-        gpu, nic = topo.devices[pair.gpu], topo.devices[pair.nic]
-        for one, other in ((gpu, nic), (nic, gpu)):
-            paired.setdefault(device_key(one.profile.kind, one.address), []).append(
-                f"{qualified(other.profile.kind, str(other.index))} ({pair.relation})")
+        for one, other in ((pair.gpu, pair.nic), (pair.nic, pair.gpu)):
+            device = topo.devices[one]
+            paired.setdefault(device_key(device.profile.kind, device.address), []).append(
+                (topo.name(other), pair.relation))
     return paired
 
 
@@ -82,22 +168,18 @@ def _command(pid: int) -> str:
         return "?"
 
 
-def holders(root: str, *, state_dir: str, device: str | None = None) -> list[dict[str, Any]]:
-    """Processes with a discovered device's node open, and the container the ledger says they belong to."""
-    host = Host(root)
-    nodes: dict[str, str] = {}
-    for item in discover(host, load_profiles(host)):
-        names = [qualified(item.profile.kind, n) for n in device_names(item, ())]
-        if device and not any(device in (n, n.partition("=")[2]) for n in names) and device != item.address:
-            continue
+def holders(node: Node, device: str | None = None) -> list[HeldNode]:
+    """Processes with a node of the devices (`device`: those it names, as Node.find reads it) open, and the
+    container the ledger says they belong to."""
+    owner: dict[str, tuple[str, str, str]] = {}
+    for item in node.find(device) if device else node.devices():
         for device_node in item.nodes:
-            nodes.setdefault(node_id_of(device_node), names[0])
-    allocations = _allocations(state_dir)
+            owner.setdefault(node_id_of(device_node), (node.names(item)[0], item.profile.kind, item.address))
+    allocations = _allocations(node.state_dir)
     rows = []
-    for node, pids in sorted(holders_of(set(nodes)).items()):
-        for pid in sorted(pids):
-            container = next((cid for cid, entry in allocations.items() if node in entry.get("exclusive", [])
-                              + entry.get("shared", [])), None)
-            rows.append({"device": nodes[node], "node": node, "pid": pid, "command": _command(pid),
-                         "container": container})
+    for held, pids in sorted(holders_of(set(owner)).items()):
+        container = next((cid for cid, entry in allocations.items() if held in entry.get("exclusive", [])
+                          + entry.get("shared", [])), None)
+        name, kind, address = owner[held]
+        rows += [HeldNode(name, kind, address, Holder(pid, container, _command(pid), held)) for pid in sorted(pids)]
     return rows

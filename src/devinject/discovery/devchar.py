@@ -9,25 +9,23 @@ from __future__ import annotations
 import os
 import posixpath
 
-from devinject.discovery.discover import HostView, discover, shared_nodes
-from devinject.discovery.host import Host
-from devinject.discovery.profiles import load_profiles
+from devinject.discovery.discover import shared_nodes
+from devinject.discovery.node import Node
 
 
-def missing_links(root: str) -> list[tuple[str, str]]:
-    """(link path on this machine, relative target) for every discovered node without a /dev/char link."""
-    host = Host(root)
-    profiles = load_profiles(host)
-    view = HostView(host)
-    found = discover(host, profiles, view=view)
+def missing_links(node: Node) -> list[tuple[str, str]]:
+    """(link path on this machine, relative target) for every discovered node without a /dev/char link: the
+    devices of the node's profiles (--profile-dir's too) and the nodes their kinds share."""
+    host = node.host
+    found = node.devices()
     nodes = [n for f in found for n in f.nodes]
     for profile in {f.profile.name: f.profile for f in found}.values():
-        nodes += shared_nodes(view, profile)
+        nodes += shared_nodes(node.view, profile)
     out = []
-    for node in dict.fromkeys(nodes):
-        if node.major is None or node.minor is None or not host.exists(node.path):
+    for device_node in dict.fromkeys(nodes):
+        if device_node.major is None or device_node.minor is None or not host.exists(device_node.path):
             continue
-        link = f"/dev/char/{node.major}:{node.minor}"
+        link = f"/dev/char/{device_node.major}:{device_node.minor}"
         if not os.path.lexists(host.real(link)):
-            out.append((host.real(link), posixpath.relpath(node.path, "/dev/char")))
+            out.append((host.real(link), posixpath.relpath(device_node.path, "/dev/char")))
     return sorted(set(out))

@@ -16,10 +16,10 @@ from typing import Any
 
 from devinject.core.errors import ConfigError
 from devinject.core.names import kind_problem
+from devinject.core.paths import profile_search_path
 from devinject.discovery.host import Host
 from devinject.discovery.sysfs import PciDevice
 
-ADMIN_PROFILE_DIR = "/etc/devinject/profiles.d"
 SHARING_MODES = ("exclusive", "shared")
 MOUNT_OPTIONS = frozenset({"ro", "rw", "nosuid", "suid", "nodev", "dev", "noexec", "exec", "bind", "rbind"})
 
@@ -467,8 +467,7 @@ def builtin_profiles() -> list[Profile]:
 def load_profiles(host: Host, extra_dirs: tuple[str, ...] = ()) -> list[Profile]:
     """Shipped profiles, then admin files (same name replaces), ordered by priority then name."""
     by_name = {p.name: p for p in builtin_profiles()}
-    admin_dirs = [host.real(ADMIN_PROFILE_DIR), *extra_dirs]
-    for directory in admin_dirs:
+    for directory in profile_search_path(host.root, extra_dirs):
         path = Path(directory)
         if not path.is_dir():
             continue

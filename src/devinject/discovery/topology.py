@@ -38,11 +38,15 @@ class Place:
     cpus: str  # local_cpulist, as the kernel prints it ("" when absent)
 
 
+def known_numa(numa_node: int) -> int | None:
+    """The kernel's `numa_node` attribute, None for its -1 ('not known'): as every --json prints it."""
+    return numa_node if numa_node >= 0 else None
+
+
 def place_of(host: Host, found: FoundDevice) -> Place:
     pci = found.functions[0]
     path = tuple(part for part in pci.sys_path.removeprefix("/sys/devices/").split("/") if part)
-    return Place(pci.address, path, pci.numa_node if pci.numa_node >= 0 else None,
-                 host.read_attr(pci.sys_path + "/local_cpulist") or "")
+    return Place(pci.address, path, known_numa(pci.numa_node), host.read_attr(pci.sys_path + "/local_cpulist") or "")
 
 
 def relation(a: Place, b: Place) -> str:
@@ -75,13 +79,22 @@ class Topology:
     def relation(self, i: int, j: int) -> str:
         return relation(self.places[i], self.places[j])
 
+    def name(self, i: int) -> str:
+        """The CDI name of the device labelled `labels[i]` (its index name, as `list` shows it first)."""
+        device = self.devices[i]
+        return f"{device.profile.kind}={device.index}"
+
     def to_json(self) -> dict[str, object]:
+        """docs/json.md (`topo`): `devices` ties each matrix label to its CDI name and PCI address."""
+        pairs = self.pairs()
         return {
-            "devices": [{"label": label, "kind": d.profile.kind, "pci": p.address, "numa_node": p.numa,
-                         "cpus": p.cpus, "path": list(p.path)}
-                        for label, d, p in zip(self.labels, self.devices, self.places, strict=True)],
+            "devices": {label: {"name": self.name(i), "kind": d.profile.kind, "pci_address": p.address,
+                                "numa_node": p.numa, "cpus": p.cpus, "path": list(p.path)}
+                        for i, (label, d, p) in enumerate(zip(self.labels, self.devices, self.places, strict=True))},
             "matrix": {a: {b: self.relation(i, j) for j, b in enumerate(self.labels)}
                        for i, a in enumerate(self.labels)},
+            "pairs": [{"gpu": self.labels[pair.gpu], "nic": self.labels[pair.nic], "gpu_name": self.name(pair.gpu),
+                       "nic_name": self.name(pair.nic), "relation": pair.relation} for pair in pairs],
         }
 
     def pairs(self) -> list[Pair]:
@@ -175,8 +188,8 @@ def render_dot(topo: Topology) -> str:
         lines.append("  }")
     edges: dict[tuple[str, str], None] = {}
     bridges_seen: dict[str, None] = {}
-    for label, device, place in zip(topo.labels, topo.devices, topo.places, strict=True):
-        name = f"{device.profile.kind}={device.index}"
+    for i, (label, place) in enumerate(zip(topo.labels, topo.places, strict=True)):
+        name = topo.name(i)
         lines.append(f"  {_quoted(place.address)} [shape=box, style=filled, fillcolor="
                      f"{'palegreen' if label.startswith('GPU') else 'lightblue'}, "
                      f"label={_quoted(label + chr(10) + name + chr(10) + place.address)}];")

@@ -8,16 +8,17 @@ import os
 
 from devinject.core import jsonlite
 from devinject.core.identity import file_identity
+from devinject.core.paths import SHIPPED_PROFILE_DIR, profile_search_path
 from devinject.core.trusteddir import trusted_dir
 
 CACHE_NAME = "sharing-cache.json"
 
 
 def _profile_files(root: str, profile_dirs: tuple[str, ...]) -> list[str]:
-    """Every profile file load_profiles reads: shipped, <root>/etc/devinject/profiles.d, --profile-dir."""
-    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "profiles")
-    files = [os.path.join(shipped, n) for n in sorted(os.listdir(shipped)) if n.endswith(".yaml")]
-    for directory in (os.path.join(root, "etc/devinject/profiles.d"), *profile_dirs):
+    """Every profile file load_profiles reads, in its order: shipped, then the search path (core/paths.py)."""
+    files = [os.path.join(SHIPPED_PROFILE_DIR, n) for n in sorted(os.listdir(SHIPPED_PROFILE_DIR))
+             if n.endswith(".yaml")]
+    for directory in profile_search_path(root, profile_dirs):
         if os.path.isdir(directory):
             files += [os.path.join(directory, n) for n in sorted(os.listdir(directory))
                       if n.endswith((".yaml", ".yml"))]
@@ -46,12 +47,13 @@ def _facts(state_dir: str, root: str, profile_dirs: tuple[str, ...]) -> dict[str
             return {"policy": dict(data["policy"]), "request_env": dict(data["request_env"])}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
-    from devinject.discovery.host import Host
-    from devinject.discovery.profiles import load_profiles
+    from devinject.discovery.node import Node
 
     policy: dict[str, str] = {}
     request_env: dict[str, str] = {}
-    for profile in reversed(load_profiles(Host(root), profile_dirs)):  # highest priority last, so it wins
+    # unchecked, as the hook always read them: a --profile-dir of hook.json that is not there adds no profiles
+    node = Node(root, profile_dirs=profile_dirs, check=False)
+    for profile in reversed(node.profiles):  # highest priority last, so it wins
         policy[profile.kind] = profile.sharing
         request_env.update(dict.fromkeys(profile.request_env, profile.kind))
     facts = {"policy": policy, "request_env": request_env}

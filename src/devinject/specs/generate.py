@@ -31,8 +31,9 @@ from devinject.discovery.libraries import (
     native_arch,
     read_ldcache,
 )
+from devinject.discovery.node import Node, device_names
 from devinject.discovery.procfs import parse_nvidia_version
-from devinject.discovery.profiles import Profile, load_profiles
+from devinject.discovery.profiles import Profile
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +84,6 @@ def default_hook_path() -> str:
     if os.path.isabs(argv0) and os.path.basename(argv0) == "devinject" and os.access(argv0, os.X_OK):
         return argv0
     return shutil.which("devinject") or "/usr/local/bin/devinject"
-
-
-def device_names(found: FoundDevice, strategies: tuple[str, ...]) -> list[str]:
-    chosen = strategies or (("index", "uuid") if found.uuid else ("index", "pci"))
-    names = []
-    for strategy in chosen:
-        if strategy == "index":
-            names.append(str(found.index))
-        elif strategy == "uuid":
-            names.append(found.uuid or found.address)
-        else:
-            names.append(found.address)
-    return list(dict.fromkeys(names))
 
 
 class Rerooter:
@@ -400,7 +388,11 @@ def _enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -
 
 def select_profiles(host: Host, opts: GenerateOptions) -> list[Profile]:
     """The device families to serve: every profile (shipped, admin, --profile-dir), or those of --kind."""
-    profiles = load_profiles(host, opts.profile_dirs)
+    return kind_profiles(Node(host.root, profile_dirs=opts.profile_dirs, check=False, host=host).profiles, opts)
+
+
+def kind_profiles(profiles: list[Profile], opts: GenerateOptions) -> list[Profile]:
+    """`profiles`, or those of --kind (each kind asked for must be offered by one)."""
     known = {p.kind for p in profiles}
     for kind in opts.kinds:
         if kind not in known:
@@ -462,12 +454,16 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
     return specs
 
 
-def generate_specs(opts: GenerateOptions, *, host: Host | None = None) -> list[Spec]:
+def generate_specs(opts: GenerateOptions, *, host: Host | None = None, node: Node | None = None) -> list[Spec]:
+    """The specs of `node` (else of the node at opts.root with opts.profile_dirs, unchecked: the CLI checks its
+    roots when it makes its node): its devices as discovered once, or those of the --kind profiles."""
     opts.check()
-    host = host or Host(opts.root)
-    profiles = select_profiles(host, opts)
-    view = HostView(host)
-    return build_specs(host, profiles, discover_devices(host, profiles, opts, view), opts, view)
+    node = node or Node(opts.root, target_root=opts.target_root, profile_dirs=opts.profile_dirs, check=False,
+                        host=host)
+    profiles = kind_profiles(node.profiles, opts)
+    # a --kind subset is discovered on its own: a function whose first profile is left out may match another
+    found = node.devices() if profiles == node.profiles else discover(node.host, profiles, view=node.view)
+    return build_specs(node.host, profiles, _enrich_uuids(found, opts, node.host), opts, node.view)
 
 
 def spec_filename(spec: Spec, fmt: str) -> str:

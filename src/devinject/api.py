@@ -1,0 +1,100 @@
+"""The library's one way in: a `Node` made from the roots a command was pointed at (host root, target root,
+profile dirs, state dir, kernel log), checked once, its profiles loaded and its devices discovered once, that
+answers what the commands show: `devices()`, `topology()`, `health()`, `specs(options)`, `holders()`,
+`inventory()`, `events()`, `find()`, `dev_char_links()`. Every answer is a list of result records (or the
+Topology), each with its `to_json()` in the vocabulary of docs/json.md.
+
+Discovery's half of it is `devinject.discovery.node.Node` (what the layers below the agent take: discovery,
+nodestate, specs); this one adds what needs the layers above (health, specs, the ledger). It sits at the top
+beside the commands (docs/architecture.md), so that `cli.py` is parse, call, render.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from devinject.core.paths import DEFAULT_STATE_DIR
+from devinject.discovery import node as discovery_node
+
+if TYPE_CHECKING:
+    from devinject.agent.inventory import DeviceHealth, DeviceRecord, HeldNode
+    from devinject.core.model import Spec
+    from devinject.specs.generate import GenerateOptions
+
+# the fields of a recorded event that are the vocabulary's, under its names; the rest are the event's own
+_RENAMED = {"status": "health"}
+_OWN = ("time", "event", "device", "reasons")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One transition of the state dir's per-device ring (nodestate/events.py): the device by its key
+    (`kind=PCI address`, the name the pci naming strategy gives it), what happened, why."""
+
+    name: str
+    time: float
+    event: str
+    reasons: tuple[str, ...] = ()
+    details: tuple[tuple[str, Any], ...] = ()  # what else the event recorded (health, by, functions, ...)
+
+    @classmethod
+    def of(cls, name: str, entry: dict[str, Any]) -> Event:
+        details = tuple((_RENAMED.get(k, k), v) for k, v in sorted(entry.items()) if k not in _OWN)
+        return cls(name, float(entry["time"]), str(entry["event"]), tuple(entry.get("reasons", ())), details)
+
+    @property
+    def kind(self) -> str:
+        return self.name.partition("=")[0]
+
+    @property
+    def pci_address(self) -> str:
+        return self.name.partition("=")[2]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, "time": self.time,
+                "event": self.event, "reasons": list(self.reasons), **dict(self.details)}
+
+
+class Node(discovery_node.Node):
+    """A node, as every command reads it: see discovery/node.py for the roots and their checks."""
+
+    def health(self, *, timeout: float | None = None) -> list[DeviceHealth]:
+        """Every device's verdict, bound to its driver or not (an unbound one by its key)."""
+        from devinject.agent.health import PROBE_TIMEOUT
+        from devinject.agent.inventory import device_health
+
+        return device_health(self, timeout=PROBE_TIMEOUT if timeout is None else timeout)
+
+    def inventory(self) -> list[DeviceRecord]:
+        """Every discovered device with its health, the containers the ledger booked it for, its pairs."""
+        from devinject.agent.inventory import inventory
+
+        return inventory(self)
+
+    def holders(self, device: str | None = None) -> list[HeldNode]:
+        """Processes holding a node of the devices (those `device` names) open, with their containers."""
+        from devinject.agent.inventory import holders
+
+        return holders(self, device)
+
+    def specs(self, options: GenerateOptions) -> list[Spec]:
+        """The CDI specs `generate` writes for this node: `options` with the node's roots and profile dirs."""
+        from devinject.specs.generate import generate_specs
+
+        options = replace(options, root=self.root, target_root=self.target_root, profile_dirs=self.profile_dirs)
+        return generate_specs(options, node=self)
+
+    def events(self, device: str | None = None) -> list[Event]:
+        """The state dir's last transitions per device (all, or those whose key holds `device`), by device
+        then time."""
+        from devinject.nodestate.events import device_history
+
+        history = device_history(self.state_dir or DEFAULT_STATE_DIR, device)
+        return [Event.of(key, entry) for key, entries in sorted(history.items()) for entry in entries]
+
+    def dev_char_links(self) -> list[tuple[str, str]]:
+        """(link, relative target) for each discovered node that has no /dev/char/MAJ:MIN link."""
+        from devinject.discovery.devchar import missing_links
+
+        return missing_links(self)

@@ -1,0 +1,93 @@
+"""One node as every command sees it: the roots it was pointed at, checked once; its device profiles,
+loaded once; its devices, discovered once; their CDI names and how close they are.
+
+This is discovery's half of the library entry point (`devinject.api.Node` adds health, specs and holders,
+which live in the layers above): every layer that needs the node's devices takes one of these instead of
+wiring `Host(root) -> load_profiles -> discover` by hand, so no command can read other profiles than another.
+"""
+
+from __future__ import annotations
+
+from devinject.core.identity import QualifiedName, device_key, qualified
+from devinject.discovery.discover import FoundDevice, HostView, discover
+from devinject.discovery.host import Host
+from devinject.discovery.profiles import Profile, load_profiles
+from devinject.discovery.roots import check_roots
+from devinject.discovery.topology import Topology, topology
+
+
+def device_names(found: FoundDevice, strategies: tuple[str, ...]) -> list[str]:
+    """The device's CDI names (without the kind) by each naming strategy: index, uuid, pci. Default: index and
+    uuid, or index and pci for a device without a UUID."""
+    chosen = strategies or (("index", "uuid") if found.uuid else ("index", "pci"))
+    names = []
+    for strategy in chosen:
+        if strategy == "index":
+            names.append(str(found.index))
+        elif strategy == "uuid":
+            names.append(found.uuid or found.address)
+        else:
+            names.append(found.address)
+    return list(dict.fromkeys(names))
+
+
+class Node:
+    """The host under `root` with the profiles of `profile_dirs`; `state_dir` and `kernel_log` are what the
+    commands above read of it (None: not used). Each path given is checked when the node is made, in one line
+    naming the option (discovery/roots.py); `kernel_log_explicit` says the kernel log was asked for, so that
+    it must be there. `host` reuses a Host a caller already holds (the same root)."""
+
+    def __init__(self, root: str = "/", *, target_root: str | None = None, profile_dirs: tuple[str, ...] = (),
+                 state_dir: str | None = None, kernel_log: str | None = None, kernel_log_explicit: bool = False,
+                 check: bool = True, host: Host | None = None) -> None:
+        if check:
+            check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log,
+                        kernel_log_explicit=kernel_log_explicit)
+        self.root = root
+        self.target_root = target_root
+        self.profile_dirs = tuple(profile_dirs)
+        self.state_dir = state_dir
+        self.kernel_log = kernel_log
+        self.host = host or Host(root)
+        self.view = HostView(self.host)
+        self._profiles: list[Profile] | None = None
+        self._devices: list[FoundDevice] | None = None
+
+    @property
+    def profiles(self) -> list[Profile]:
+        """Shipped, `<root>/etc/devinject/profiles.d`, then each --profile-dir (core/paths.py), read once."""
+        if self._profiles is None:
+            self._profiles = load_profiles(self.host, self.profile_dirs)
+        return self._profiles
+
+    def devices(self) -> list[FoundDevice]:
+        """Every device of the node's profiles, discovered once."""
+        if self._devices is None:
+            self._devices = discover(self.host, self.profiles, view=self.view)
+        return self._devices
+
+    def topology(self) -> Topology:
+        return topology(self.host, self.devices())
+
+    def names(self, found: FoundDevice, strategies: tuple[str, ...] = ()) -> list[QualifiedName]:
+        """The device's qualified CDI names, its index name first."""
+        return [qualified(found.profile.kind, n) for n in device_names(found, strategies)]
+
+    def name_of(self, kind: str, address: str) -> QualifiedName:
+        """The first CDI name of the device of `kind` at `address` (what `list` shows first); its key
+        (`kind=address`, the pci strategy's name) for one that is not discovered (an unbound function)."""
+        for found in self.devices():
+            if found.profile.kind == kind and found.address == address:
+                return self.names(found)[0]
+        return QualifiedName(device_key(kind, address))
+
+    def find(self, device: str) -> list[FoundDevice]:
+        """The devices `device` names: its key (kind=PCI address), a PCI address of one of its functions, one
+        of its CDI names, or a CDI name without the kind (`0`, a UUID: every kind's device of that name)."""
+        matches = []
+        for found in self.devices():
+            names = self.names(found)
+            if device in (device_key(found.profile.kind, found.address), *(f.address for f in found.functions),
+                          *names, *(n.partition("=")[2] for n in names)):
+                matches.append(found)
+        return matches
