@@ -1,0 +1,175 @@
+"""ResourceSlices as a pure function of what discovery finds (docs/dra.md).
+
+One pool per kind per node (`<node>-<vendor>-<class>`, e.g. `node1-nvidia-com-gpu`); a device's name comes
+from its PCI address (`gpu-0000-18-00-0`, a MIG instance `gpu-0000-07-00-0-gi1-ci0`), so it is the same after
+every restart and a DNS label. Each device carries the standard attributes (`resource.kubernetes.io/pciBusID`,
+`pcieRoot`: its PCIe root complex `pci<domain>:<bus>`, the first element of its sysfs path, so a GPU and a NIC
+under one root share it; `numaNode`, left out when the kernel says -1) and the driver's own (kind, vendor,
+model, index, driverVersion, uuid, partition), capacity where sysfs states it (AMD's VRAM).
+
+A GPU split into MIG instances (or AMD partitions) is published whole *and* as its instances, which consume
+a counter set of the parent (partitionable devices, beta and on in 1.36): each instance one counter of its
+own, the whole device all of them, so the scheduler never gives the whole GPU and one of its instances to two
+claims. The counter sets go in a slice of their own (the API allows devices or sharedCounters in one slice,
+not both), and no slice holds more devices than the API allows (128; 64 when they consume counters or carry
+taints).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from devinject.discovery.discover import FoundDevice
+from devinject.discovery.host import Host
+from devinject.discovery.node import Node
+from devinject.discovery.partitions import Partition
+from devinject.discovery.topology import place_of
+
+DRIVER = "dra.devinject.io"
+STANDARD = "resource.kubernetes.io"
+MAX_DEVICES = 128  # per slice (resource.k8s.io/v1 validation)
+MAX_DEVICES_WITH_COUNTERS = 64  # per slice when any device consumes counters or carries taints
+_NOT_LABEL = re.compile(r"[^a-z0-9-]+")
+_SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)$")
+
+
+def label(text: str) -> str:
+    """`text` as a DNS label: lower case, runs of anything else than [a-z0-9-] as one `-`, trimmed."""
+    return _NOT_LABEL.sub("-", text.lower()).strip("-")
+
+
+def pool_name(node_name: str, kind: str) -> str:
+    return f"{node_name}-{label(kind)}"
+
+
+def device_name(found: FoundDevice, partition: Partition | None = None) -> str:
+    """`<class>-<PCI address>` (`gpu-0000-18-00-0`), `-<partition key>` for one of its partitions."""
+    name = f"{label(found.profile.kind.partition('/')[2])}-{label(found.address)}"
+    return f"{name}-{partition.key}" if partition is not None else name
+
+
+def counter_set_name(found: FoundDevice) -> str:
+    return f"{device_name(found)}-partitions"
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """One device the driver offers: what the slice says about it and what a claim on it prepares."""
+
+    pool: str
+    name: str
+    kind: str
+    found: FoundDevice  # a whole device: its partitions left out (the whole GPU's own edits)
+    partition: Partition | None
+    attributes: tuple[tuple[str, dict[str, object]], ...]
+    capacity: tuple[tuple[str, str], ...] = ()
+    consumes: tuple[str, ...] = ()  # counters of the parent's counter set this device consumes
+
+    def to_json(self) -> dict[str, object]:
+        device: dict[str, object] = {"name": self.name, "attributes": dict(self.attributes)}
+        if self.capacity:
+            device["capacity"] = {name: {"value": value} for name, value in self.capacity}
+        if self.consumes:
+            device["consumesCounters"] = [{"counterSet": counter_set_name(self.found),
+                                           "counters": {c: {"value": "1"} for c in self.consumes}}]
+        return device
+
+
+def _version(value: str) -> dict[str, object]:
+    """A `version` attribute when the text is semantic (550.54.15), else a string (535.104.05 is not)."""
+    return {"version": value} if _SEMVER.match(value) else {"string": value}
+
+
+def _capacity(host: Host, found: FoundDevice) -> tuple[tuple[str, str], ...]:
+    """What sysfs states of the device's size: AMD's `mem_info_vram_total` (bytes)."""
+    vram = host.read_attr(found.pci.sys_path + "/mem_info_vram_total")
+    return (("memory", vram),) if vram and vram.isdigit() and int(vram) > 0 else ()
+
+
+def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | None = None) -> list[Offer]:
+    """Every device of the node as the driver offers it, in discovery order (a partitioned device's
+    instances right after it). `driver_versions`: kind -> the running driver's version (None: not known)."""
+    versions = driver_versions or {}
+    out: list[Offer] = []
+    for found in node.devices():
+        kind = found.profile.kind
+        place = place_of(node.host, found)
+        common: dict[str, dict[str, object]] = {
+            f"{STANDARD}/pciBusID": {"string": found.address},
+            f"{STANDARD}/pcieRoot": {"string": place.path[0]},
+        }
+        if place.numa is not None:
+            common[f"{STANDARD}/numaNode"] = {"int": place.numa}
+        common["kind"] = {"string": kind}
+        common["vendor"] = {"string": found.profile.vendor_name or kind.partition("/")[0]}
+        common["pciVendorID"] = {"string": f"0x{found.pci.vendor:04x}"}
+        if found.model:
+            common["model"] = {"string": found.model}
+        common["index"] = {"int": found.index}
+        if versions.get(kind):
+            common["driverVersion"] = _version(str(versions[kind]))
+        whole = dict(common)
+        if found.uuid:
+            whole["uuid"] = {"string": found.uuid}
+        pool = pool_name(node_name, kind)
+        keys = tuple(p.key for p in found.partitions)
+        out.append(Offer(pool, device_name(found), kind, replace(found, partitions=()), None,
+                         tuple(whole.items()), _capacity(node.host, found), keys))
+        for partition in found.partitions:
+            attributes = dict(common)
+            attributes["partition"] = {"string": partition.kind}
+            attributes["partitionName"] = {"string": partition.name}
+            attributes["parentName"] = {"string": device_name(found)}
+            if partition.uuid:
+                attributes["uuid"] = {"string": partition.uuid}
+            out.append(Offer(pool, device_name(found, partition), kind, found, partition,
+                             tuple(attributes.items()), (), (partition.key,)))
+    return out
+
+
+def _chunks(items: list[Offer], size: int) -> list[list[Offer]]:
+    return [items[i:i + size] for i in range(0, len(items), size)] or [[]]
+
+
+def pool_slices(driver: str, node_name: str, pool: str, offered: list[Offer],
+                generation: int) -> list[dict[str, object]]:
+    """The ResourceSlice objects of one pool at `generation`: its counter sets in a slice of their own (when
+    any), then its devices, at most as many per slice as the API allows. Names are stable
+    (`<driver>-<pool>-<n>`), so an update replaces the same objects."""
+    counter_sets = []
+    for offer in offered:
+        if offer.partition is None and offer.consumes:
+            counter_sets.append({"name": counter_set_name(offer.found),
+                                 "counters": {c: {"value": "1"} for c in offer.consumes}})
+    size = MAX_DEVICES_WITH_COUNTERS if counter_sets else MAX_DEVICES
+    specs: list[dict[str, object]] = []
+    if counter_sets:
+        specs.append({"sharedCounters": counter_sets})
+    specs += [{"devices": [offer.to_json() for offer in chunk]} for chunk in _chunks(offered, size)]
+    slices: list[dict[str, object]] = []
+    for n, body in enumerate(specs):
+        slices.append({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": f"{label(driver)}-{pool}-{n}",
+                         "labels": {"app.kubernetes.io/managed-by": "devinject", f"{driver}/pool": pool}},
+            "spec": {"driver": driver, "nodeName": node_name,
+                     "pool": {"name": pool, "generation": generation, "resourceSliceCount": len(specs)},
+                     **body},
+        })
+    return slices
+
+
+def by_pool(offered: list[Offer]) -> dict[str, list[Offer]]:
+    pools: dict[str, list[Offer]] = {}
+    for offer in offered:
+        pools.setdefault(offer.pool, []).append(offer)
+    return pools
+
+
+def resource_slices(driver: str, node_name: str, offered: list[Offer],
+                    generations: dict[str, int] | None = None) -> list[dict[str, object]]:
+    """Every slice of the node: one pool per kind, each at its generation (default 1)."""
+    gens = generations or {}
+    return [s for pool, items in by_pool(offered).items()
+            for s in pool_slices(driver, node_name, pool, items, gens.get(pool, 1))]
