@@ -13,7 +13,7 @@ import time
 
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError, HookError
-from devinject.core.paths import DEFAULT_SPEC_DIRS
+from devinject.core.paths import DEFAULT_SPEC_DIRS, DEFAULT_STATE_DIR
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 SERVED_BY: int | None = None  # the hook server's pid, when a worker of it runs this invocation
 CONFIG_FILE = "/etc/devinject/hook.json"
 DEFAULT_LOG = "/var/log/devinject/hook.log"
-DEFAULT_STATE_DIR = "/run/devinject"
 SONAME_MEMO = "sonames.json"  # in the state dir: hook/linkercache.py's SonameMemo
 USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--log-file FILE] [--state-dir DIR]
                       [--config FILE]
