@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devinject")
 
-AGENT_COMMANDS = ("watch", "device-plugin")  # long-running: `kubectl logs` / the journal is how they are read
+# long-running: `kubectl logs` / the journal is how they are read
+AGENT_COMMANDS = ("watch", "device-plugin", "dra-driver")
 
 bundles_option = click.option(
     "--bundles", "bundles", multiple=True, type=click.Choice(["gpu-nic"]),
@@ -612,6 +613,53 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
     opts = PluginOptions(watch=_watch_options(**options), plugin_dir=plugin_dir, resource_names=names,
                          fallback=allocate == "both", metrics_address=metrics_address or None)
     DevicePluginAgent(opts).run(_stop_on_signals())
+
+
+@cli.command("dra-driver")
+@root_option
+@state_dir_option
+@profile_dir_option
+@target_root_option
+@driver_root_option
+@node_hook_option
+@click.option("--hook-path", default=None, help="Absolute path of devinject for the claim specs' CDI hooks.")
+@click.option("--kind", "kinds", multiple=True, help="Only this kind (repeatable).")
+@click.option("--node-name", envvar="NODE_NAME", required=True, help="This node's name (env NODE_NAME).")
+@click.option("--driver-name", default="dra.devinject.io", show_default=True, help="The DRA driver name.")
+@click.option("--kubeconfig", default=None, type=click.Path(dir_okay=False),
+              help="Kubeconfig for the API server (default: the pod's service account).")
+@click.option("--plugin-dir", default="/var/lib/kubelet/plugins", show_default=True, type=click.Path(file_okay=False),
+              help="The kubelet's plugins directory (the DRA socket goes in <driver-name>/dra.sock).")
+@click.option("--registry-dir", default="/var/lib/kubelet/plugins_registry", show_default=True,
+              type=click.Path(file_okay=False), help="The kubelet's plugin registration directory.")
+@click.option("--cdi-dir", default="/var/run/cdi", show_default=True, type=click.Path(file_okay=False),
+              help="Where the claim-scoped CDI specs go.")
+@click.option("--rescan", default=30.0, show_default=True, type=click.FloatRange(0.05, 3600),
+              help="Seconds between rediscoveries (and slice updates).")
+def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
+               driver_root: str | None, node_hook: str | None, hook_path: str | None, kinds: tuple[str, ...],
+               node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str, registry_dir: str,
+               cdi_dir: str, rescan: float) -> None:
+    """Kubernetes DRA kubelet plugin: ResourceSlices from discovery, claims prepared as CDI specs (docs/dra.md)."""
+    from devinject.core.names import vendor_problem
+    from devinject.core.trusteddir import make_dirs, trusted_dir
+    from devinject.dra.driver import DraDriver, DraOptions
+    from devinject.dra.publisher import SlicePublisher, api_client
+    from devinject.specs.generate import GenerateOptions, default_hook_path
+
+    problem = vendor_problem(driver_name)
+    if problem or driver_name != driver_name.lower():
+        raise DevinjectError(f"--driver-name {driver_name!r}: {problem or 'must be lower case'} (a DNS subdomain)")
+    _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    trusted_dir(state_dir)
+    make_dirs(cdi_dir)
+    hook_path = _node_hook(root, node_hook, hook_path, target_root)
+    gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), profile_dirs=profile_dirs,
+                          target_root=target_root, driver_root=driver_root)
+    gen.check()
+    opts = DraOptions(generate=gen, node_name=node_name, driver=driver_name, plugin_dir=plugin_dir,
+                      registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan)
+    DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name)).run(_stop_on_signals())
 
 
 @cli.command("events")

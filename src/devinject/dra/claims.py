@@ -1,0 +1,332 @@
+"""Preparing a ResourceClaim: its allocation for this driver -> one claim-scoped CDI spec, built by the spec
+pipeline `generate` uses (specs/generate.py build_specs: no second pipeline), booked in the node's ledger and
+remembered in a checkpoint (docs/dra.md).
+
+The order makes a crash at any point harmless: the spec is written, then the devices booked, then the
+checkpoint; a failure undoes the steps before it, and at start any claim spec of this driver the checkpoint
+does not name (a crash between the steps) is removed with its booking. Unprepare undoes the three in the
+opposite order. Both are idempotent: the kubelet retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from devinject.core import jsonlite
+from devinject.core.atomicfile import replace as replace_file
+from devinject.core.errors import DevinjectError, LedgerError
+from devinject.core.identity import node_id_of
+from devinject.core.model import ContainerEdits, Device, Spec
+from devinject.core.spec import dump
+from devinject.discovery.discover import FoundDevice
+from devinject.discovery.node import Node
+from devinject.dra.slices import Offer
+from devinject.nodestate.ledger import Claim, Ledger
+from devinject.specs.generate import GenerateOptions, build_specs, versioned
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+CLAIM_CLASS = "claim"
+NODE_PID = 1  # a claim is held for the node (pid 1 lives as long as it runs) until it is unprepared
+
+
+class PrepareError(DevinjectError):
+    """A claim that cannot be prepared (or unprepared): the message goes to the kubelet, and the pod's events."""
+
+
+class CheckpointError(PrepareError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedDevice:
+    requests: tuple[str, ...]
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...]
+
+    def to_json(self) -> dict[str, object]:
+        return {"requests": list(self.requests), "pool": self.pool, "device": self.device,
+                "cdi": list(self.cdi_ids)}
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    """What the driver offers now: its node (for the spec pipeline) and its offers by (pool, device)."""
+
+    node: Node
+    offers: dict[tuple[str, str], Offer]
+
+
+def _problem(data: object) -> str | None:
+    if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION or not isinstance(
+            data.get("claims"), dict):
+        return f"not a version {CHECKPOINT_VERSION} devinject DRA checkpoint"
+    for uid, entry in data["claims"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("spec"), str) or not isinstance(
+                entry.get("devices"), list):
+            return f"claim {uid}: expected spec and devices"
+        for device in entry["devices"]:
+            if not isinstance(device, dict) or not all(isinstance(device.get(k), str) for k in ("pool", "device")) \
+                    or not all(isinstance(device.get(k), list) and all(isinstance(v, str) for v in device[k])
+                               for k in ("requests", "cdi")):
+                return f"claim {uid}: a device without pool, device, requests and cdi"
+    return None
+
+
+class Checkpoint:
+    """The prepared claims, one JSON file in the state dir, replaced atomically (fsynced: it must outlive a
+    crash of the driver, which is when it is read)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def load(self) -> dict[str, dict[str, object]]:
+        try:
+            with open(self.path, "rb") as handle:
+                raw = handle.read()
+        except FileNotFoundError:
+            return {}
+        except OSError as err:
+            raise CheckpointError(f"{self.path}: cannot read the checkpoint: {err.strerror}") from None
+        try:
+            data = jsonlite.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{self.path}: corrupt checkpoint ({err}); no claim is prepared until it is "
+                                  "repaired or removed") from None
+        problem = _problem(data)
+        if problem:
+            raise CheckpointError(f"{self.path}: corrupt checkpoint ({problem}); no claim is prepared until it "
+                                  "is repaired or removed")
+        return data["claims"]  # type: ignore[no-any-return]
+
+    def save(self, claims: dict[str, dict[str, object]]) -> None:
+        data = {"version": CHECKPOINT_VERSION, "claims": claims}
+        try:
+            replace_file(self.path, jsonlite.dumps(data, sort_keys=True).encode(), 0o600, sync=True)
+        except OSError as err:
+            raise CheckpointError(f"{self.path}: cannot write the checkpoint: {err.strerror}") from None
+
+
+def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
+              uid: str) -> list[tuple[str, str, str]]:
+    """(request, pool, device) of the claim's allocation for `driver`. PrepareError when the object is not
+    the claim the kubelet means, not allocated, or carries opaque config for `driver` (devinject defines none:
+    an option it would silently ignore is refused instead)."""
+    what = f"claim {namespace}/{name}"
+    meta = claim.get("metadata")
+    got = meta.get("uid") if isinstance(meta, dict) else None
+    if got != uid:
+        raise PrepareError(f"{what}: the API has uid {got}, the kubelet asked for {uid} (deleted and re-created?)")
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, dict) else None
+    devices = allocation.get("devices") if isinstance(allocation, dict) else None
+    if not isinstance(devices, dict):
+        raise PrepareError(f"{what}: not allocated (status.allocation.devices is missing)")
+    for index, config in enumerate(devices.get("config") or []):
+        opaque = config.get("opaque") if isinstance(config, dict) else None
+        if isinstance(opaque, dict) and opaque.get("driver") == driver:
+            raise PrepareError(f"{what}: status.allocation.devices.config[{index}].opaque: {driver} takes no opaque "
+                               f"configuration (parameters {jsonlite.dumps(opaque.get('parameters'))} not understood)")
+    out = []
+    for index, result in enumerate(devices.get("results") or []):
+        if not isinstance(result, dict):
+            raise PrepareError(f"{what}: status.allocation.devices.results[{index}]: not an object")
+        if result.get("driver") != driver:
+            continue
+        fields = [result.get(k) for k in ("request", "pool", "device")]
+        if not all(isinstance(f, str) and f for f in fields):
+            raise PrepareError(f"{what}: status.allocation.devices.results[{index}]: request, pool and device "
+                               "must be names")
+        out.append((str(fields[0]), str(fields[1]), str(fields[2])))
+    return out
+
+
+def _chosen(offers: list[Offer]) -> list[FoundDevice]:
+    """The devices the spec pipeline builds for these offers: a whole device as itself, the partitions of one
+    device together (its others left out)."""
+    whole: dict[str, FoundDevice] = {}
+    parts: dict[str, FoundDevice] = {}
+    for offer in offers:
+        key = f"{offer.kind}={offer.found.address}"
+        if offer.partition is None:
+            whole[key] = offer.found
+        else:
+            held = parts.get(key)
+            partitions = (*(held.partitions if held else ()), offer.partition)
+            parts[key] = replace(offer.found, partitions=partitions)
+    return [*whole.values(), *parts.values()]
+
+
+def _ledger_claim(offer: Offer, edits: ContainerEdits) -> Claim:
+    """A device's nodes; a partition's nodes its sibling partitions also use (the parent GPU, shared caps)
+    are booked shared, as the hook books them."""
+    nodes = tuple(node_id_of(n) for n in edits.device_nodes)
+    shared: tuple[str, ...] = ()
+    if offer.partition is not None:
+        siblings = {node_id_of(n) for p in offer.found.partitions if p != offer.partition for n in p.nodes}
+        shared = tuple(n for n in nodes if n in siblings or n == node_id_of(offer.partition.nodes[0]))
+    return Claim(f"{offer.kind}={offer.name}", nodes, shared)  # type: ignore[arg-type]
+
+
+class Preparer:
+    """NodePrepareResources / NodeUnprepareResources for one driver, serialized (the kubelet may call both
+    at once, and more than once)."""
+
+    def __init__(self, driver: str, cdi_dir: str, state_dir: str, inventory: Callable[[], Inventory],
+                 get_claim: Callable[[str, str], dict[str, object]], generate: GenerateOptions,
+                 ledger: Ledger | None = None) -> None:
+        self.driver = driver
+        self.cdi_dir = cdi_dir
+        self.inventory = inventory
+        self.get_claim = get_claim
+        self.generate = generate
+        self.ledger = ledger if ledger is not None else Ledger(state_dir)
+        self.checkpoint = Checkpoint(os.path.join(state_dir, f"dra-{driver}.checkpoint.json"))
+        self.lock = threading.Lock()
+
+    @property
+    def kind(self) -> str:
+        return f"{self.driver}/{CLAIM_CLASS}"
+
+    def spec_path(self, uid: str) -> str:
+        return os.path.join(self.cdi_dir, f"{self.driver}-{uid}.json")
+
+    def booking(self, uid: str) -> str:
+        return f"dra-claim:{self.driver}:{uid}"
+
+    # --- prepare ----------------------------------------------------------------------------------------
+    def prepare(self, namespace: str, name: str, uid: str) -> list[PreparedDevice]:
+        with self.lock:
+            claims = self.checkpoint.load()
+            entry = claims.get(uid)
+            if entry is not None and os.path.exists(str(entry["spec"])):
+                return [_device(d) for d in entry["devices"]]  # type: ignore[attr-defined]
+            results = allocated(self.get_claim(namespace, name), self.driver, namespace, name, uid)
+            inventory = self.inventory()
+            offers = []
+            for _, pool, device in results:
+                offer = inventory.offers.get((pool, device))
+                if offer is None:
+                    raise PrepareError(f"claim {namespace}/{name}: device {pool}/{device} is not one this node "
+                                       "offers (its ResourceSlices are older than the hardware, or not ours)")
+                offers.append(offer)
+            spec, edits = self._spec(inventory.node, uid, offers)
+            path = self.spec_path(uid)
+            text = dump(spec, "json")
+            from devinject.specs.validate import validate_spec
+
+            validate_spec(spec, source=path)
+            try:
+                os.makedirs(self.cdi_dir, mode=0o755, exist_ok=True)
+                replace_file(path, text.encode(), 0o644, sync=True)
+            except OSError as err:
+                raise PrepareError(f"{path}: cannot write the claim's CDI spec: {err.strerror}") from None
+            try:
+                self.ledger.book(self.booking(uid), NODE_PID,
+                                 tuple(_ledger_claim(o, e) for o, e in zip(offers, edits, strict=True)))
+            except LedgerError as err:
+                _remove(path)
+                raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
+            prepared = [PreparedDevice((request,), offer.pool, offer.name, (f"{self.kind}={uid}-{offer.name}",))
+                        for (request, _, _), offer in zip(results, offers, strict=True)]
+            claims[uid] = {"namespace": namespace, "name": name, "spec": path,
+                           "devices": [d.to_json() for d in prepared]}
+            try:
+                self.checkpoint.save(claims)
+            except CheckpointError:
+                self.ledger.release(self.booking(uid))
+                _remove(path)
+                raise
+            log.info("prepared claim %s/%s (%s): %s", namespace, name, uid,
+                     ", ".join(f"{d.pool}/{d.device}" for d in prepared) or "no devices of this driver")
+            return prepared
+
+    def _spec(self, node: Node, uid: str, offers: list[Offer]) -> tuple[Spec, list[ContainerEdits]]:
+        """One spec of kind `<driver>/claim`: a device `<uid>-<device>` per offer with that device's edits as
+        `generate` builds them, and the edits of every kind it holds (libraries, binaries) once for all."""
+        from devinject.discovery.node import device_names
+
+        chosen = _chosen(offers)
+        profiles = list({f.profile.name: f.profile for f in chosen}.values())
+        specs = {s.kind: s for s in build_specs(node.host, profiles, chosen, self.generate, node.view)}
+        common = ContainerEdits()
+        for spec in specs.values():
+            common = common.merge(spec.edits)
+        devices, edits = [], []
+        for offer in offers:
+            kind_spec = specs.get(offer.kind)
+            wanted = offer.partition.name if offer.partition is not None else \
+                device_names(offer.found, self.generate.strategies)[0]
+            found = [d for d in (kind_spec.devices if kind_spec else ()) if d.name == wanted]
+            if not found:
+                raise PrepareError(f"{offer.pool}/{offer.name}: the spec pipeline builds no device for it")
+            devices.append(Device(f"{uid}-{offer.name}", found[0].edits))
+            edits.append(found[0].edits)
+        return versioned(Spec(kind=self.kind, devices=tuple(devices), edits=common), self.generate), edits
+
+    # --- unprepare --------------------------------------------------------------------------------------
+    def unprepare(self, uid: str) -> None:
+        with self.lock:
+            claims = self.checkpoint.load()
+            entry = claims.get(uid)
+            path = str(entry["spec"]) if entry is not None else self.spec_path(uid)
+            _remove(path)
+            try:
+                self.ledger.release(self.booking(uid))
+            except LedgerError as err:
+                raise PrepareError(f"claim {uid}: {err.message}") from None
+            if entry is not None:
+                del claims[uid]
+                self.checkpoint.save(claims)
+                log.info("unprepared claim %s/%s (%s)", entry.get("namespace"), entry.get("name"), uid)
+
+    def prepared(self) -> dict[str, dict[str, object]]:
+        with self.lock:
+            return self.checkpoint.load()
+
+    def clean_orphans(self) -> list[str]:
+        """At start: claim specs of this driver the checkpoint does not name (a crash mid-prepare) are
+        removed, and their bookings released. A corrupt checkpoint removes nothing (CheckpointError)."""
+        with self.lock:
+            claims = self.checkpoint.load()
+            prefix = f"{self.driver}-"
+            removed = []
+            try:
+                names = sorted(os.listdir(self.cdi_dir))
+            except FileNotFoundError:
+                return []
+            for filename in names:
+                if not (filename.startswith(prefix) and filename.endswith(".json")):
+                    continue
+                uid = filename[len(prefix):-len(".json")]
+                if uid not in claims:
+                    _remove(os.path.join(self.cdi_dir, filename))
+                    try:
+                        self.ledger.release(self.booking(uid))
+                    except LedgerError as err:
+                        log.warning("claim %s: %s", uid, err.message)
+                    removed.append(uid)
+            if removed:
+                log.info("removed %d claim spec(s) no checkpoint names: %s", len(removed), ", ".join(removed))
+            return removed
+
+
+def _device(entry: dict[str, object]) -> PreparedDevice:
+    return PreparedDevice(tuple(entry["requests"]), str(entry["pool"]), str(entry["device"]),  # type: ignore[arg-type]
+                          tuple(entry["cdi"]))  # type: ignore[arg-type]
+
+
+def _remove(path: str) -> None:
+    try:
+        Path(path).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise PrepareError(f"{path}: cannot remove the claim's CDI spec: {err.strerror}") from None

@@ -1,0 +1,133 @@
+"""`devinject dra-driver`: the DRA kubelet plugin and ResourceSlice publisher for one node (docs/dra.md).
+
+Every `rescan` seconds the node is discovered again (discovery/node.py, as every command sees it); its
+offers (dra/slices.py) minus the devices `watch` took out (their nodes in the state dir's health.json, the
+file the hook and the ledger read) are published when they changed, and the health stream the kubelet
+watches says which devices are unhealthy. Claims are prepared by dra/claims.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from devinject import __version__
+from devinject.core import jsonlite
+from devinject.core.errors import DevinjectError
+from devinject.core.identity import node_id_of
+from devinject.discovery.node import Node
+from devinject.dra.claims import Inventory, Preparer
+from devinject.dra.server import HealthState, PluginServers
+from devinject.dra.slices import DRIVER, Offer, offers, resource_slices
+from devinject.nodestate.ledger import HEALTH_FILE
+from devinject.specs.generate import GenerateOptions, driver_version
+
+log = logging.getLogger(__name__)
+
+
+class Publisher(Protocol):
+    def publish(self, desired: list[dict[str, Any]]) -> dict[str, int]: ...
+    def get_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraOptions:
+    generate: GenerateOptions
+    node_name: str
+    driver: str = DRIVER
+    plugin_dir: str = "/var/lib/kubelet/plugins"
+    registry_dir: str = "/var/lib/kubelet/plugins_registry"
+    cdi_dir: str = "/var/run/cdi"
+    state_dir: str = "/run/devinject"
+    rescan: float = 30.0
+
+
+def unhealthy_nodes(state_dir: str) -> set[str]:
+    """The device nodes `watch` took out (health.json); none when no agent writes it or it cannot be read
+    (the ledger refuses those bookings itself)."""
+    try:
+        with open(os.path.join(state_dir, HEALTH_FILE), encoding="utf-8") as handle:
+            nodes = jsonlite.loads(handle.read()).get("unhealthy_nodes", [])
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {n for n in nodes if isinstance(n, str)} if isinstance(nodes, list) else set()
+
+
+def _healthy(offer: Offer, unhealthy: set[str]) -> bool:
+    nodes = offer.partition.nodes if offer.partition is not None else offer.found.nodes
+    return not any(node_id_of(n) in unhealthy for n in nodes)
+
+
+class DraDriver:
+    def __init__(self, opts: DraOptions, publisher: Publisher,
+                 get_claim: Callable[[str, str], dict[str, Any]] | None = None) -> None:
+        self.opts = opts
+        self.publisher = publisher
+        self.lock = threading.Lock()
+        self._inventory: Inventory | None = None
+        self._all: list[Offer] = []
+        self.health = HealthState()
+        self.published: list[dict[str, Any]] | None = None
+        self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
+                                 get_claim or publisher.get_claim, opts.generate)
+        self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health)
+
+    def discover(self) -> Inventory:
+        """The node as discovered now: every offer (prepare knows the devices the health loop took out too,
+        so a claim allocated just before a fault is still prepared, and the ledger's check refuses it)."""
+        gen = self.opts.generate
+        node = Node(gen.root, target_root=gen.target_root, profile_dirs=gen.profile_dirs, check=False)
+        versions = {f.profile.kind: driver_version(node.host, f.profile, []) for f in node.devices()}
+        offered = [o for o in offers(node, self.opts.node_name, versions)
+                   if not gen.kinds or o.kind in gen.kinds]
+        with self.lock:
+            self._all = offered
+            self._inventory = Inventory(node, {(o.pool, o.name): o for o in offered})
+            return self._inventory
+
+    def inventory(self) -> Inventory:
+        with self.lock:
+            inventory = self._inventory
+        return inventory if inventory is not None else self.discover()
+
+    def refresh(self) -> bool:
+        """Rediscover, publish when the slices changed; True when published."""
+        self.discover()
+        unhealthy = unhealthy_nodes(self.opts.state_dir)
+        with self.lock:
+            offered = list(self._all)
+        self.health.update({(o.pool, o.name): (_healthy(o, unhealthy), "" if _healthy(o, unhealthy) else
+                                               "taken out by the node's health checks") for o in offered})
+        desired = resource_slices(self.opts.driver, self.opts.node_name, [o for o in offered if _healthy(o, unhealthy)])
+        if desired == self.published:
+            return False
+        self.publisher.publish([dict(s) for s in desired])
+        self.published = desired
+        return True
+
+    def start(self) -> None:
+        removed = self.preparer.clean_orphans()
+        if removed:
+            log.info("%d half-prepared claim(s) cleaned up", len(removed))
+        self.servers.start()
+        log.info("devinject %s dra-driver %s on node %s: registration %s, DRA service %s, CDI specs in %s",
+                 __version__, self.opts.driver, self.opts.node_name, self.servers.registration_path,
+                 self.servers.endpoint, self.opts.cdi_dir)
+
+    def run(self, stop: threading.Event) -> None:
+        self.start()
+        try:
+            while not stop.is_set():
+                try:
+                    self.refresh()
+                except DevinjectError as err:
+                    log.warning("publishing ResourceSlices: %s (again in %gs)", err.message, self.opts.rescan)
+                stop.wait(self.opts.rescan)
+        finally:
+            self.servers.stop()
+            log.info("dra-driver stopped at %s", time.strftime("%H:%M:%S"))

@@ -1,0 +1,120 @@
+"""Publishing the node's ResourceSlices through the API server with the official `kubernetes` client: the
+slices of this driver and node are listed, each pool's generation is bumped when its content changed, slices
+are created or replaced by their stable names, and ones no pool needs any more are deleted."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from devinject.core.errors import DevinjectError
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT = 10.0  # seconds per API call: a driver never blocks on a dead API server
+
+
+class PublishError(DevinjectError):
+    pass
+
+
+def api_client(kubeconfig: str | None) -> Any:
+    """A client from --kubeconfig, else the pod's in-cluster service account, else ~/.kube/config."""
+    from kubernetes import client, config
+
+    try:
+        if kubeconfig:
+            return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+            return client.ApiClient()
+        except config.ConfigException:
+            return config.new_client_from_config()  # type: ignore[no-untyped-call]
+    except (config.ConfigException, OSError) as err:
+        raise PublishError(f"--kubeconfig {kubeconfig or '(in-cluster)'}: {err}") from None
+
+
+def _content(item: dict[str, Any]) -> str:
+    spec = dict(item.get("spec", {}))
+    pool = dict(spec.get("pool", {}))
+    pool.pop("generation", None)
+    spec["pool"] = pool
+    return json.dumps(spec, sort_keys=True)
+
+
+class SlicePublisher:
+    def __init__(self, client: Any, driver: str, node_name: str) -> None:
+        from kubernetes import client as k8s
+
+        self.api = k8s.ResourceV1Api(client)
+        self.driver = driver
+        self.node_name = node_name
+
+    def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+            return json.loads(response.data or b"{}")
+        except ApiException as err:
+            reason = err.reason
+            try:
+                reason = json.loads(err.body or "").get("message", reason)
+            except (TypeError, ValueError, AttributeError):
+                pass
+            raise PublishError(f"{what}: {err.status} {reason}") from None
+        except (HTTPError, OSError) as err:
+            raise PublishError(f"{what}: {err}") from None
+
+    def existing(self) -> dict[str, dict[str, Any]]:
+        selector = f"spec.nodeName={self.node_name},spec.driver={self.driver}"
+        listed = self._call("list resourceslices", self.api.list_resource_slice, field_selector=selector)
+        return {item["metadata"]["name"]: item for item in listed.get("items", [])}
+
+    def publish(self, desired: list[dict[str, Any]]) -> dict[str, int]:
+        """Make the API's slices of this node and driver `desired` (made at generation 1): pool -> the
+        generation published."""
+        have = self.existing()
+        pools: dict[str, list[dict[str, Any]]] = {}
+        for item in desired:
+            pools.setdefault(item["spec"]["pool"]["name"], []).append(item)
+        generations = {}
+        for pool, items in pools.items():
+            old = [s for s in have.values() if s["spec"]["pool"]["name"] == pool]
+            current = max((int(s["spec"]["pool"].get("generation", 0)) for s in old), default=0)
+            same = sorted(_content(s) for s in old) == sorted(_content(s) for s in items) and \
+                {s["metadata"]["name"] for s in old} == {s["metadata"]["name"] for s in items}
+            generation = current if same and current else current + 1
+            generations[pool] = generation
+            if same and current:
+                continue
+            for item in items:
+                item["spec"]["pool"]["generation"] = generation
+                name = item["metadata"]["name"]
+                if name in have:
+                    item["metadata"]["resourceVersion"] = have[name]["metadata"]["resourceVersion"]
+                    self._call(f"replace resourceslice {name}", self.api.replace_resource_slice, name, item)
+                else:
+                    self._call(f"create resourceslice {name}", self.api.create_resource_slice, item)
+            log.info("published pool %s: generation %d, %d slice(s), %d device(s)", pool, generation, len(items),
+                     sum(len(i["spec"].get("devices", [])) for i in items))
+        wanted = {item["metadata"]["name"] for item in desired}
+        for name in sorted(set(have) - wanted):
+            self._call(f"delete resourceslice {name}", self.api.delete_resource_slice, name)
+            log.info("deleted resourceslice %s (no device of its pool left)", name)
+        return generations
+
+    def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        from devinject.dra.claims import PrepareError
+
+        try:
+            return self._call(f"get resourceclaim {namespace}/{name}",  # type: ignore[no-any-return]
+                              self.api.read_namespaced_resource_claim, name, namespace)
+        except PublishError as err:
+            raise PrepareError(err.message) from None
+
+    def remove_all(self) -> None:
+        for name in sorted(self.existing()):
+            self._call(f"delete resourceslice {name}", self.api.delete_resource_slice, name)

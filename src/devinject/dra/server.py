@@ -1,0 +1,200 @@
+"""The kubelet's side of the DRA driver over gRPC on unix sockets: the plugin registration service
+(`pluginregistration.Registration`, on `<registry dir>/<driver>-reg.sock`, which the kubelet watches) and the
+DRA service (`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`) with resource health (`v1alpha1`/`v1beta1`
+`DRAResourceHealth`) on `<plugins dir>/<driver>/dra.sock`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from devinject.core.errors import DevinjectError
+from devinject.dra.api import dra_v1_pb2 as dra
+from devinject.dra.api import dra_v1_pb2_grpc as dra_grpc
+from devinject.dra.api import health_v1alpha1_pb2 as health_alpha
+from devinject.dra.api import health_v1alpha1_pb2_grpc as health_alpha_grpc
+from devinject.dra.api import health_v1beta1_pb2 as health_beta
+from devinject.dra.api import health_v1beta1_pb2_grpc as health_beta_grpc
+from devinject.dra.api import pluginregistration_v1_pb2 as reg
+from devinject.dra.api import pluginregistration_v1_pb2_grpc as reg_grpc
+from devinject.dra.claims import Preparer
+
+log = logging.getLogger(__name__)
+
+PLUGIN_TYPE = "DRAPlugin"
+SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
+HEALTH_POLL = 1.0
+
+
+class DraService(dra_grpc.DRAPluginServicer):
+    """Each claim is prepared on its own: one failing claim is an error in its entry, never the whole call's."""
+
+    def __init__(self, preparer: Preparer) -> None:
+        self.preparer = preparer
+
+    def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,
+                             context: grpc.ServicerContext) -> dra.NodePrepareResourcesResponse:
+        response = dra.NodePrepareResourcesResponse()
+        for claim in request.claims:
+            entry = response.claims[claim.uid]
+            try:
+                for device in self.preparer.prepare(claim.namespace, claim.name, claim.uid):
+                    entry.devices.append(dra.Device(request_names=list(device.requests), pool_name=device.pool,
+                                                    device_name=device.device, cdi_device_ids=list(device.cdi_ids)))
+            except DevinjectError as err:
+                log.warning("claim %s/%s (%s): not prepared: %s", claim.namespace, claim.name, claim.uid, err.message)
+                del entry.devices[:]
+                entry.error = err.message
+        return response
+
+    def NodeUnprepareResources(self, request: dra.NodeUnprepareResourcesRequest,
+                               context: grpc.ServicerContext) -> dra.NodeUnprepareResourcesResponse:
+        response = dra.NodeUnprepareResourcesResponse()
+        for claim in request.claims:
+            entry = response.claims[claim.uid]
+            try:
+                self.preparer.unprepare(claim.uid)
+            except DevinjectError as err:
+                log.warning("claim %s/%s (%s): not unprepared: %s", claim.namespace, claim.name, claim.uid,
+                            err.message)
+                entry.error = err.message
+        return response
+
+
+class HealthState:
+    """(pool, device) -> healthy, as the health loop last said; every stream sees each change."""
+
+    def __init__(self) -> None:
+        self.devices: dict[tuple[str, str], tuple[bool, str]] = {}
+        self.version = 0
+        self.changed = threading.Condition()
+
+    def update(self, devices: dict[tuple[str, str], tuple[bool, str]]) -> None:
+        with self.changed:
+            if devices != self.devices:
+                self.devices = dict(devices)
+                self.version += 1
+                self.changed.notify_all()
+
+    def snapshot(self) -> tuple[int, dict[tuple[str, str], tuple[bool, str]]]:
+        with self.changed:
+            return self.version, dict(self.devices)
+
+    def wait(self, seen: int, timeout: float) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: self.version != seen, timeout=timeout)
+
+
+class HealthService:
+    """`DRAResourceHealth.NodeWatchResources` of one API version (`api`: its generated module; v1beta1 adds a
+    message): the complete list, then again on every change."""
+
+    def __init__(self, api: Any, state: HealthState, stopping: threading.Event) -> None:
+        self.api, self.state, self.stopping = api, state, stopping
+        self.messages = "message" in api.DeviceHealth.DESCRIPTOR.fields_by_name
+
+    def _message(self, devices: dict[tuple[str, str], tuple[bool, str]]) -> Any:
+        api, now = self.api, int(time.time())
+        return api.NodeWatchResourcesResponse(devices=[api.DeviceHealth(
+            device=api.DeviceIdentifier(pool_name=pool, device_name=name),
+            health=api.HEALTHY if ok else api.UNHEALTHY, last_updated_time=now,
+            **({"message": reason[:1024]} if self.messages else {}))
+            for (pool, name), (ok, reason) in sorted(devices.items())])
+
+    def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        seen = -1
+        while context.is_active() and not self.stopping.is_set():
+            version, devices = self.state.snapshot()
+            if version != seen:
+                seen = version
+                yield self._message(devices)
+            self.state.wait(seen, HEALTH_POLL)
+
+
+class RegistrationService(reg_grpc.RegistrationServicer):
+    def __init__(self, driver: str, endpoint: str) -> None:
+        self.driver = driver
+        self.endpoint = endpoint
+        self.registered = threading.Event()
+        self.error = ""
+
+    def GetInfo(self, request: reg.InfoRequest, context: grpc.ServicerContext) -> reg.PluginInfo:
+        return reg.PluginInfo(type=PLUGIN_TYPE, name=self.driver, endpoint=self.endpoint,
+                              supported_versions=list(SUPPORTED_VERSIONS))
+
+    def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,
+                                 context: grpc.ServicerContext) -> reg.RegistrationStatusResponse:
+        if request.plugin_registered:
+            log.info("%s: registered with the kubelet", self.driver)
+            self.error = ""
+            self.registered.set()
+        else:
+            log.warning("%s: the kubelet refused the registration: %s", self.driver, request.error)
+            self.error = request.error
+            self.registered.clear()
+        return reg.RegistrationStatusResponse()
+
+
+def serve(path: str, add: Callable[[grpc.Server], None], workers: int = 4) -> grpc.Server:
+    """A gRPC server on the unix socket `path` (an old socket there is replaced)."""
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise DevinjectError(f"{path}: too long for a unix socket ({MAX_SOCKET_PATH} bytes at most)")
+    os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dra"))
+    add(server)
+    try:
+        server.add_insecure_port(f"unix://{path}")
+    except RuntimeError:
+        raise DevinjectError(f"{path}: cannot listen on this socket") from None
+    server.start()
+    return server
+
+
+class PluginServers:
+    """Both sockets: the DRA service first (the kubelet dials it as soon as registration answers)."""
+
+    def __init__(self, driver: str, preparer: Preparer, plugin_dir: str, registry_dir: str,
+                 health: HealthState | None = None) -> None:
+        self.driver = driver
+        self.endpoint = os.path.join(plugin_dir, driver, "dra.sock")
+        self.registration_path = os.path.join(registry_dir, f"{driver}-reg.sock")
+        self.stopping = threading.Event()
+        self.health = health or HealthState()
+        self.dra_service = DraService(preparer)
+        self.registration = RegistrationService(driver, self.endpoint)
+        self.servers: list[grpc.Server] = []
+
+    def start(self) -> None:
+        def add_dra(server: grpc.Server) -> None:
+            dra_grpc.add_DRAPluginServicer_to_server(self.dra_service, server)  # type: ignore[no-untyped-call]
+            health_alpha_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
+                HealthService(health_alpha, self.health, self.stopping), server)
+            health_beta_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
+                HealthService(health_beta, self.health, self.stopping), server)
+
+        self.servers.append(serve(self.endpoint, add_dra, workers=8))
+        self.servers.append(serve(self.registration_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(  # type: ignore[no-untyped-call]
+            self.registration, s)))
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.stopping.set()
+        for server in self.servers:
+            server.stop(grace).wait(grace + 1)
+        self.servers = []
+        for path in (self.registration_path, self.endpoint):
+            try:
+                os.unlink(path)  # the kubelet deregisters a plugin whose registration socket is gone
+            except OSError:
+                pass

@@ -1,0 +1,266 @@
+"""`devinject dra-driver` over real unix sockets, with a kubelet-side client written here: registration
+(GetInfo, NotifyRegistrationStatus), NodePrepareResources / NodeUnprepareResources on the fake HGX host (the
+claim-scoped CDI spec appears and disappears), a driver restart that keeps the prepared claims (checkpoint),
+the ledger's view of a claim, and bad input (an unknown device, opaque config, a corrupt checkpoint): a clear
+error for that claim and nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from devinject.core.errors import LedgerError
+from devinject.core.spec import dump
+from devinject.dra.api import dra_v1_pb2 as dra
+from devinject.dra.api import dra_v1_pb2_grpc as dra_grpc
+from devinject.dra.api import health_v1beta1_pb2 as health
+from devinject.dra.api import health_v1beta1_pb2_grpc as health_grpc
+from devinject.dra.api import pluginregistration_v1_pb2 as reg
+from devinject.dra.api import pluginregistration_v1_pb2_grpc as reg_grpc
+from devinject.dra.driver import DraDriver, DraOptions
+from devinject.nodestate.ledger import Claim, Ledger
+from devinject.specs.generate import GenerateOptions, generate_specs
+from tests.conftest import HOSTS
+
+DRIVER = "dra.devinject.io"
+NODE = "node1"
+GPU_POOL = f"{NODE}-nvidia-com-gpu"
+NIC_POOL = f"{NODE}-nvidia-com-rdma"
+
+
+class FakeApi:
+    """The API server as the driver sees it: slices published, claims read."""
+
+    def __init__(self) -> None:
+        self.slices: list[dict[str, Any]] = []
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def publish(self, desired: list[dict[str, Any]]) -> dict[str, int]:
+        self.slices = desired
+        return {}
+
+    def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        return json.loads(json.dumps(self.claims[(namespace, name)]))
+
+    def add(self, name: str, uid: str, devices: list[tuple[str, str]], request: str = "gpus",
+            config: list[dict[str, Any]] | None = None) -> None:
+        results = [{"request": request, "driver": DRIVER, "pool": pool, "device": device} for pool, device in devices]
+        results.append({"request": "other", "driver": "gpu.example.com", "pool": "x", "device": "y"})  # not ours
+        self.claims[("default", name)] = {
+            "metadata": {"name": name, "namespace": "default", "uid": uid},
+            "status": {"allocation": {"devices": {"results": results, "config": config or []}}}}
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> dict[str, str]:
+    out = {name: str(tmp_path / name) for name in ("plugins", "registry", "cdi", "state")}
+    os.makedirs(out["state"], mode=0o755)
+    return out
+
+
+def make_driver(dirs: dict[str, str], api: FakeApi) -> DraDriver:
+    gen = GenerateOptions(root=str(HOSTS / "hgx-h100"), hook_path="/usr/bin/devinject")
+    opts = DraOptions(generate=gen, node_name=NODE, plugin_dir=dirs["plugins"], registry_dir=dirs["registry"],
+                      cdi_dir=dirs["cdi"], state_dir=dirs["state"], rescan=3600)
+    return DraDriver(opts, api)
+
+
+@pytest.fixture
+def api() -> FakeApi:
+    return FakeApi()
+
+
+@pytest.fixture
+def driver(dirs: dict[str, str], api: FakeApi) -> Iterator[DraDriver]:
+    d = make_driver(dirs, api)
+    d.start()
+    d.refresh()
+    yield d
+    d.servers.stop()
+
+
+def kubelet(path: str) -> grpc.Channel:
+    channel = grpc.insecure_channel(f"unix://{path}")
+    grpc.channel_ready_future(channel).result(timeout=5)
+    return channel
+
+
+def prepare(driver: DraDriver, *claims: tuple[str, str]) -> dra.NodePrepareResourcesResponse:
+    with kubelet(driver.servers.endpoint) as channel:
+        return dra_grpc.DRAPluginStub(channel).NodePrepareResources(dra.NodePrepareResourcesRequest(  # type: ignore[no-untyped-call]
+            claims=[dra.Claim(namespace="default", name=name, uid=uid) for name, uid in claims]), timeout=10)
+
+
+def unprepare(driver: DraDriver, *claims: tuple[str, str]) -> dra.NodeUnprepareResourcesResponse:
+    with kubelet(driver.servers.endpoint) as channel:
+        return dra_grpc.DRAPluginStub(channel).NodeUnprepareResources(dra.NodeUnprepareResourcesRequest(  # type: ignore[no-untyped-call]
+            claims=[dra.Claim(namespace="default", name=name, uid=uid) for name, uid in claims]), timeout=10)
+
+
+def cdi_files(dirs: dict[str, str]) -> list[str]:
+    return sorted(os.listdir(dirs["cdi"])) if os.path.isdir(dirs["cdi"]) else []
+
+
+def test_registration_is_what_the_kubelet_reads(driver: DraDriver, dirs: dict[str, str]) -> None:
+    path = os.path.join(dirs["registry"], f"{DRIVER}-reg.sock")
+    with kubelet(path) as channel:
+        stub = reg_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
+        info = stub.GetInfo(reg.InfoRequest(), timeout=5)
+        assert (info.type, info.name, list(info.supported_versions)) == ("DRAPlugin", DRIVER, ["v1.DRAPlugin"])
+        assert info.endpoint == os.path.join(dirs["plugins"], DRIVER, "dra.sock")
+        assert stat.S_ISSOCK(os.stat(info.endpoint).st_mode)
+        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=False, error="version"), timeout=5)
+        assert driver.servers.registration.error == "version"
+        stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True), timeout=5)
+        assert driver.servers.registration.registered.is_set()
+
+
+def test_slices_are_published_at_start(driver: DraDriver, api: FakeApi) -> None:
+    pools = {s["spec"]["pool"]["name"] for s in api.slices}
+    assert pools == {GPU_POOL, NIC_POOL}
+
+
+def test_prepare_writes_one_claim_spec_and_unprepare_removes_it(driver: DraDriver, api: FakeApi,
+                                                                dirs: dict[str, str]) -> None:
+    uid = "0b7f8e7c-1111-4c1b-9a55-000000000001"
+    api.add("two", uid, [(GPU_POOL, "gpu-0000-18-00-0"), (NIC_POOL, "rdma-0000-19-00-0")])
+    answer = prepare(driver, ("two", uid)).claims[uid]
+    assert answer.error == ""
+    assert [(d.pool_name, d.device_name, list(d.request_names), list(d.cdi_device_ids)) for d in answer.devices] == [
+        (GPU_POOL, "gpu-0000-18-00-0", ["gpus"], [f"{DRIVER}/claim={uid}-gpu-0000-18-00-0"]),
+        (NIC_POOL, "rdma-0000-19-00-0", ["gpus"], [f"{DRIVER}/claim={uid}-rdma-0000-19-00-0"])]
+    path = Path(dirs["cdi"]) / f"{DRIVER}-{uid}.json"
+    st = path.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o644, 0)
+    spec = json.loads(path.read_text())
+    assert spec["kind"] == f"{DRIVER}/claim"
+    devices = {d["name"]: d["containerEdits"] for d in spec["devices"]}
+    assert set(devices) == {f"{uid}-gpu-0000-18-00-0", f"{uid}-rdma-0000-19-00-0"}
+    # the same edits `generate` writes for that GPU (index 0) and NIC: one pipeline
+    generated = {s.kind: s for s in generate_specs(GenerateOptions(root=str(HOSTS / "hgx-h100"),
+                                                                   hook_path="/usr/bin/devinject"))}
+    as_json = {kind: json.loads(dump(spec, "json")) for kind, spec in generated.items()}
+    gpu0 = next(d for d in as_json["nvidia.com/gpu"]["devices"] if d["name"] == "0")
+    nic0 = next(d for d in as_json["nvidia.com/rdma"]["devices"] if d["name"] == "0")
+    assert devices[f"{uid}-gpu-0000-18-00-0"] == gpu0["containerEdits"]
+    assert devices[f"{uid}-rdma-0000-19-00-0"] == nic0["containerEdits"]
+    # the kinds' shared edits (the driver's libraries, /dev/nvidiactl) once, at the spec's level
+    assert "/dev/nvidiactl" in [n["path"] for n in spec["containerEdits"]["deviceNodes"]]
+    again = prepare(driver, ("two", uid)).claims[uid]  # the kubelet retries: the same answer
+    assert list(again.devices) == list(answer.devices)
+    assert unprepare(driver, ("two", uid)).claims[uid].error == ""
+    assert not path.exists()
+    assert unprepare(driver, ("two", uid)).claims[uid].error == ""  # and again: nothing to do, no error
+
+
+def test_a_claimed_device_is_in_the_ledger_for_the_hook_and_the_device_plugin(driver: DraDriver, api: FakeApi,
+                                                                              dirs: dict[str, str]) -> None:
+    uid = "0b7f8e7c-1111-4c1b-9a55-000000000002"
+    api.add("one", uid, [(GPU_POOL, "gpu-0000-2a-00-0")])
+    assert prepare(driver, ("one", uid)).claims[uid].error == ""
+    ledger = Ledger(dirs["state"])
+    gpu1 = Claim("nvidia.com/gpu=1", ("c 195:3",))  # /dev/nvidia3, the GPU at 0000:2a:00.0
+    with pytest.raises(LedgerError, match="dra-claim"):
+        ledger.book("container-a", os.getpid(), (gpu1,))
+    assert unprepare(driver, ("one", uid)).claims[uid].error == ""
+    ledger.book("container-a", os.getpid(), (gpu1,))  # free again once the claim is unprepared
+    # and the reverse: a device a container holds is not prepared for a claim, and nothing is left behind
+    uid2 = "0b7f8e7c-1111-4c1b-9a55-000000000003"
+    api.add("late", uid2, [(GPU_POOL, "gpu-0000-2a-00-0")])
+    answer = prepare(driver, ("late", uid2)).claims[uid2]
+    assert "held by container container-a" in answer.error and not answer.devices
+    assert cdi_files(dirs) == []
+
+
+def test_a_restart_keeps_prepared_claims_and_unprepare_still_cleans(dirs: dict[str, str], api: FakeApi) -> None:
+    uid = "0b7f8e7c-1111-4c1b-9a55-000000000004"
+    api.add("kept", uid, [(GPU_POOL, "gpu-0000-3a-00-0")])
+    first = make_driver(dirs, api)
+    first.start()
+    try:
+        answer = prepare(first, ("kept", uid)).claims[uid]
+        assert answer.error == ""
+    finally:
+        first.servers.stop()
+    del api.claims[("default", "kept")]  # the API has forgotten it: only the checkpoint knows
+    second = make_driver(dirs, api)
+    second.start()
+    try:
+        assert set(second.preparer.prepared()) == {uid}
+        again = prepare(second, ("kept", uid)).claims[uid]
+        assert again.error == "" and list(again.devices) == list(answer.devices)
+        assert unprepare(second, ("kept", uid)).claims[uid].error == ""
+        assert cdi_files(dirs) == [] and second.preparer.prepared() == {}
+    finally:
+        second.servers.stop()
+
+
+def test_a_spec_the_checkpoint_does_not_name_is_removed_at_start(dirs: dict[str, str], api: FakeApi) -> None:
+    """A crash between writing the spec and the checkpoint leaves a spec: the next start removes it."""
+    os.makedirs(dirs["cdi"])
+    orphan = Path(dirs["cdi"]) / f"{DRIVER}-0b7f8e7c-dead.json"
+    orphan.write_text("{}")
+    other = Path(dirs["cdi"]) / "nvidia.com-gpu.yaml"
+    other.write_text("{}")
+    driver = make_driver(dirs, api)
+    driver.start()
+    driver.servers.stop()
+    assert cdi_files(dirs) == ["nvidia.com-gpu.yaml"]
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("unknown", "device node1-nvidia-com-gpu/gpu-0000-ff-00-0 is not one this node offers"),
+    ("opaque", "dra.devinject.io takes no opaque configuration"),
+    ("corrupt", "corrupt checkpoint"),
+    ("unallocated", "not allocated"),
+    ("uid", "the API has uid"),
+])
+def test_bad_input_is_a_clear_error_and_leaves_nothing(driver: DraDriver, api: FakeApi, dirs: dict[str, str],
+                                                       case: str, expected: str) -> None:
+    uid = "0b7f8e7c-1111-4c1b-9a55-0000000000ff"
+    good = [(GPU_POOL, "gpu-0000-18-00-0")]
+    if case == "unknown":
+        api.add("bad", uid, [*good, (GPU_POOL, "gpu-0000-ff-00-0")])
+    elif case == "opaque":
+        api.add("bad", uid, good, config=[{"source": "FromClaim", "opaque": {"driver": DRIVER,
+                                                                              "parameters": {"mode": "fast"}}}])
+    elif case == "corrupt":
+        api.add("bad", uid, good)
+        Path(driver.preparer.checkpoint.path).write_text('{"version": 1, "claims": ')
+    elif case == "unallocated":
+        api.add("bad", uid, good)
+        api.claims[("default", "bad")]["status"] = {}
+    else:
+        api.add("bad", "another-uid", good)
+    answer = prepare(driver, ("bad", uid)).claims[uid]
+    assert expected in answer.error and not answer.devices
+    if case == "corrupt":
+        assert driver.preparer.checkpoint.path in answer.error
+    assert cdi_files(dirs) == []
+    assert "dra-claim" not in json.dumps(Ledger(dirs["state"]).snapshot()) if case != "corrupt" else True
+
+
+def test_one_bad_claim_does_not_fail_the_others(driver: DraDriver, api: FakeApi) -> None:
+    api.add("good", "uid-good", [(GPU_POOL, "gpu-0000-5d-00-0")])
+    api.add("bad", "uid-bad", [(GPU_POOL, "gpu-0000-ff-00-0")])
+    answer = prepare(driver, ("good", "uid-good"), ("bad", "uid-bad"))
+    assert answer.claims["uid-good"].error == "" and len(answer.claims["uid-good"].devices) == 1
+    assert "not one this node offers" in answer.claims["uid-bad"].error
+    unprepare(driver, ("good", "uid-good"))
+
+
+def test_health_stream_lists_every_device(driver: DraDriver) -> None:
+    with kubelet(driver.servers.endpoint) as channel:
+        stream = health_grpc.DRAResourceHealthStub(channel).NodeWatchResources(  # type: ignore[no-untyped-call]
+            health.NodeWatchResourcesRequest(), timeout=5)
+        first = next(stream)
+        stream.cancel()
+    assert len(first.devices) == 16
+    assert {d.health for d in first.devices} == {health.HEALTHY}
