@@ -1,0 +1,466 @@
+"""devinject as an admin deploys it, on a real one-node cluster (../shared/kube/cluster-up.sh: etcd,
+kube-apiserver, controller-manager, scheduler and a kubelet v1.36 registered as a node), once on containerd
+1.7 with CDI on (`bundled`) and once on Debian's containerd 1.6, which ignores CDI (`debian`).
+
+`make image` builds the agent's image, `ctr images import` puts it on the node, and `kubectl apply -k
+tests/cluster/overlay` applies deploy/kubernetes/ with the node's host paths pointed at a fake host (the
+HGX H100 fixture with real char nodes, at /var/lib/devinject-test/host); nothing else differs (checked
+below). Then, through the API: the DaemonSet's rollout, the node's capacity and allocatable, a Deployment the
+default scheduler places and whose pod gets exactly the GPUs the kubelet allocated, a pod asking for more
+staying Pending with the scheduler's reason, faults in the fake host leaving allocatable and coming back,
+a deleted agent pod coming back and registering again, and the agent's ServiceAccount allowed nothing.
+
+A missing prerequisite fails, never skips. The cluster is always taken down (`cluster-down.sh --purge`)
+and the fake host removed. The figures measured go to build/cluster-figures.json (`make cluster-test`
+prints them)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import REPO
+from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
+
+pytestmark = pytest.mark.live
+
+KUBE = Path(os.environ.get("DEVINJECT_KUBE", REPO.parent / "shared" / "kube"))
+KUBE_DIR = Path("/tmp/devinject-cluster-test")
+TEST_ROOT = Path("/var/lib/devinject-test")  # the overlay's host paths are under it
+HOST = TEST_ROOT / "host"
+OVERLAY = REPO / "tests" / "cluster" / "overlay"
+IMAGE_TAR = REPO / "build" / "devinject-image.tar"
+FIGURES = REPO / "build" / "cluster-figures.json"
+SOCKETS = {"bundled": "/run/containerd-cluster/containerd.sock", "debian": "/run/containerd/containerd.sock"}
+GPU = "nvidia.com/gpu"
+LIBCUDA = "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14"
+BUSYBOX = "localhost/busybox:1"
+# busybox `sleep` as PID 1 ignores SIGTERM: a trap, so a pod goes at once
+SLEEPER = ["sh", "-c", 'trap "exit 0" TERM; sleep 3600 & wait']
+T = TypeVar("T")
+
+
+def need(condition: object, reason: str) -> None:
+    """A prerequisite: missing, the test fails (CI must never pass by skipping the cluster)."""
+    if not condition:
+        pytest.fail(f"cluster test prerequisite missing: {reason}", pytrace=False)
+
+
+def until(condition: Callable[[], T | None], timeout: float, what: str, every: float = 0.2) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+def run(command: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          **kwargs)
+
+
+class Cluster:
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.env = {**os.environ, "KUBE_DIR": str(KUBE_DIR), "CONTAINERD": mode,
+                    "KUBECONFIG": str(KUBE_DIR / "admin.kubeconfig")}
+        self.figures: dict[str, float] = {}
+        self.node = ""
+        self.gpus: dict[str, tuple[str, int, int]] = {}  # PCI address -> its node: path, major, minor
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
+        done = subprocess.run([str(KUBE_DIR / "bin" / "kubectl"), *args], capture_output=True, text=True,
+                              env=self.env, input=input, timeout=timeout)
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
+        return done.stdout
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def status(self) -> dict[str, Any]:
+        return self.json("node", self.node)["status"]  # type: ignore[no-any-return]
+
+    def allocatable(self, resource: str = GPU) -> int:
+        return int(self.status()["allocatable"].get(resource, 0))
+
+    def await_allocatable(self, count: int, timeout: float, what: str) -> float:
+        """Seconds until the node's allocatable GPUs, read through the API, are `count`."""
+        start = time.monotonic()
+        until(lambda: self.allocatable() == count, timeout, f"allocatable {GPU} {count} ({what})", every=0.1)
+        return round(time.monotonic() - start, 2)
+
+    def apply(self, manifest: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+
+    def exec(self, pod: str, script: str, namespace: str = "default", container: str | None = None) -> str:
+        return self.kubectl("-n", namespace, "exec", pod, *(["-c", container] if container else []), "--",
+                            "sh", "-c", script)
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return self.json("pods", "-n", namespace, "-l", selector)["items"]  # type: ignore[no-any-return]
+
+    def agent(self) -> dict[str, Any] | None:
+        """The agent's pod when it is Ready."""
+        for pod in self.pods("devinject-system", "app.kubernetes.io/name=devinject"):
+            conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+            if conditions.get("Ready") == "True" and not pod["metadata"].get("deletionTimestamp"):
+                return pod
+        return None
+
+    def logged(self, text: str, after: float, timeout: float) -> float:
+        """When (the epoch, the runtime's own stamp) the Ready agent first logged a line holding `text` at or
+        after `after`."""
+        def stamp() -> float | None:
+            agent = self.agent()
+            log = "" if agent is None else self.kubectl("-n", "devinject-system", "logs", "--timestamps",
+                                                        agent["metadata"]["name"], "-c", "device-plugin", check=False)
+            for line in log.splitlines():
+                when, _, said = line.partition(" ")
+                if text in said and (at := datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp()) >= after:
+                    return at
+            return None
+
+        return until(stamp, timeout, f"the agent to log {text!r}", every=0.5)
+
+    def allocated(self, pod_uid: str) -> list[str]:
+        """The GPU device IDs the kubelet allocated to a pod (its device manager's checkpoint)."""
+        checkpoint = json.loads(Path("/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").read_text())
+        ids: list[str] = []
+        for entry in checkpoint["Data"]["PodDeviceEntries"]:
+            if entry["PodUID"] == pod_uid and entry["ResourceName"] == GPU:
+                by_numa = entry["DeviceIDs"]
+                ids += [i for group in by_numa.values() for i in group] if isinstance(by_numa, dict) else by_numa
+        return sorted(ids)
+
+
+def build_fake_host() -> dict[str, tuple[str, int, int]]:
+    """The HGX H100 fixture with real char nodes at HOST, and an empty kernel log there for the agent to
+    follow; each GPU's node (path, major, minor: the driver's procfs and the node itself), by PCI address."""
+    shutil.rmtree(TEST_ROOT, ignore_errors=True)
+    builder = LibBuilder()
+    try:
+        build_hgx_h100(builder, FakeHost(HOST, real_nodes=True))
+    finally:
+        shutil.rmtree(builder.tmp, ignore_errors=True)
+    (HOST / "var" / "log").mkdir(parents=True)
+    (HOST / "var" / "log" / "kern.log").write_text("")
+    for directory in (TEST_ROOT, HOST):
+        directory.chmod(0o755)  # the node hook is refused under a directory others could write
+    gpus = {}
+    for info in sorted((HOST / "proc" / "driver" / "nvidia" / "gpus").glob("*/information")):
+        minor = next(line.split()[-1] for line in info.read_text().splitlines() if line.startswith("Device Minor:"))
+        rdev = os.stat(HOST / "dev" / f"nvidia{minor}").st_rdev
+        gpus[info.parent.name] = (f"/dev/nvidia{minor}", os.major(rdev), os.minor(rdev))
+    assert len(gpus) == 8, gpus
+    return gpus
+
+
+def record(cluster: Cluster, name: str, seconds: float) -> None:
+    cluster.figures[name] = seconds
+    figures = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+    figures.setdefault(cluster.mode, {})[name] = seconds
+    FIGURES.parent.mkdir(exist_ok=True)
+    FIGURES.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="module")
+def image() -> Path:
+    """`make image`: the agent's image as the README builds it (a no-op when it is current)."""
+    need(os.geteuid() == 0, "needs root (cluster-up.sh, mknod, ctr)")
+    need((KUBE / "cluster-up.sh").exists(), f"{KUBE}/cluster-up.sh (set DEVINJECT_KUBE to ../shared/kube)")
+    need(shutil.which("make") and shutil.which("mmdebstrap"), "make and mmdebstrap (make system-deps)")
+    built = run(["make", "-C", str(REPO), "image"], 1800)
+    assert built.returncode == 0, f"make image failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}"
+    need(IMAGE_TAR.exists(), f"make image wrote no {IMAGE_TAR}")
+    return IMAGE_TAR
+
+
+@pytest.fixture(scope="module", params=["bundled", "debian"])
+def cluster(request: pytest.FixtureRequest, image: Path) -> Iterator[Cluster]:
+    """The cluster on one containerd, the agent rolled out on its node; taken down (--purge: the README
+    wants it before switching containerd) and the fake host removed, however the tests end."""
+    made = Cluster(request.param)
+    try:
+        made.gpus = build_fake_host()
+        up = run([str(KUBE / "cluster-up.sh")], 900, env=made.env)
+        assert up.returncode == 0, f"cluster-up.sh failed:\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
+        need(shutil.which("ctr"), "ctr (containerd's client; cluster-up.sh installs containerd)")
+        imported = run(["ctr", "--address", SOCKETS[made.mode], "-n", "k8s.io", "images", "import", str(image)], 300)
+        assert imported.returncode == 0, imported.stderr
+        nodes = made.json("nodes")["items"]
+        assert len(nodes) == 1, [n["metadata"]["name"] for n in nodes]
+        made.node = nodes[0]["metadata"]["name"]
+        made.kubectl("label", "node", made.node, "devinject.io/accelerators=true", "--overwrite")
+        start = time.monotonic()
+        made.kubectl("apply", "-k", str(OVERLAY))
+        made.kubectl("-n", "devinject-system", "rollout", "status", "daemonset/devinject", "--timeout=300s",
+                     timeout=320)
+        record(made, "rollout_s", round(time.monotonic() - start, 2))
+        record(made, "apply_to_allocatable_s", round(made.await_allocatable(8, 120, "the agent's registration")
+                                                  + made.figures["rollout_s"], 2))
+        yield made
+    finally:
+        down = run([str(KUBE / "cluster-down.sh"), "--purge"], 600, env=made.env)
+        shutil.rmtree(TEST_ROOT, ignore_errors=True)
+        assert down.returncode == 0, f"cluster-down.sh --purge failed:\n{down.stdout[-2000:]}{down.stderr[-2000:]}"
+
+
+def deployment_manifest(name: str, gpus: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
+                 "template": {"metadata": {"labels": {"app": name}},
+                              "spec": {"terminationGracePeriodSeconds": 1,
+                                       "containers": [{"name": "main", "image": BUSYBOX, "imagePullPolicy": "Never",
+                                                       "command": SLEEPER,
+                                                       "resources": {"limits": {GPU: gpus}}}]}}}}
+
+
+def running_pod(cluster: Cluster, app: str, timeout: float = 120) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        for pod in cluster.pods("default", f"app={app}"):
+            if pod["status"].get("phase") == "Running" and pod["status"].get("podIP") is not None \
+                    and all(c.get("ready") for c in pod["status"].get("containerStatuses", [])):
+                return pod
+        return None
+
+    return until(ready, timeout, f"a Running pod of {app}")
+
+
+@pytest.fixture(scope="module")
+def deployment(cluster: Cluster) -> Iterator[dict[str, Any]]:
+    """A Deployment asking for 2 GPUs, its pod Running: it keeps running through the tests below."""
+    cluster.apply(deployment_manifest("gpu-two", 2))
+    yield running_pod(cluster, "gpu-two")
+    cluster.kubectl("delete", "deployment", "gpu-two", "--wait=false", check=False)
+
+
+def devices_seen(cluster: Cluster, pod: str) -> dict[str, tuple[int, int]]:
+    """The pod's GPU nodes (/dev/nvidiaN): major and minor, as the container sees them."""
+    out = cluster.exec(pod, 'for f in /dev/nvidia[0-9]*; do [ -e "$f" ] && stat -c "%n %t %T" "$f"; done; true')
+    return {name: (int(major, 16), int(minor, 16)) for name, major, minor in (line.split() for line in
+                                                                               out.splitlines())}
+
+
+def nodes_of(cluster: Cluster, pcis: list[str]) -> dict[str, tuple[int, int]]:
+    return {cluster.gpus[pci][0]: cluster.gpus[pci][1:] for pci in pcis}
+
+
+def test_the_overlay_differs_from_the_shipped_manifests_only_in_host_paths(cluster: Cluster) -> None:
+    shipped = list(yaml.safe_load_all(cluster.kubectl("kustomize", str(REPO / "deploy" / "kubernetes"))))
+    tested = list(yaml.safe_load_all(cluster.kubectl("kustomize", str(OVERLAY))))
+    assert [d["kind"] for d in shipped] == [d["kind"] for d in tested]
+    changed = []
+    for base, ours in zip(shipped, tested, strict=True):
+        if base["kind"] != "DaemonSet":
+            assert ours == base
+            continue
+        spec, base_spec = ours["spec"]["template"]["spec"], base["spec"]["template"]["spec"]
+        base_volumes = {v["name"]: v for v in base_spec["volumes"]}
+        assert sorted(base_volumes) == sorted(v["name"] for v in spec["volumes"])
+        spec["volumes"].sort(key=lambda v: v["name"])
+        base_spec["volumes"].sort(key=lambda v: v["name"])
+        for volume in spec["volumes"]:
+            base_volume = base_volumes[volume["name"]]
+            if volume.get("hostPath") != base_volume.get("hostPath"):
+                assert volume["hostPath"]["path"].startswith(f"{TEST_ROOT}/"), volume
+                changed.append(volume["name"])
+                volume["hostPath"] = base_volume["hostPath"]
+        for container in spec["initContainers"] + spec["containers"]:
+            assert container.pop("imagePullPolicy") == "Never"
+        for container in base_spec["initContainers"] + base_spec["containers"]:
+            assert container.pop("imagePullPolicy") == "IfNotPresent"
+        args = spec["containers"][0]["args"]
+        args[args.index(f"--target-root={HOST}")] = "--target-root=/"
+        assert ours == base
+    # the kubelet's device-plugins directory and /var/run/cdi stay the node's own
+    assert sorted(changed) == ["dev", "host-root", "node-hook", "proc", "state", "sys"]
+
+
+def test_the_daemonset_rolls_out_and_the_node_shows_the_gpus_and_nics(cluster: Cluster) -> None:
+    status = cluster.status()
+    for field in ("capacity", "allocatable"):
+        assert status[field].get(GPU) == "8", status[field]
+        assert status[field].get("nvidia.com/rdma") == "8", status[field]
+    agent = cluster.agent()
+    assert agent is not None
+    (init,) = agent["status"]["initContainerStatuses"]
+    assert init["state"]["terminated"]["exitCode"] == 0, init
+    # the init container installed the node hook, and the specs name it (under the fake host's root)
+    hook = HOST / "opt" / "devinject" / "hook" / "bin" / "devinject"
+    assert hook.is_file()
+    spec = yaml.safe_load(Path("/var/run/cdi/nvidia.com-gpu.yaml").read_text())
+    assert {h["path"] for h in spec["containerEdits"]["hooks"]} == {str(hook)}
+    assert cluster.figures["rollout_s"] < 300
+
+
+def test_the_scheduler_places_a_deployment_and_its_pod_gets_the_gpus_the_kubelet_allocated(
+        cluster: Cluster, deployment: dict[str, Any]) -> None:
+    name, uid = deployment["metadata"]["name"], deployment["metadata"]["uid"]
+    assert deployment["spec"]["nodeName"] == cluster.node
+    events = cluster.json("events", "-n", "default", "--field-selector",
+                          f"involvedObject.name={name},reason=Scheduled")["items"]
+    assert [e.get("reportingComponent") or e["source"].get("component") for e in events] == ["default-scheduler"]
+    allocated = cluster.allocated(uid)
+    assert len(allocated) == 2, allocated
+    assert devices_seen(cluster, name) == nodes_of(cluster, allocated)  # those two and no other GPU
+    # the driver's files are there, read-only
+    mounts = cluster.exec(name, f"grep ' {LIBCUDA} ' /proc/mounts; touch {LIBCUDA} 2>&1; true")
+    assert " ro," in mounts and "Read-only file system" in mounts, mounts
+    assert cluster.exec(name, "cat /dev/nvidiactl 2>&1; true").strip().endswith("No such device or address")
+    ldcache = cluster.exec(name, "grep -c libcuda.so.1 /etc/ld.so.cache 2>&1; true").strip()
+    if cluster.mode == "bundled":
+        # the linker cache only the spec's update-ldcache hook makes (busybox's image has none): CDI applied
+        # the spec, and its hook ran from the node hook bundle the init container installed
+        assert ldcache == "1", ldcache
+    else:
+        # containerd 1.6 drops the CDI names: what the pod got is Allocate's fallback, which runs no hook
+        assert "No such file" in ldcache, ldcache
+
+
+def test_a_pod_asking_for_more_than_is_free_stays_pending_with_the_schedulers_reason(
+        cluster: Cluster, deployment: dict[str, Any]) -> None:
+    free = cluster.allocatable() - 2
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "too-many", "namespace": "default"},
+                   "spec": {"terminationGracePeriodSeconds": 1,
+                            "containers": [{"name": "main", "image": BUSYBOX, "imagePullPolicy": "Never",
+                                            "command": SLEEPER, "resources": {"limits": {GPU: free + 1}}}]}})
+    try:
+        def unschedulable() -> dict[str, Any] | None:
+            pod = cluster.json("pod", "-n", "default", "too-many")
+            for condition in pod["status"].get("conditions", []):
+                if condition["type"] == "PodScheduled" and condition.get("reason") == "Unschedulable":
+                    return {**condition, "phase": pod["status"].get("phase"), "node": pod["spec"].get("nodeName")}
+            return None
+
+        condition = until(unschedulable, 60, "the scheduler to refuse the pod")
+        assert f"Insufficient {GPU}" in condition["message"], condition
+        assert condition["phase"] == "Pending" and condition["node"] is None, condition
+    finally:
+        cluster.kubectl("delete", "pod", "-n", "default", "too-many", "--wait=false", check=False)
+
+
+def free_gpu(cluster: Cluster, deployment: dict[str, Any]) -> str:
+    return sorted(set(cluster.gpus) - set(cluster.allocated(deployment["metadata"]["uid"])))[-1]
+
+
+def assert_still_running(cluster: Cluster, deployment: dict[str, Any]) -> None:
+    pod = cluster.json("pod", "-n", "default", deployment["metadata"]["name"])
+    assert pod["metadata"]["uid"] == deployment["metadata"]["uid"]
+    assert pod["status"]["phase"] == "Running"
+    assert [c["restartCount"] for c in pod["status"]["containerStatuses"]] == [0]
+    allocated = cluster.allocated(pod["metadata"]["uid"])
+    assert devices_seen(cluster, pod["metadata"]["name"]) == nodes_of(cluster, allocated)
+
+
+def test_a_deleted_agent_pod_comes_back_registers_again_and_no_gpu_is_given_twice(
+        cluster: Cluster, deployment: dict[str, Any]) -> None:
+    old = cluster.agent()
+    assert old is not None
+    started = time.time()
+    cluster.kubectl("-n", "devinject-system", "delete", "pod", old["metadata"]["name"], "--wait=false")
+    until(lambda: (p := cluster.agent()) and p["metadata"]["uid"] != old["metadata"]["uid"] and p, 180,
+                "a new agent pod, Ready")
+    record(cluster, "agent_pod_deleted_to_ready_s", round(time.time() - started, 2))
+
+    registered = cluster.logged(f"{GPU}: registered with the kubelet", started, 60)
+    record(cluster, "agent_pod_deleted_to_registered_s", round(registered - started, 2))
+    cluster.await_allocatable(8, 60, "after the agent's restart")
+    assert_still_running(cluster, deployment)
+    cluster.apply(deployment_manifest("gpu-one", 1))
+    try:
+        pod = running_pod(cluster, "gpu-one")
+        mine = cluster.allocated(pod["metadata"]["uid"])
+        theirs = cluster.allocated(deployment["metadata"]["uid"])
+        assert len(mine) == 1 and not set(mine) & set(theirs), (mine, theirs)
+        assert devices_seen(cluster, pod["metadata"]["name"]) == nodes_of(cluster, mine)
+    finally:
+        cluster.kubectl("delete", "deployment", "gpu-one", "--wait=false", check=False)
+
+
+def test_a_driver_unbind_leaves_allocatable_and_a_rebind_comes_back(
+        cluster: Cluster, deployment: dict[str, Any]) -> None:
+    """A fault the agent polls (the fake host sends no uevent): the GPU's sysfs `driver` link goes."""
+    link = (HOST / "sys" / "bus" / "pci" / "devices" / free_gpu(cluster, deployment)).resolve() / "driver"
+    target = os.readlink(link)
+    started = time.time()
+    link.unlink()
+    try:
+        record(cluster, "unbind_to_allocatable_s", cluster.await_allocatable(7, 90, "the unbind"))
+        record(cluster, "unbind_to_agent_take_out_s",
+               round(cluster.logged("driver unbound", started, 30) - started, 2))
+        assert_still_running(cluster, deployment)
+    finally:
+        if not link.is_symlink():
+            link.symlink_to(target)
+    record(cluster, "rebind_to_allocatable_s", cluster.await_allocatable(8, 180, "the rebind"))
+
+
+def test_an_xid_leaves_allocatable_at_once_and_the_admins_put_back_restores_it(
+        cluster: Cluster, deployment: dict[str, Any]) -> None:
+    """A fault the kernel announces: a fatal Xid line in the kernel log the agent follows."""
+    pci = free_gpu(cluster, deployment)
+    started = time.time()
+    with (HOST / "var" / "log" / "kern.log").open("a") as log:
+        log.write(f"[ 4242.424242] NVRM: Xid (PCI:{pci[:-2]}): 79, pid=0, GPU has fallen off the bus.\n")
+    record(cluster, "xid_to_allocatable_s", cluster.await_allocatable(7, 60, "the Xid"))
+    record(cluster, "xid_to_agent_take_out_s", round(cluster.logged("fatal Xid 79", started, 30) - started, 2))
+    assert cluster.status()["capacity"][GPU] == "8"  # unhealthy, not gone
+    assert_still_running(cluster, deployment)
+    agent = cluster.agent()
+    assert agent is not None
+    start = time.monotonic()
+    cluster.exec(agent["metadata"]["name"], f"devinject put-back {GPU}={pci} --root /host --state-dir /run/devinject",
+                 namespace="devinject-system", container="device-plugin")
+    cluster.await_allocatable(8, 90, "the put-back")
+    record(cluster, "put_back_to_allocatable_s", round(time.monotonic() - start, 2))
+
+
+def test_the_agents_service_account_may_do_nothing_beyond_the_defaults(cluster: Cluster) -> None:
+    def rules(account: str) -> list[str]:
+        return cluster.kubectl("auth", "can-i", "--list", f"--as=system:serviceaccount:{account}").splitlines()
+
+    ours = rules("devinject-system:devinject")
+    assert ours == rules("devinject-system:nobody-at-all")  # what any authenticated account may do
+    resources = {line.split()[0] for line in ours[1:] if not line.startswith(" ")}
+    assert resources == {f"{kind}.authorization.k8s.io" for kind in ("selfsubjectaccessreviews",
+                                                                     "selfsubjectrulesreviews")} \
+        | {"selfsubjectreviews.authentication.k8s.io"}, ours
+    for verb, what in (("get", "nodes"), ("list", "pods"), ("get", "secrets"), ("patch", "nodes/status")):
+        answer = cluster.kubectl("auth", "can-i", verb, what, "--as=system:serviceaccount:devinject-system:devinject",
+                                 check=False).strip()
+        assert answer == "no", (verb, what, answer)
+
+
+def test_the_allocate_answer_carries_the_cdi_names_and_the_fallback(cluster: Cluster,
+                                                                    deployment: dict[str, Any]) -> None:
+    """What the kubelet kept of the agent's Allocate answer (its checkpoint): the CDI names, which containerd
+    1.7 applies, and the same GPUs' device nodes as the fallback, which containerd 1.6 applies."""
+    from devinject.kubelet.api.v1beta1_pb2 import ContainerAllocateResponse
+
+    checkpoint = json.loads(Path("/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").read_text())
+    (entry,) = [e for e in checkpoint["Data"]["PodDeviceEntries"]
+                if e["PodUID"] == deployment["metadata"]["uid"] and e["ResourceName"] == GPU]
+    answer = ContainerAllocateResponse.FromString(base64.b64decode(entry["AllocResp"]))
+    allocated = cluster.allocated(deployment["metadata"]["uid"])
+    spec = yaml.safe_load(Path("/var/run/cdi/nvidia.com-gpu.yaml").read_text())
+    by_name = {f"{spec['kind']}={d['name']}": d["containerEdits"]["deviceNodes"][0]["path"] for d in spec["devices"]}
+    named = sorted(by_name[d.name] for d in answer.cdi_devices)
+    assert named == sorted(nodes_of(cluster, allocated)), answer.cdi_devices  # those GPUs' names, no other
+    gpu_nodes = {d.host_path for d in answer.devices if d.container_path.removeprefix("/dev/nvidia").isdigit()}
+    assert gpu_nodes == {f"{HOST}{path}" for path in nodes_of(cluster, allocated)}
