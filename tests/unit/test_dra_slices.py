@@ -36,7 +36,8 @@ def test_hgx_one_pool_per_kind_with_the_standard_attributes() -> None:
         f"{STD}/pciBusID": {"string": "0000:18:00.0"}, f"{STD}/pcieRoot": {"string": "pci0000:12"},
         f"{STD}/numaNode": {"int": 0}, "kind": {"string": "nvidia.com/gpu"}, "vendor": {"string": "NVIDIA"},
         "pciVendorID": {"string": "0x10de"}, "model": {"string": "NVIDIA H100 80GB HBM3"}, "index": {"int": 0},
-        "driverVersion": {"version": "550.54.14"}, "uuid": {"string": "GPU-5b3c0a1e-7c1d-4c1b-9a55-0e1f2a3b4c00"}}
+        "driverVersion": {"version": "550.54.14"}, "partition": {"string": "whole"},
+        "uuid": {"string": "GPU-5b3c0a1e-7c1d-4c1b-9a55-0e1f2a3b4c00"}}
     # the GPU and its NIC sit under one root complex: one pcieRoot, so matchAttribute co-locates them
     nic = devices["rdma-0000-19-00-0"]["attributes"]
     assert nic[f"{STD}/pcieRoot"] == gpu[f"{STD}/pcieRoot"]

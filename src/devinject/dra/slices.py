@@ -5,7 +5,7 @@ from its PCI address (`gpu-0000-18-00-0`, a MIG instance `gpu-0000-07-00-0-gi1-c
 every restart and a DNS label. Each device carries the standard attributes (`resource.kubernetes.io/pciBusID`,
 `pcieRoot`: its PCIe root complex `pci<domain>:<bus>`, the first element of its sysfs path, so a GPU and a NIC
 under one root share it; `numaNode`, left out when the kernel says -1) and the driver's own (kind, vendor,
-model, index, driverVersion, uuid, partition), capacity where sysfs states it (AMD's VRAM).
+model, index, driverVersion, uuid, partition: `whole`, `mig` or `amd`), capacity where sysfs states it (AMD's VRAM).
 
 A GPU split into MIG instances (or AMD partitions) is published whole *and* as its instances, which consume
 a counter set of the parent (partitionable devices, beta and on in 1.36): each instance one counter of its
@@ -109,7 +109,7 @@ def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | 
         common["index"] = {"int": found.index}
         if versions.get(kind):
             common["driverVersion"] = _version(str(versions[kind]))
-        whole = dict(common)
+        whole = {**common, "partition": {"string": "whole"}}  # always set: a CEL selector can test it
         if found.uuid:
             whole["uuid"] = {"string": found.uuid}
         pool = pool_name(node_name, kind)

@@ -1,0 +1,100 @@
+"""deploy/kubernetes/dra: every manifest valid against the Kubernetes 1.36 API schemas (kubernetes-validate,
+offline, strict), the kustomization holds them all, the DaemonSet runs a command line dra-driver accepts with
+the kubelet's plugin directories, the RBAC is what the driver does, and the DeviceClasses select the kinds
+and partitions dra/slices.py publishes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from devinject import cli
+from devinject.discovery.node import Node
+from devinject.dra.slices import DRIVER
+
+DRA = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "dra"
+MANIFESTS = sorted(p for p in DRA.glob("*.yaml") if p.name != "kustomization.yaml")
+KUBERNETES_VERSION = "1.36.0"  # resource.k8s.io/v1 with extendedResourceName
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def by_kind(kind: str) -> list[dict[str, Any]]:
+    return [doc for path in MANIFESTS for doc in documents(path) if doc["kind"] == kind]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_is_valid_kubernetes(path: Path) -> None:
+    for doc in documents(path):
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_validation_would_catch_a_mistake() -> None:
+    (deviceclass, *_) = by_kind("DeviceClass")
+    broken = yaml.safe_load(yaml.safe_dump(deviceclass))
+    broken["spec"]["selectors"][0]["cell"] = broken["spec"]["selectors"][0].pop("cel")  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    (kustomization,) = documents(DRA / "kustomization.yaml")
+    assert sorted(kustomization["resources"]) == [p.name for p in MANIFESTS]
+
+
+def test_daemonset_runs_a_command_line_dra_driver_accepts() -> None:
+    (daemonset,) = by_kind("DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert container["command"] == ["devinject"] and args[0] == "dra-driver"
+    params = cli.cli.commands["dra-driver"].make_context("dra-driver", args[1:], default_map={"node_name": "n"}).params
+    assert params["plugin_dir"] == "/var/lib/kubelet/plugins"
+    assert params["registry_dir"] == "/var/lib/kubelet/plugins_registry"
+    assert (params["root"], params["target_root"], params["cdi_dir"]) == ("/host", "/", "/var/run/cdi")
+    (node_name,) = [e for e in container["env"] if e["name"] == "NODE_NAME"]
+    assert node_name["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    written = {host_paths[m["name"]] for m in container["volumeMounts"]
+               if m["name"] in host_paths and not m.get("readOnly")}
+    assert written == {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi",
+                       "/run/devinject"}
+    assert pod["hostPID"] is True  # the ledger counts the node's pids
+    security = container["securityContext"]
+    assert security["privileged"] is False and security["capabilities"] == {"drop": ["ALL"]}
+    assert pod["serviceAccountName"] == "devinject-dra"
+
+
+def test_rbac_is_what_the_driver_does() -> None:
+    (role,) = by_kind("ClusterRole")
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
+    assert rules == {(("resource.k8s.io",), ("resourceslices",)): {"list", "create", "update", "delete"},
+                     (("resource.k8s.io",), ("resourceclaims",)): {"get"}}
+    (binding,) = by_kind("ClusterRoleBinding")
+    (account,) = by_kind("ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": account["metadata"]["namespace"]}]
+    assert not by_kind("Role") and not by_kind("Secret")
+
+
+def test_a_device_class_per_kind_and_partition_the_driver_publishes() -> None:
+    kinds = {p.kind for p in Node("/", check=False).profiles if p.channels is None}
+    selected = set()
+    for deviceclass in by_kind("DeviceClass"):
+        (selector,) = deviceclass["spec"]["selectors"]
+        expression = selector["cel"]["expression"]
+        assert f'device.driver == "{DRIVER}"' in expression
+        (kind,) = re.findall(r'\.kind == "([^"]+)"', expression)
+        (partition,) = re.findall(r'\.partition == "([^"]+)"', expression)
+        assert partition in ("whole", "mig", "amd")
+        selected.add(kind)
+        if partition == "whole" and "extendedResourceName" in deviceclass["spec"]:
+            assert deviceclass["spec"]["extendedResourceName"] == kind  # the device plugin's resource name
+    assert selected == kinds
