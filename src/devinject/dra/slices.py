@@ -109,7 +109,7 @@ def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | 
         common["index"] = {"int": found.index}
         if versions.get(kind):
             common["driverVersion"] = _version(str(versions[kind]))
-        whole = {**common, "partition": {"string": "whole"}}  # always set: a CEL selector can test it
+        whole: dict[str, dict[str, object]] = {**common, "partition": {"string": "whole"}}  # for CEL selectors
         if found.uuid:
             whole["uuid"] = {"string": found.uuid}
         pool = pool_name(node_name, kind)
