@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from devinject.agent.health import PROBE_TIMEOUT
 from devinject.core.paths import DEFAULT_STATE_DIR
 from devinject.discovery import node as discovery_node
 
@@ -59,12 +60,11 @@ class Event:
 class Node(discovery_node.Node):
     """A node, as every command reads it: see discovery/node.py for the roots and their checks."""
 
-    def health(self, *, timeout: float | None = None) -> list[DeviceHealth]:
+    def health(self, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceHealth]:
         """Every device's verdict, bound to its driver or not (an unbound one by its key)."""
-        from devinject.agent.health import PROBE_TIMEOUT
         from devinject.agent.inventory import device_health
 
-        return device_health(self, timeout=PROBE_TIMEOUT if timeout is None else timeout)
+        return device_health(self, timeout=timeout)
 
     def inventory(self) -> list[DeviceRecord]:
         """Every discovered device with its health, the containers the ledger booked it for, its pairs."""

@@ -165,3 +165,23 @@ def test_the_hand_over_to_the_hook_server_is_routed_in_one_place() -> None:
                     callers.add(module)
     assert callers == {"devinject.entry"}
 
+
+
+def _callers(function: str) -> set[str]:
+    callers = set()
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                if name == function:
+                    callers.add(module)
+    return callers
+
+
+def test_profiles_are_loaded_in_one_place() -> None:
+    """One way in (devinject.api.Node, discovery/node.py): the node loads the profiles, from the one search path
+    (core/paths.py), and every command, the agent and the hook's cache miss ask a node. `Host(root) ->
+    load_profiles -> discover` was wired by hand in seven places, two of them without --profile-dir."""
+    assert _callers("load_profiles") == {"devinject.discovery.node"}
+    assert _callers("profile_search_path") == {"devinject.discovery.profiles", "devinject.nodestate.sharing"}
+    assert "devinject.api" in import_graph()["devinject.cli"]

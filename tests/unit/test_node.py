@@ -1,0 +1,212 @@
+"""The one way in (devinject.api.Node, discovery/node.py): its roots checked once, profiles loaded and devices
+discovered once, the names a device answers to, and each result record's JSON form (docs/json.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from devinject.agent.inventory import DeviceHealth, DeviceRecord, HeldNode, Holder
+from devinject.api import Event, Node
+from devinject.core.errors import ConfigError
+from devinject.discovery import node as discovery_node
+from devinject.discovery.node import device_names
+from tests.conftest import HOSTS
+
+HGX = str(HOSTS / "hgx-h100")
+# a family the shipped profiles do not have: the workstation's HDMI audio function, its node /dev/null's numbers
+AUDIO_PROFILE = """\
+name: acme-audio
+kind: acme.example/audio
+match: {vendor: ["10de"], class: ["0403"]}
+device-nodes:
+  - {path: "/dev/acme-audio{index}", major: 1, minor: 3}
+"""
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "devinject", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def audio(host_copy, tmp_path: Path) -> tuple[Path, Path]:  # type: ignore[no-untyped-def]
+    """A workstation copy with /dev/acme-audio0, and a --profile-dir (outside the root) whose profile offers it."""
+    root = host_copy("workstation")
+    (root / "dev/acme-audio0").write_text("")
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    (profiles / "acme.yaml").write_text(AUDIO_PROFILE)
+    return root, profiles
+
+
+# --- the roots, checked once ----------------------------------------------------------------------------
+
+def test_each_root_given_is_checked_when_the_node_is_made(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ConfigError, match=f"^--root {tmp_path}/absent: no such directory$"):
+        Node(str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match=f"^--profile-dir {tmp_path}/gone: no such directory$"):
+        Node(HGX, profile_dirs=(str(tmp_path),  str(tmp_path / "gone")))
+    with pytest.raises(ConfigError, match=f"^--state-dir {afile}/state: cannot be created"):
+        Node(HGX, state_dir=str(afile / "state"))
+    with pytest.raises(ConfigError, match="^--kernel-log /var/log/kern.log: no such file"):
+        Node(HGX, kernel_log="/var/log/kern.log", kernel_log_explicit=True)
+    Node(HGX, kernel_log="/var/log/kern.log")  # the default may be missing
+    Node(HGX, state_dir=str(tmp_path / "not-yet"))  # may be made
+    assert not (tmp_path / "not-yet").exists()
+    unchecked = Node(str(tmp_path / "absent"), profile_dirs=(str(tmp_path / "gone"),), check=False)
+    assert unchecked.devices() == []  # the hook's cache miss: nothing there, no profiles added
+
+
+def test_the_node_keeps_its_roots(tmp_path: Path) -> None:
+    node = Node(HGX, target_root="/host", profile_dirs=(str(tmp_path),), state_dir=str(tmp_path),
+                kernel_log="/var/log/kern.log")
+    assert (node.root, node.target_root, node.profile_dirs, node.state_dir, node.kernel_log) == (
+        HGX, "/host", (str(tmp_path),), str(tmp_path), "/var/log/kern.log")
+    assert node.host.root == HGX and node.view.host is node.host
+    assert Node(HGX).state_dir is None and Node(HGX).kernel_log is None and Node(HGX).target_root is None
+
+
+def test_profiles_are_loaded_and_devices_discovered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"load": 0, "discover": 0}
+    load, discover = discovery_node.load_profiles, discovery_node.discover
+
+    def counted_load(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["load"] += 1
+        return load(*args, **kwargs)
+
+    def counted_discover(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["discover"] += 1
+        return discover(*args, **kwargs)
+
+    monkeypatch.setattr(discovery_node, "load_profiles", counted_load)
+    monkeypatch.setattr(discovery_node, "discover", counted_discover)
+    node = Node(HGX)
+    assert node.devices() is node.devices() and node.profiles is node.profiles
+    node.topology()
+    node.inventory()
+    node.health()
+    node.specs(__import__("devinject.specs.generate", fromlist=["GenerateOptions"]).GenerateOptions(hook_path="/x"))
+    assert calls == {"load": 1, "discover": 1}
+
+
+def test_profile_dirs_are_read_by_the_node(audio: tuple[Path, Path]) -> None:
+    root, profiles = audio
+    assert "acme.example/audio" not in {f.profile.kind for f in Node(str(root)).devices()}
+    (found,) = [f for f in Node(str(root), profile_dirs=(str(profiles),)).devices()
+                if f.profile.kind == "acme.example/audio"]
+    assert [n.path for n in found.nodes] == ["/dev/acme-audio0"]
+
+
+# --- names -----------------------------------------------------------------------------------------------
+
+def test_device_names_by_strategy() -> None:
+    node = Node(HGX)
+    gpu = next(f for f in node.devices() if f.profile.kind == "nvidia.com/gpu")
+    assert device_names(gpu, ("pci",)) == [gpu.address]
+    assert device_names(gpu, ("index", "pci", "index")) == [str(gpu.index), gpu.address]
+    assert device_names(gpu, ("uuid",)) == [gpu.uuid or gpu.address]
+    assert device_names(gpu, ()) == ([str(gpu.index), gpu.uuid] if gpu.uuid else [str(gpu.index), gpu.address])
+    nouuid = next(f for f in node.devices() if not f.uuid)
+    assert device_names(nouuid, ()) == [str(nouuid.index), nouuid.address]
+    assert device_names(nouuid, ("uuid",)) == [nouuid.address]
+    assert node.names(nouuid) == [f"{nouuid.profile.kind}={nouuid.index}", f"{nouuid.profile.kind}={nouuid.address}"]
+    assert node.names(nouuid, ("pci",)) == [f"{nouuid.profile.kind}={nouuid.address}"]
+
+
+def test_find_and_name_of() -> None:
+    node = Node(HGX)
+    gpu = next(f for f in node.devices() if f.profile.kind == "nvidia.com/gpu" and f.index == 1)
+    for name in ("nvidia.com/gpu=1", f"nvidia.com/gpu={gpu.address}", gpu.address, *(
+            [gpu.uuid, f"nvidia.com/gpu={gpu.uuid}"] if gpu.uuid else [])):
+        assert node.find(name) == [gpu], name
+    assert {f.profile.kind for f in node.find("1")} == {"nvidia.com/gpu", "nvidia.com/rdma"}  # a bare index
+    assert node.find("nvidia.com/gpu=99") == [] and node.find("0000:ff:00.0") == []
+    assert node.name_of("nvidia.com/gpu", gpu.address) == "nvidia.com/gpu=1"
+    assert node.name_of("nvidia.com/rdma", gpu.address) == f"nvidia.com/rdma={gpu.address}"  # not discovered
+
+
+# --- the JSON forms ------------------------------------------------------------------------------------
+
+def test_record_json_forms() -> None:
+    holder = Holder(7, "ctr", "python3", "c 1:3", "active")
+    assert holder.to_json() == {"pid": 7, "container": "ctr", "command": "python3", "node": "c 1:3",
+                                "state": "active"}
+    assert Holder(None, None).to_json() == {"pid": None, "container": None, "command": None, "node": None,
+                                            "state": None}
+    health = DeviceHealth("a.com/b=0", "a.com/b", "0000:01:00.0", "degraded", ("slow",))
+    assert health.to_json() == {"name": "a.com/b=0", "kind": "a.com/b", "pci_address": "0000:01:00.0",
+                                "health": "degraded", "reasons": ["slow"]}
+    assert not health.healthy and DeviceHealth("n", "k", "p", "healthy").healthy
+    held = HeldNode("a.com/b=0", "a.com/b", "0000:01:00.0", holder)
+    assert held.to_json() == {"name": "a.com/b=0", "kind": "a.com/b", "pci_address": "0000:01:00.0",
+                              **holder.to_json()}
+    record = DeviceRecord(("a.com/b=0", "a.com/b=u"), "a.com/b", "0000:01:00.0", ("0000:01:00.0",), "Acme", "X1",
+                          "1234:5678", "u", None, "acme", "exclusive", "unhealthy", ("gone",), (holder,),
+                          "allocated", (("/dev/b0", 240, 0),), (("c.com/d=0", "PIX"),))
+    assert record.name == "a.com/b=0"
+    assert record.to_json() == {
+        "name": "a.com/b=0", "names": ["a.com/b=0", "a.com/b=u"], "kind": "a.com/b", "pci_address": "0000:01:00.0",
+        "functions": ["0000:01:00.0"], "vendor": "Acme", "model": "X1", "pci_id": "1234:5678", "uuid": "u",
+        "numa_node": None, "driver": "acme", "sharing": "exclusive", "health": "unhealthy", "reasons": ["gone"],
+        "holders": [holder.to_json()], "allocation": "allocated",
+        "nodes": [{"path": "/dev/b0", "major": 240, "minor": 0}],
+        "paired_with": [{"name": "c.com/d=0", "relation": "PIX"}]}
+
+
+def test_event_json_form() -> None:
+    event = Event.of("a.com/b=0000:01:00.0", {"time": 12.5, "event": "put-back", "device": "a.com/b=0000:01:00.0",
+                                               "status": "healthy", "by": "admin"})
+    assert event.to_json() == {"name": "a.com/b=0000:01:00.0", "kind": "a.com/b", "pci_address": "0000:01:00.0",
+                               "time": 12.5, "event": "put-back", "reasons": [], "by": "admin",
+                               "health": "healthy"}
+    assert Event.of("k=p", {"time": 1, "event": "taken-out", "reasons": ["Xid 79"]}).reasons == ("Xid 79",)
+
+
+def test_node_answers_events_specs_and_the_list(tmp_path: Path) -> None:
+    from devinject.nodestate import events
+    from devinject.specs.generate import GenerateOptions
+
+    state = tmp_path / "state"
+    events.record(str(state), "taken-out", "nvidia.com/gpu=0000:2a:00.0", reasons=["Xid 79"])
+    events.record(str(state), "added", "nvidia.com/gpu=0000:18:00.0")
+    node = Node(HGX, state_dir=str(state))
+    assert [(e.name, e.event) for e in node.events()] == [("nvidia.com/gpu=0000:18:00.0", "added"),
+                                                          ("nvidia.com/gpu=0000:2a:00.0", "taken-out")]
+    assert [e.event for e in node.events("0000:2a:00.0")] == ["taken-out"]
+    specs = node.specs(GenerateOptions(root="/nonexistent", hook_path="/x", kinds=("nvidia.com/gpu",)))
+    assert [s.kind for s in specs] == ["nvidia.com/gpu"]  # the node's root, not the options'
+    rows = {r.name: r for r in node.inventory()}
+    assert rows["nvidia.com/gpu=0"].numa_node == 0 and rows["nvidia.com/gpu=0"].allocation == "free"
+    assert rows["nvidia.com/gpu=0"].paired_with == (("nvidia.com/rdma=0", "PIX"),)
+    assert rows["nvidia.com/rdma=0"].paired_with == (("nvidia.com/gpu=0", "PIX"),)
+    health = {h.name: h for h in node.health()}
+    assert health["nvidia.com/gpu=0"].health == "healthy" and health["nvidia.com/gpu=0"].pci_address == "0000:18:00.0"
+
+
+# --- the commands that dropped --profile-dir ------------------------------------------------------------
+
+def test_who_reads_the_profile_dirs(audio: tuple[Path, Path], tmp_path: Path) -> None:
+    root, profiles = audio
+    with open("/dev/null"):  # /dev/acme-audio0 has its numbers
+        done = cli("who", "acme.example/audio=0", "--root", str(root), "--state-dir", str(tmp_path / "state"),
+                   "--profile-dir", str(profiles), "--json")
+    assert done.returncode == 0, done.stderr
+    assert os.getpid() in {row["pid"] for row in __import__("json").loads(done.stdout)
+                           if row["name"] == "acme.example/audio=0" and row["node"] == "c 1:3"}
+
+
+def test_create_dev_char_links_reads_the_profile_dirs(audio: tuple[Path, Path]) -> None:
+    root, profiles = audio
+    (root / "dev/char").mkdir(exist_ok=True)
+    if (root / "dev/char/1:3").is_symlink():
+        (root / "dev/char/1:3").unlink()
+    assert "1:3" not in cli("create-dev-char-links", "--root", str(root), "--dry-run").stdout
+    done = cli("create-dev-char-links", "--root", str(root), "--profile-dir", str(profiles))
+    assert done.returncode == 0, done.stderr
+    assert os.readlink(root / "dev/char/1:3") == "../acme-audio0"
