@@ -264,3 +264,24 @@ def test_health_stream_lists_every_device(driver: DraDriver) -> None:
         stream.cancel()
     assert len(first.devices) == 16
     assert {d.health for d in first.devices} == {health.HEALTHY}
+
+
+def test_a_device_watch_took_out_leaves_the_slice_and_is_unhealthy_until_put_back(driver: DraDriver, api: FakeApi,
+                                                                                  dirs: dict[str, str]) -> None:
+    health_file = Path(dirs["state"]) / "health.json"
+    health_file.write_text(json.dumps({"unhealthy_nodes": ["c 195:2"]}))  # /dev/nvidia2: the GPU at 18:00.0
+    assert driver.refresh()
+    published = {d["name"] for s in api.slices for d in s["spec"].get("devices", [])}
+    assert "gpu-0000-18-00-0" not in published and "gpu-0000-2a-00-0" in published
+    with kubelet(driver.servers.endpoint) as channel:
+        stream = health_grpc.DRAResourceHealthStub(channel).NodeWatchResources(  # type: ignore[no-untyped-call]
+            health.NodeWatchResourcesRequest(), timeout=5)
+        first = next(stream)
+        stream.cancel()
+    states = {d.device.device_name: (d.health, d.message) for d in first.devices}
+    assert states["gpu-0000-18-00-0"] == (health.UNHEALTHY, "taken out by the node's health checks")
+    assert states["gpu-0000-2a-00-0"] == (health.HEALTHY, "")
+    health_file.write_text(json.dumps({"unhealthy_nodes": []}))
+    assert driver.refresh()
+    assert "gpu-0000-18-00-0" in {d["name"] for s in api.slices for d in s["spec"].get("devices", [])}
+    assert not driver.refresh()  # nothing changed: nothing published
