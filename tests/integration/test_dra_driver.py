@@ -285,3 +285,18 @@ def test_a_device_watch_took_out_leaves_the_slice_and_is_unhealthy_until_put_bac
     assert driver.refresh()
     assert "gpu-0000-18-00-0" in {d["name"] for s in api.slices for d in s["spec"].get("devices", [])}
     assert not driver.refresh()  # nothing changed: nothing published
+
+
+def test_a_lost_ledger_learns_the_prepared_claims_again(driver: DraDriver, api: FakeApi,
+                                                        dirs: dict[str, str]) -> None:
+    """A ledger rebuilt from live evidence (or gone) knows no claim: the next round books them again, so a
+    container cannot take a claimed GPU."""
+    uid = "0b7f8e7c-1111-4c1b-9a55-000000000005"
+    api.add("held", uid, [(GPU_POOL, "gpu-0000-2a-00-0")])
+    assert prepare(driver, ("held", uid)).claims[uid].error == ""
+    os.unlink(os.path.join(dirs["state"], "ledger.json"))
+    ledger = Ledger(dirs["state"])
+    driver.refresh()
+    with pytest.raises(LedgerError, match="dra-claim"):
+        ledger.book("container-b", os.getpid(), (Claim("nvidia.com/gpu=1", ("c 195:3",)),))
+    assert unprepare(driver, ("held", uid)).claims[uid].error == ""

@@ -77,6 +77,10 @@ def _problem(data: object) -> str | None:
                     or not all(isinstance(device.get(k), list) and all(isinstance(v, str) for v in device[k])
                                for k in ("requests", "cdi")):
                 return f"claim {uid}: a device without pool, device, requests and cdi"
+        for booked in entry.get("ledger", []):
+            if not (isinstance(booked, list) and len(booked) == 3 and isinstance(booked[0], str)
+                    and all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in booked[1:])):
+                return f"claim {uid}: a ledger entry that is not [name, nodes, shared]"
     return None
 
 
@@ -228,16 +232,17 @@ class Preparer:
                 replace_file(path, text.encode(), 0o644, sync=True)
             except OSError as err:
                 raise PrepareError(f"{path}: cannot write the claim's CDI spec: {err.strerror}") from None
+            booked = tuple(_ledger_claim(o, e) for o, e in zip(offers, edits, strict=True))
             try:
-                self.ledger.book(self.booking(uid), NODE_PID,
-                                 tuple(_ledger_claim(o, e) for o, e in zip(offers, edits, strict=True)))
+                self.ledger.book(self.booking(uid), NODE_PID, booked)
             except LedgerError as err:
                 _remove(path)
                 raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
             prepared = [PreparedDevice((request,), offer.pool, offer.name, (f"{self.kind}={uid}-{offer.name}",))
                         for (request, _, _), offer in zip(results, offers, strict=True)]
             claims[uid] = {"namespace": namespace, "name": name, "spec": path,
-                           "devices": [d.to_json() for d in prepared]}
+                           "devices": [d.to_json() for d in prepared],
+                           "ledger": [[c.name, list(c.nodes), list(c.shared)] for c in booked]}
             try:
                 self.checkpoint.save(claims)
             except CheckpointError:
@@ -286,6 +291,26 @@ class Preparer:
                 del claims[uid]
                 self.checkpoint.save(claims)
                 log.info("unprepared claim %s/%s (%s)", entry.get("namespace"), entry.get("name"), uid)
+
+    def rebook(self) -> int:
+        """Book every checkpointed claim in the ledger again (a no-op for those it holds): after a restart, or
+        a ledger rebuilt from live evidence (which sees no claim), the hook and the device plugin still find
+        the claims' devices taken. The number of claims whose booking was refused (logged)."""
+        with self.lock:
+            claims = self.checkpoint.load()
+            refused = 0
+            for uid, entry in claims.items():
+                booked = tuple(Claim(str(n), tuple(nodes), tuple(shared))
+                               for n, nodes, shared in entry.get("ledger") or [])  # type: ignore[attr-defined]
+                if not booked:
+                    continue
+                try:
+                    self.ledger.book(self.booking(uid), NODE_PID, booked)
+                except LedgerError as err:
+                    refused += 1
+                    log.warning("claim %s/%s (%s): its devices are not in the ledger: %s", entry.get("namespace"),
+                                entry.get("name"), uid, err.message)
+            return refused
 
     def prepared(self) -> dict[str, dict[str, object]]:
         with self.lock:

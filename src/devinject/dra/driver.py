@@ -96,8 +96,10 @@ class DraDriver:
         return inventory if inventory is not None else self.discover()
 
     def refresh(self) -> bool:
-        """Rediscover, publish when the slices changed; True when published."""
+        """Rediscover, book the prepared claims again (a ledger rebuilt meanwhile knows none), publish when the
+        slices changed; True when published."""
         self.discover()
+        self.preparer.rebook()
         unhealthy = unhealthy_nodes(self.opts.state_dir)
         with self.lock:
             offered = list(self._all)
