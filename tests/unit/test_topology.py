@@ -43,11 +43,34 @@ def test_numa_nodes_decide_across_host_bridges_and_unknown_is_never_closer() -> 
     assert relation(place(one, None), place("pci0000:00/0000:00:02.0/0000:02:00.0", None)) == PHB
 
 
-def test_hgx_matrix_matches_the_reviewed_golden() -> None:
+def _golden(name: str, text: str, update: bool) -> str:
+    """The reviewed golden topo output `name` (rewritten from `text` with --update-golden: review the diff)."""
+    path = FIXTURES / "golden-topo" / f"{name}.txt"
+    if update:
+        path.write_text(text)
+    return path.read_text()
+
+
+def test_hgx_matrix_matches_the_reviewed_golden(update_golden: bool) -> None:
     done = subprocess.run([DEVINJECT, "topo", "--root", str(HOSTS / "hgx-h100")], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == (FIXTURES / "golden-topo" / "hgx-h100.txt").read_text()
+    assert done.stdout == _golden("hgx-h100", done.stdout, update_golden)
+
+
+def test_each_matrix_label_is_tied_to_its_cdi_name_and_pci_address() -> None:
+    """A mixed host (an Intel and an NVIDIA GPU, both a GPU0 of their own kind): the text says which is which,
+    under the matrix, as --json's `devices` does."""
+    done = subprocess.run([DEVINJECT, "topo", "--root", str(HOSTS / "workstation")], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    block = done.stdout.split("\n\nDevices:\n", 1)[1].split("\n\n", 1)[0]
+    data = json.loads(subprocess.run([DEVINJECT, "topo", "--root", str(HOSTS / "workstation"), "--json"],
+                                     capture_output=True, text=True, timeout=60, check=True).stdout)
+    assert [line.split() for line in block.splitlines()] == [
+        [label, device["name"], device["pci_address"]] for label, device in data["devices"].items()]
+    assert block.splitlines()[:2] == ["  GPU0   intel.com/gpu=0      0000:00:02.0",
+                                      "  GPU1   nvidia.com/gpu=0     0000:01:00.0"]
 
 
 def test_json_for_tools() -> None:
@@ -107,10 +130,10 @@ def topo(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("name", TOPOLOGY_HOSTS)
-def test_topology_hosts_match_their_reviewed_goldens(topology_hosts, name: str) -> None:  # type: ignore[no-untyped-def]
+def test_topology_hosts_match_their_reviewed_goldens(topology_hosts, name: str, update_golden: bool) -> None:  # type: ignore[no-untyped-def]
     done = topo("--root", str(topology_hosts / name))
     assert done.returncode == 0, done.stderr
-    assert done.stdout == (FIXTURES / "golden-topo" / f"{name}.txt").read_text()
+    assert done.stdout == _golden(name, done.stdout, update_golden)
 
 
 def test_pairing_balances_nics_and_refuses_the_slow_path(topology_hosts) -> None:  # type: ignore[no-untyped-def]

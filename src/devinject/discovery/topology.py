@@ -103,8 +103,16 @@ class Topology:
         nics = [i for i, label in enumerate(self.labels) if label.startswith("NIC")]
         return pair_gpus_with_nics(self, gpus, nics)
 
+    def label_lines(self, width: int) -> list[str]:
+        """Which device each label is: its CDI name (as `list` shows it first) and PCI address, one a line."""
+        names = [self.name(i) for i in range(len(self.labels))]
+        column = max(map(len, names), default=0) + 2
+        return [f"  {label:<{width}}{name:<{column}}{place.address}"
+                for label, name, place in zip(self.labels, names, self.places, strict=True)]
+
     def render(self) -> str:
-        """The matrix as `nvidia-smi topo -m` prints it, then CPU and NUMA affinity, then the legend."""
+        """The matrix as `nvidia-smi topo -m` prints it, then CPU and NUMA affinity, then which device each
+        label is (CDI name, PCI address), the GPU-NIC pairs, and the legend of the relations."""
         width = max([4, *map(len, self.labels)]) + 2
         header = " " * width + "".join(f"{label:<{width}}" for label in self.labels) + "CPU Affinity    NUMA Affinity"
         lines = [header.rstrip()]
@@ -113,6 +121,7 @@ class Topology:
             place = self.places[i]
             numa = "N/A" if place.numa is None else str(place.numa)
             lines.append(f"{label:<{width}}{cells}{place.cpus or 'N/A':<16}{numa}".rstrip())
+        lines += ["", "Devices:", *self.label_lines(width)]
         pairs = self.pairs()
         if pairs:
             lines += ["", "GPU-NIC pairs (generate --bundles gpu-nic):"]
