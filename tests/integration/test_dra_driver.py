@@ -300,3 +300,37 @@ def test_a_lost_ledger_learns_the_prepared_claims_again(driver: DraDriver, api: 
     with pytest.raises(LedgerError, match="dra-claim"):
         ledger.book("container-b", os.getpid(), (Claim("nvidia.com/gpu=1", ("c 195:3",)),))
     assert unprepare(driver, ("held", uid)).claims[uid].error == ""
+
+
+def test_mig_instances_and_their_whole_gpu(dirs: dict[str, str], api: FakeApi) -> None:
+    """A MIG instance's spec holds its GPU's node and its own capability nodes; two instances of one GPU go to
+    two claims, but the whole GPU is refused on the node too while an instance is prepared (the scheduler's
+    counters aside: the ledger books the parent shared for instances and exclusive for the whole)."""
+    gen = GenerateOptions(root=str(HOSTS / "dgx-a100-mig"), hook_path="/usr/bin/devinject")
+    opts = DraOptions(generate=gen, node_name=NODE, plugin_dir=dirs["plugins"], registry_dir=dirs["registry"],
+                      cdi_dir=dirs["cdi"], state_dir=dirs["state"], rescan=3600)
+    driver = DraDriver(opts, api)
+    driver.start()
+    try:
+        driver.refresh()
+        api.add("mig0", "uid-mig0", [(GPU_POOL, "gpu-0000-07-00-0-gi1-ci0")])
+        api.add("mig1", "uid-mig1", [(GPU_POOL, "gpu-0000-07-00-0-gi2-ci0")])
+        api.add("whole", "uid-whole", [(GPU_POOL, "gpu-0000-07-00-0")])
+        answer = prepare(driver, ("mig0", "uid-mig0"), ("mig1", "uid-mig1"))
+        assert answer.claims["uid-mig0"].error == "" and answer.claims["uid-mig1"].error == ""
+        spec = json.loads((Path(dirs["cdi"]) / f"{DRIVER}-uid-mig0.json").read_text())
+        (device,) = spec["devices"]
+        assert [n["path"] for n in device["containerEdits"]["deviceNodes"]] == [
+            "/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap12", "/dev/nvidia-caps/nvidia-cap13",
+            "/dev/nvidia-caps/nvidia-cap2"]
+        refused = prepare(driver, ("whole", "uid-whole")).claims["uid-whole"]
+        assert "held by container dra-claim" in refused.error
+        assert sorted(cdi_files(dirs)) == [f"{DRIVER}-uid-mig0.json", f"{DRIVER}-uid-mig1.json"]
+        unprepare(driver, ("mig0", "uid-mig0"), ("mig1", "uid-mig1"))
+        whole = prepare(driver, ("whole", "uid-whole")).claims["uid-whole"]
+        assert whole.error == ""
+        spec = json.loads((Path(dirs["cdi"]) / f"{DRIVER}-uid-whole.json").read_text())
+        assert [n["path"] for n in spec["devices"][0]["containerEdits"]["deviceNodes"]] == ["/dev/nvidia0"]
+        unprepare(driver, ("whole", "uid-whole"))
+    finally:
+        driver.servers.stop()

@@ -284,7 +284,11 @@ class Preparer:
             path = str(entry["spec"]) if entry is not None else self.spec_path(uid)
             _remove(path)
             try:
-                self.ledger.release(self.booking(uid))
+                if self.ledger.release(self.booking(uid)) == "released":
+                    # the pod's containers are gone: finish the release now. A booking finishes only releases
+                    # that hold a node it wants exclusively, and a MIG instance holds its GPU's node shared, so
+                    # the whole GPU's claim would wait for the node agent's sweep otherwise.
+                    self.ledger.sweep()
             except LedgerError as err:
                 raise PrepareError(f"claim {uid}: {err.message}") from None
             if entry is not None:
