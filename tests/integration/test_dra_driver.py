@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -334,3 +335,24 @@ def test_mig_instances_and_their_whole_gpu(dirs: dict[str, str], api: FakeApi) -
         unprepare(driver, ("whole", "uid-whole"))
     finally:
         driver.servers.stop()
+
+
+def test_claims_left_when_the_kubelets_deadline_nears_are_answered_not_attempted(driver: DraDriver,
+                                                                                  api: FakeApi) -> None:
+    """A slow API server: the claims done are answered within the kubelet's deadline, the rest say why."""
+    api.add("slow1", "uid-slow1", [(GPU_POOL, "gpu-0000-ab-00-0")])
+    api.add("slow2", "uid-slow2", [(GPU_POOL, "gpu-0000-ba-00-0")])
+    original = api.get_claim
+
+    def slow(namespace: str, name: str) -> dict[str, Any]:
+        time.sleep(1.5)
+        return original(namespace, name)
+
+    api.get_claim = slow  # type: ignore[method-assign]
+    driver.preparer.get_claim = slow
+    with kubelet(driver.servers.endpoint) as channel:
+        answer = dra_grpc.DRAPluginStub(channel).NodePrepareResources(dra.NodePrepareResourcesRequest(  # type: ignore[no-untyped-call]
+            claims=[dra.Claim(namespace="default", name=n, uid=f"uid-{n}") for n in ("slow1", "slow2")]), timeout=2.2)
+    assert answer.claims["uid-slow1"].error == ""
+    assert answer.claims["uid-slow2"].error.startswith("not attempted:")
+    unprepare(driver, ("slow1", "uid-slow1"))

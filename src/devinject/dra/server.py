@@ -32,6 +32,7 @@ PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
 HEALTH_POLL = 1.0
+MIN_TIME_LEFT = 1.0  # seconds of the kubelet's deadline a claim needs to be attempted
 
 
 class DraService(dra_grpc.DRAPluginServicer):
@@ -45,6 +46,11 @@ class DraService(dra_grpc.DRAPluginServicer):
         response = dra.NodePrepareResourcesResponse()
         for claim in request.claims:
             entry = response.claims[claim.uid]
+            left = context.time_remaining()
+            if left is not None and left < MIN_TIME_LEFT:
+                # answered in time for the claims done, instead of the kubelet's deadline passing for all
+                entry.error = f"not attempted: {left:.1f}s left of the kubelet's deadline (it calls again)"
+                continue
             try:
                 for device in self.preparer.prepare(claim.namespace, claim.name, claim.uid):
                     entry.devices.append(dra.Device(request_names=list(device.requests), pool_name=device.pool,
