@@ -11,7 +11,7 @@ IMAGE := build/devinject-image.tar
 IMAGE_INPUTS := pyproject.toml README.md tools/mkimage.py $(wildcard deploy/image/*) \
 	$(shell find src/devinject -name __pycache__ -prune -o -type f -print)
 
-.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation proto image
+.PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation proto image cluster-test
 
 $(BIN)/devinject: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,13 @@ unit: venv
 
 live: system-deps venv
 	$(BIN)/pytest -q -m live
+
+# The DaemonSet on a real one-node cluster (../shared/kube/cluster-up.sh, or DEVINJECT_KUBE), on containerd 1.7
+# with CDI and on Debian's 1.6, as root: tests/e2e/test_cluster_live.py (`make test` runs it too); the cluster
+# is down again afterwards. Prints the figures it measured.
+cluster-test: system-deps venv
+	$(BIN)/pytest -q tests/e2e/test_cluster_live.py
+	@cat build/cluster-figures.json
 
 # The agent's image with no registry: Debian's packages (mmdebstrap, the tree cached in build/image), the
 # wheels of deploy/image/requirements.txt and devinject from this tree; image localhost/devinject:<version>.

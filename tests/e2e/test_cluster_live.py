@@ -35,7 +35,10 @@ from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
 
 pytestmark = pytest.mark.live
 
-KUBE = Path(os.environ.get("DEVINJECT_KUBE", REPO.parent / "shared" / "kube"))
+# the cluster's scripts (their README): where DEVINJECT_KUBE points, beside the checkout, or the machine's own
+KUBE = next((p for p in (Path(os.environ.get("DEVINJECT_KUBE", REPO.parent / "shared" / "kube")),
+                         REPO.parent / "shared" / "kube", Path("/work/shared/kube")) if (p / "cluster-up.sh").exists()),
+            REPO.parent / "shared" / "kube")
 KUBE_DIR = Path("/tmp/devinject-cluster-test")
 TEST_ROOT = Path("/var/lib/devinject-test")  # the overlay's host paths are under it
 HOST = TEST_ROOT / "host"
@@ -104,6 +107,21 @@ class Cluster:
         until(lambda: self.allocatable() == count, timeout, f"allocatable {GPU} {count} ({what})", every=0.1)
         return round(time.monotonic() - start, 2)
 
+    def kubelet_counted(self, healthy: int, after: float, timeout: float = 30) -> float:
+        """When (the epoch) the kubelet's device manager first counted `healthy` healthy GPUs at or after
+        `after`: its own log line, at the moment the agent's ListAndWatch update reached it."""
+        def stamp() -> float | None:
+            for line in (KUBE_DIR / "logs" / "kubelet.log").read_text(errors="replace").splitlines():
+                if "Processed device updates" in line and f'resourceName="{GPU}"' in line \
+                        and line.endswith(f"healthyCount={healthy}"):
+                    day, clock = line[1:5], line.split()[1]  # klog: Immdd hh:mm:ss.uuuuuu, local time
+                    at = datetime.strptime(f"{time.localtime().tm_year}{day} {clock}", "%Y%m%d %H:%M:%S.%f")
+                    if at.timestamp() >= after:
+                        return at.timestamp()
+            return None
+
+        return until(stamp, timeout, f"the kubelet to count {healthy} healthy {GPU}", every=0.5)
+
     def apply(self, manifest: dict[str, Any]) -> None:
         self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
 
@@ -170,6 +188,20 @@ def build_fake_host() -> dict[str, tuple[str, int, int]]:
     return gpus
 
 
+def foreign_kubernetes() -> list[str]:
+    """Kubernetes processes not of this test's cluster (another run's kube-up.sh or cluster-up.sh): they
+    share /var/lib/kubelet and the kubelet's ports with it, and one's --purge wipes the other's state."""
+    found = []
+    for exe in Path("/proc").glob("[0-9]*/exe"):
+        try:
+            path = os.readlink(exe)
+        except OSError:
+            continue
+        if Path(path).name in ("kubelet", "kube-apiserver") and not path.startswith(f"{KUBE_DIR}/"):
+            found.append(f"pid {exe.parent.name} {path}")
+    return found
+
+
 def record(cluster: Cluster, name: str, seconds: float) -> None:
     cluster.figures[name] = seconds
     figures = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
@@ -187,6 +219,7 @@ def image() -> Path:
     built = run(["make", "-C", str(REPO), "image"], 1800)
     assert built.returncode == 0, f"make image failed:\n{built.stdout[-3000:]}{built.stderr[-3000:]}"
     need(IMAGE_TAR.exists(), f"make image wrote no {IMAGE_TAR}")
+    FIGURES.unlink(missing_ok=True)  # this run's figures alone
     return IMAGE_TAR
 
 
@@ -196,6 +229,10 @@ def cluster(request: pytest.FixtureRequest, image: Path) -> Iterator[Cluster]:
     wants it before switching containerd) and the fake host removed, however the tests end."""
     made = Cluster(request.param)
     try:
+        if any((KUBE_DIR / "run").glob("*.pid")):  # left up by a run that was killed: maybe the other containerd
+            run([str(KUBE / "cluster-down.sh"), "--purge"], 600, env=made.env)
+        others = foreign_kubernetes()
+        need(not others, f"the node to itself, but another Kubernetes runs here: {'; '.join(others)}")
         made.gpus = build_fake_host()
         up = run([str(KUBE / "cluster-up.sh")], 900, env=made.env)
         assert up.returncode == 0, f"cluster-up.sh failed:\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
@@ -420,6 +457,7 @@ def test_an_xid_leaves_allocatable_at_once_and_the_admins_put_back_restores_it(
         log.write(f"[ 4242.424242] NVRM: Xid (PCI:{pci[:-2]}): 79, pid=0, GPU has fallen off the bus.\n")
     record(cluster, "xid_to_allocatable_s", cluster.await_allocatable(7, 60, "the Xid"))
     record(cluster, "xid_to_agent_take_out_s", round(cluster.logged("fatal Xid 79", started, 30) - started, 2))
+    record(cluster, "xid_to_kubelet_s", round(cluster.kubelet_counted(7, started) - started, 2))
     assert cluster.status()["capacity"][GPU] == "8"  # unhealthy, not gone
     assert_still_running(cluster, deployment)
     agent = cluster.agent()
