@@ -228,11 +228,12 @@ def cluster(request: pytest.FixtureRequest, image: Path) -> Iterator[Cluster]:
     """The cluster on one containerd, the agent rolled out on its node; taken down (--purge: the README
     wants it before switching containerd) and the fake host removed, however the tests end."""
     made = Cluster(request.param)
+    # before anything is torn down: a --purge would wipe the other cluster's kubelet and containerd state
+    others = foreign_kubernetes()
+    need(not others, f"the node to itself, but another Kubernetes runs here: {'; '.join(others)}")
     try:
         if any((KUBE_DIR / "run").glob("*.pid")):  # left up by a run that was killed: maybe the other containerd
             run([str(KUBE / "cluster-down.sh"), "--purge"], 600, env=made.env)
-        others = foreign_kubernetes()
-        need(not others, f"the node to itself, but another Kubernetes runs here: {'; '.join(others)}")
         made.gpus = build_fake_host()
         up = run([str(KUBE / "cluster-up.sh")], 900, env=made.env)
         assert up.returncode == 0, f"cluster-up.sh failed:\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
