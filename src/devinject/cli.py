@@ -17,7 +17,7 @@ import click
 from devinject import __version__
 from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 from devinject.core.errors import DevinjectError
-from devinject.core.paths import DEFAULT_STATE_DIR
+from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, HOOK_SOCKET
 
 if TYPE_CHECKING:
     from devinject.agent.watch import WatchOptions
@@ -86,7 +86,7 @@ def _node(*, root: str = "/", target_root: str | None = None, profile_dirs: tupl
 
 def _check_roots(*, root: str = "/", profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
                  kernel_log: str | None = None) -> None:
-    """The roots of a command that reads no devices (install-node-hook, watch), checked as _node checks them."""
+    """The roots of a command that reads no devices here (install-node-hook), checked as _node checks them."""
     _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
 
 
@@ -211,7 +211,7 @@ def validate(paths: tuple[str, ...], max_version: str | None, as_json: bool) -> 
 
 state_dir_option = click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True,
                                 help="devinject's node state: ledger, health, events.")
-kernel_log_option = click.option("--kernel-log", default="/var/log/kern.log", show_default=True,
+kernel_log_option = click.option("--kernel-log", default=DEFAULT_KERNEL_LOG, show_default=True,
                                  help="Kernel log (under --root) scanned for NVIDIA Xid events.")
 
 
@@ -307,7 +307,7 @@ def run(args: list[str]) -> int:
 
 @cli.command("hook-server")
 @click.option("--socket", "socket_path", default=None, metavar="PATH",
-              help="Where to listen [default: /run/devinject/hook.sock, where the hook looks].")
+              help=f"Where to listen [default: {HOOK_SOCKET}, where the hook looks].")
 def hook_server(socket_path: str | None) -> None:
     """Serve `devinject hook` from a resident process: each container start skips the hook's imports.
 
@@ -354,8 +354,7 @@ _lean_command("cdi-hook", "The specs' hooks: create-symlinks, update-ldcache.",
               help="Also run at container delete, releasing devices in the ledger at once (without it they are "
                    "freed on the ledger's next access, once the container's process is gone).")
 @click.option("--server", "server_socket", default=None, metavar="SOCKET",
-              help="The hook server's socket the hook hands container starts to [default: "
-                   "/run/devinject/hook.sock].")
+              help=f"The hook server's socket the hook hands container starts to [default: {HOOK_SOCKET}].")
 @click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
 @click.option("--server-unit", is_flag=True,
               help="Also write the systemd unit of the hook server on that socket, run by this installation.")
@@ -486,12 +485,14 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
 def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float,
                    threshold: int, rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
-                   target_root: str | None, driver_root: str | None, node_hook: str | None = None) -> WatchOptions:
+                   target_root: str | None, driver_root: str | None,
+                   node_hook: str | None = None) -> tuple[WatchOptions, Node]:
+    """The loop's options, and the node it watches (its roots checked once, here)."""
     from devinject.agent.watch import WatchOptions
     from devinject.core.trusteddir import trusted_dir
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
-    _check_roots(root=root, state_dir=state_dir, kernel_log=kernel_log)
+    node = _node(root=root, target_root=target_root, state_dir=state_dir, kernel_log=kernel_log)
     trusted_dir(state_dir)  # health verdicts and events the hook trusts: refused when others could write there
     if not test_timings:
         if not 5 <= interval <= 60:
@@ -505,7 +506,8 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
                           target_root=target_root, driver_root=driver_root)
     gen.check()
     return WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
-                        recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log, uevents=uevents)
+                        recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log,
+                        uevents=uevents), node
 
 
 def _stop_on_signals() -> threading.Event:
@@ -523,8 +525,8 @@ def watch(**options: Any) -> None:
     """Keep the CDI specs true to the hardware: rescan on hot-plug, take out unhealthy devices."""
     from devinject.agent.watch import Watcher
 
-    opts = _watch_options(**options)
-    Watcher(opts).run(_stop_on_signals())
+    opts, node = _watch_options(**options)
+    Watcher(opts, node=node).run(_stop_on_signals())
 
 
 class ConfigFileError(DevinjectError):
@@ -610,9 +612,10 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
         _, sep, port = metrics_address.rpartition(":")
         if not sep or not port.isdigit():
             raise DevinjectError(f"--metrics-address {metrics_address!r}: expected HOST:PORT")
-    opts = PluginOptions(watch=_watch_options(**options), plugin_dir=plugin_dir, resource_names=names,
-                         fallback=allocate == "both", metrics_address=metrics_address or None)
-    DevicePluginAgent(opts).run(_stop_on_signals())
+    watch, node = _watch_options(**options)
+    opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
+                         metrics_address=metrics_address or None)
+    DevicePluginAgent(opts, node=node).run(_stop_on_signals())
 
 
 @cli.command("dra-driver")

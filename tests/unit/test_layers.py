@@ -185,3 +185,35 @@ def test_profiles_are_loaded_in_one_place() -> None:
     assert _callers("load_profiles") == {"devinject.discovery.node"}
     assert _callers("profile_search_path") == {"devinject.discovery.profiles", "devinject.nodestate.sharing"}
     assert "devinject.api" in import_graph()["devinject.cli"]
+
+
+def test_the_agent_and_the_device_plugin_read_the_host_through_a_node() -> None:
+    """agent/ and kubelet/ (watch's loop, the device plugin over it) take a discovery Node or make one from
+    their options, and rescan it (`Node.rescanned`): none builds a Host, a HostView or the profiles itself, so
+    the loop serves what `generate` and `list` find. watch.py built a Host, selected the profiles and discovered
+    with them by hand."""
+    builders = ("Host", "HostView", "load_profiles", "select_profiles", "discover_devices", "profile_search_path")
+    wrong = sorted(f"{module} calls {name}" for name in builders for module in _callers(name)
+                   if module.split(".")[1:2] in (["agent"], ["kubelet"]))
+    assert not wrong, "\n".join(wrong)
+    assert "devinject.discovery.node" in import_graph()["devinject.agent.watch"]
+
+
+def test_each_default_path_is_written_once_in_core_paths() -> None:
+    """The state dir, the hook server's socket and the kernel log by default: one definition each, in
+    core/paths.py (the rest name its constants). watch's state dir, the hook client's socket, and the kernel log
+    of cli.py and agent/health.py were literals of their own, and help texts spelled them out again."""
+    from devinject.core import paths
+
+    values = (paths.DEFAULT_STATE_DIR, paths.HOOK_SOCKET, paths.DEFAULT_KERNEL_LOG)
+    found = []
+    for module, path in _modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        found += [f"{module}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                  and any(value in node.value for value in values) and module != "devinject.core.paths"]
+    assert not found, "\n".join(found)
+    assert paths.HOOK_SOCKET.startswith(paths.DEFAULT_STATE_DIR + "/")

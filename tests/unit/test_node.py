@@ -95,6 +95,28 @@ def test_profiles_are_loaded_and_devices_discovered_once(monkeypatch: pytest.Mon
     assert calls == {"load": 1, "discover": 1}
 
 
+def test_a_rescanned_node_reads_the_host_again_with_the_same_profiles(host_copy, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`watch`'s rescan: a function unplugged is gone from the rescanned node's devices (a fresh view of the
+    host), while the node it came from keeps what it found; the profiles are not loaded nor the roots checked
+    again, and the node is still an api.Node with its roots."""
+    root = host_copy("hgx-h100")
+    node = Node(str(root), target_root="/host", state_dir=str(root / "state"))
+    before = node.devices()
+    link = root / "sys/bus/pci/devices/0000:2a:00.0"
+    link.unlink()
+    checks = []
+    monkeypatch.setattr(discovery_node, "check_roots", lambda **kw: checks.append(kw))
+    monkeypatch.setattr(discovery_node, "load_profiles", lambda *a: pytest.fail("profiles loaded again"))
+    again = node.rescanned()
+    assert isinstance(again, Node) and again is not node and not checks
+    assert (again.root, again.target_root, again.state_dir, again.host) == (node.root, "/host", node.state_dir,
+                                                                             node.host)
+    assert again.profiles is node.profiles and again.view is not node.view and again.view.host is node.host
+    assert len(again.devices()) == len(before) - 1 and "0000:2a:00.0" not in {f.address for f in again.devices()}
+    assert node.devices() is before
+    assert again.find("0000:2a:00.0") == [] and len(node.find("0000:2a:00.0")) == 1
+
+
 def test_profile_dirs_are_read_by_the_node(audio: tuple[Path, Path]) -> None:
     root, profiles = audio
     assert "acme.example/audio" not in {f.profile.kind for f in Node(str(root)).devices()}

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 
 from devinject.core.identity import device_key, node_id_of
+from devinject.core.paths import DEFAULT_KERNEL_LOG as DEFAULT_KERNEL_LOG  # the one definition, re-exported
 from devinject.discovery.discover import FoundDevice, discover, family_of
 from devinject.discovery.gpuinfo import ProbeTimeout, call_with_timeout
 from devinject.discovery.host import Host
@@ -30,7 +31,6 @@ from devinject.discovery.sysfs import PciDevice, scan_pci
 HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
 _RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
 PROBE_TIMEOUT = 2.0
-DEFAULT_KERNEL_LOG = "/var/log/kern.log"
 LOG_READ_MAX = 1 << 20  # bytes of kernel log read per wake-up; the rest at the next one
 LOG_LINE_MAX = 64 << 10  # an unterminated "line" this long is dropped (the kernel's own are < 1 KiB)
 _SPEED = re.compile(r"([\d.]+)\s*GT/s")

@@ -19,13 +19,12 @@ import select
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from devinject.agent import healthstate
 from devinject.agent.health import (
-    DEFAULT_KERNEL_LOG,
     HEALTHY,
     UNHEALTHY,
     AerBaseline,
@@ -39,11 +38,12 @@ from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
 from devinject.core.identity import device_key, node_id_of, qualified
 from devinject.core.model import Spec
+from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR
 from devinject.discovery.discover import FoundDevice
-from devinject.discovery.host import Host
+from devinject.discovery.node import Node
 from devinject.nodestate import events
 from devinject.nodestate.ledger import HEALTH_FILE, Ledger
-from devinject.specs.generate import GenerateOptions, build_specs, discover_devices, select_profiles, write_specs
+from devinject.specs.generate import GenerateOptions, build_specs, kind_profiles, served_devices, write_specs
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def announced_address(message: Any) -> str | None:
 class WatchOptions:
     generate: GenerateOptions
     output_dir: Path = Path("/var/run/cdi")
-    state_dir: str = "/run/devinject"
+    state_dir: str = DEFAULT_STATE_DIR
     fmt: str = "yaml"
     interval: float = 10.0
     recheck: float = 1.5
@@ -102,8 +102,20 @@ class DeviceTrack:
     observed: str = HEALTHY  # the latest verdict's status, published or not
 
 
+def watched_node(opts: WatchOptions) -> Node:
+    """The node `opts` describe (its host root, target root, profile dirs, state dir, kernel log), unchecked:
+    a command checks the roots when it makes its own node and hands that to the Watcher."""
+    gen = opts.generate
+    return Node(gen.root, target_root=gen.target_root, profile_dirs=gen.profile_dirs, state_dir=opts.state_dir,
+                kernel_log=opts.kernel_log, check=False)
+
+
 @dataclass
 class Watcher:
+    """`watch`'s loop over one node (devinject.discovery.node.Node): its profiles, loaded once when the
+    watcher is made, and its devices, discovered again on each rescan (`Node.rescanned`). `node`: the node a
+    command made (roots checked); by default the one `opts` describe."""
+
     opts: WatchOptions
     tracks: dict[str, DeviceTrack] = field(default_factory=dict)
     found: list[FoundDevice] = field(default_factory=list)
@@ -111,10 +123,12 @@ class Watcher:
     generation: int | None = None
     specs: list[Spec] = field(default_factory=list)  # as last written
     listeners: list[Callable[[Watcher], None]] = field(default_factory=list)  # told after every write
+    node: InitVar[Node | None] = None
 
-    def __post_init__(self) -> None:
-        self.host = Host(self.opts.generate.root)
-        self.profiles = select_profiles(self.host, self.opts.generate)
+    def __post_init__(self, node: Node | None) -> None:
+        self.scanned = node or watched_node(self.opts)  # the node as the last rescan read it
+        self.host = self.scanned.host  # the same Host across rescans: each refreshes it
+        self.profiles = kind_profiles(self.scanned.profiles, self.opts.generate)
         self.uevent_subsystems = frozenset(BASE_UEVENTS).union(*(p.uevents for p in self.profiles))
         self.baseline = AerBaseline()
         self.checker = HealthChecker(self.host, kernel_log=self.opts.kernel_log, timeout=self.opts.probe_timeout,
@@ -211,8 +225,8 @@ class Watcher:
     def rescan(self) -> bool:
         """Rediscover; returns True when the set of devices changed. A function enumerated again (a new
         identity: removed and found again, a reboot) loses its sticky readings: it is a new device."""
-        self.host.refresh()
-        found = discover_devices(self.host, self.profiles, self.opts.generate)
+        self.scanned = self.scanned.rescanned()
+        _, found = served_devices(self.scanned, self.opts.generate)
         first, self._rescanned = not self._rescanned, True
         before = {device_key(f.profile.kind, f.address) for f in self.found}
         after = {device_key(f.profile.kind, f.address): f for f in found}

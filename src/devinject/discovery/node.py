@@ -8,6 +8,8 @@ wiring `Host(root) -> load_profiles -> discover` by hand, so no command can read
 
 from __future__ import annotations
 
+import copy
+
 from devinject.core.identity import QualifiedName, device_key, qualified
 from devinject.discovery.discover import FoundDevice, HostView, discover
 from devinject.discovery.host import Host
@@ -65,6 +67,16 @@ class Node:
         if self._devices is None:
             self._devices = discover(self.host, self.profiles, view=self.view)
         return self._devices
+
+    def rescanned(self) -> Node:
+        """This node read again (a hot-plug, a driver bound or unbound): the host's caches dropped, a fresh
+        view, its devices discovered anew when asked; the roots are not checked again and the profiles are the
+        ones already loaded (`watch` rescans with the profiles it started with)."""
+        self.host.refresh()
+        again = copy.copy(self)
+        again.view = HostView(self.host)
+        again._devices = None
+        return again
 
     def topology(self) -> Topology:
         return topology(self.host, self.devices())

@@ -9,17 +9,20 @@ it is the server's: the hook never runs it a second time.
 
 The served path runs on every container start in an interpreter started with -S, so it imports only what
 is built in: `posix` and `_socket` (not `os`, ~1.4 ms of imports there, nor `socket`, which adds `enum` and
-`selectors`); no `from __future__` import either (it is a module too).
+`selectors`); no `from __future__` import either (it is a module too). The one devinject module it reads is
+core/paths.py, for the socket's default: constants, which import nothing.
 """
 
 import posix
 import sys
 
+from devinject.core.paths import HOOK_SOCKET
+
 TYPE_CHECKING = False  # `typing` is a module too: type checkers only
 if TYPE_CHECKING:
     import _socket
 
-DEFAULT_SOCKET = "/run/devinject/hook.sock"
+DEFAULT_SOCKET = HOOK_SOCKET  # where the server listens and the hook looks, unless told otherwise
 CONNECT_TIMEOUT = 1.0
 REPLY_TIMEOUT = 60.0  # the worker's own deadlines end first (30 s for the namespace work)
 MAX_REQUEST = 1 << 20

@@ -33,6 +33,7 @@ from devinject.agent.health import HEALTHY, UNHEALTHY
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
 from devinject.core.identity import device_key, qualified
+from devinject.discovery.node import Node
 from devinject.discovery.topology import place_of
 from devinject.kubelet.allocation import HEALTHY as HEALTHY_NAME
 from devinject.kubelet.allocation import UNHEALTHY as UNHEALTHY_NAME
@@ -96,12 +97,15 @@ def endpoint_for(resource: str) -> str:
 
 
 class DevicePluginAgent:
-    def __init__(self, opts: PluginOptions) -> None:
+    """The device plugins of one node over `watch`'s loop; `node`: the node a command made (its roots checked),
+    else the one the options describe (agent/watch.py)."""
+
+    def __init__(self, opts: PluginOptions, node: Node | None = None) -> None:
         self.opts = opts
         self.metrics = Metrics()
-        self.watcher = Watcher(opts.watch)
+        self.watcher = Watcher(opts.watch, node=node)
         self.watcher.listeners.append(self._published)
-        hook_log = os.path.join(opts.watch.generate.root, HOOK_LOG.lstrip("/"))
+        hook_log = os.path.join(self.watcher.scanned.root, HOOK_LOG.lstrip("/"))
         self.metrics.hook_latency.set_function(lambda: last_hook_duration(hook_log) or math.nan)  # read at scrape
         self.states: dict[str, ResourceState] = {}  # by kind
         self.servers: dict[str, ResourceServer] = {}  # by kind

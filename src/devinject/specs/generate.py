@@ -386,11 +386,6 @@ def _enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -
 # `generate`, `watch` and `list` all go through these steps, so they cannot produce different specs.
 
 
-def select_profiles(host: Host, opts: GenerateOptions) -> list[Profile]:
-    """The device families to serve: every profile (shipped, admin, --profile-dir), or those of --kind."""
-    return kind_profiles(Node(host.root, profile_dirs=opts.profile_dirs, check=False, host=host).profiles, opts)
-
-
 def kind_profiles(profiles: list[Profile], opts: GenerateOptions) -> list[Profile]:
     """`profiles`, or those of --kind (each kind asked for must be offered by one)."""
     known = {p.kind for p in profiles}
@@ -400,10 +395,13 @@ def kind_profiles(profiles: list[Profile], opts: GenerateOptions) -> list[Profil
     return [p for p in profiles if p.kind in opts.kinds] if opts.kinds else profiles
 
 
-def discover_devices(host: Host, profiles: list[Profile], opts: GenerateOptions,
-                     view: HostView | None = None) -> list[FoundDevice]:
-    """Every device of `profiles` on the host, UUIDs filled from NVML where that is asked for."""
-    return _enrich_uuids(discover(host, profiles, view=view), opts, host)
+def served_devices(node: Node, opts: GenerateOptions) -> tuple[list[Profile], list[FoundDevice]]:
+    """The device families to serve (the node's profiles, or those of --kind) and their devices, UUIDs filled
+    from NVML where that is asked for: `generate` and `watch` both take them from here."""
+    profiles = kind_profiles(node.profiles, opts)
+    # a --kind subset is discovered on its own: a function whose first profile is left out may match another
+    found = node.devices() if profiles == node.profiles else discover(node.host, profiles, view=node.view)
+    return profiles, _enrich_uuids(found, opts, node.host)
 
 
 def _driver_files(host: Host, opts: GenerateOptions) -> tuple[Host, Rerooter] | None:
@@ -460,10 +458,8 @@ def generate_specs(opts: GenerateOptions, *, host: Host | None = None, node: Nod
     opts.check()
     node = node or Node(opts.root, target_root=opts.target_root, profile_dirs=opts.profile_dirs, check=False,
                         host=host)
-    profiles = kind_profiles(node.profiles, opts)
-    # a --kind subset is discovered on its own: a function whose first profile is left out may match another
-    found = node.devices() if profiles == node.profiles else discover(node.host, profiles, view=node.view)
-    return build_specs(node.host, profiles, _enrich_uuids(found, opts, node.host), opts, node.view)
+    profiles, found = served_devices(node, opts)
+    return build_specs(node.host, profiles, found, opts, node.view)
 
 
 def spec_filename(spec: Spec, fmt: str) -> str:
