@@ -190,14 +190,18 @@ def build_fake_host() -> dict[str, tuple[str, int, int]]:
 
 def foreign_kubernetes() -> list[str]:
     """Kubernetes processes not of this test's cluster (another run's kube-up.sh or cluster-up.sh): they
-    share /var/lib/kubelet and the kubelet's ports with it, and one's --purge wipes the other's state."""
+    share /var/lib/kubelet and the kubelet's ports with it, and one's --purge wipes the other's state. A
+    bundled containerd's shim left by another cluster counts too: cluster-down.sh refuses to purge while
+    it runs."""
     found = []
     for exe in Path("/proc").glob("[0-9]*/exe"):
         try:
             path = os.readlink(exe)
         except OSError:
             continue
-        if Path(path).name in ("kubelet", "kube-apiserver") and not path.startswith(f"{KUBE_DIR}/"):
+        if path.startswith((f"{KUBE_DIR}/", "/usr/")):  # ours, or Debian's containerd and its shims
+            continue
+        if Path(path).name in ("kubelet", "kube-apiserver", "containerd", "containerd-shim-runc-v2"):
             found.append(f"pid {exe.parent.name} {path}")
     return found
 
