@@ -104,6 +104,9 @@ def test_a_rescanned_node_reads_the_host_again_with_the_same_profiles(host_copy,
     before = node.devices()
     link = root / "sys/bus/pci/devices/0000:2a:00.0"
     link.unlink()
+    driver = root / "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0/driver"
+    driver.unlink()  # GPU0 bound to another driver: the link the first scan read (and memoised) changed
+    driver.symlink_to("../../../../../../bus/pci/drivers/ast")
     checks = []
     monkeypatch.setattr(discovery_node, "check_roots", lambda **kw: checks.append(kw))
     monkeypatch.setattr(discovery_node, "load_profiles", lambda *a: pytest.fail("profiles loaded again"))
@@ -112,7 +115,8 @@ def test_a_rescanned_node_reads_the_host_again_with_the_same_profiles(host_copy,
     assert (again.root, again.target_root, again.state_dir, again.host) == (node.root, "/host", node.state_dir,
                                                                              node.host)
     assert again.profiles is node.profiles and again.view is not node.view and again.view.host is node.host
-    assert len(again.devices()) == len(before) - 1 and "0000:2a:00.0" not in {f.address for f in again.devices()}
+    gpus = {f.address for f in again.devices() if f.profile.kind == "nvidia.com/gpu"}
+    assert len(gpus) == 6 and not gpus & {"0000:2a:00.0", "0000:18:00.0"}
     assert node.devices() is before
     assert again.find("0000:2a:00.0") == [] and len(node.find("0000:2a:00.0")) == 1
 
@@ -232,3 +236,67 @@ def test_create_dev_char_links_reads_the_profile_dirs(audio: tuple[Path, Path]) 
     done = cli("create-dev-char-links", "--root", str(root), "--profile-dir", str(profiles))
     assert done.returncode == 0, done.stderr
     assert os.readlink(root / "dev/char/1:3") == "../acme-audio0"
+
+
+# --- what the commands ask, in-process (the CLI tests above run another process, so mutation testing does
+# not see them) ----------------------------------------------------------------------------------------------
+
+def test_a_host_given_is_the_one_the_node_reads() -> None:
+    from devinject.discovery.host import Host
+
+    host = Host(HGX)
+    node = Node(HGX, host=host)
+    assert node.host is host and node.view.host is host
+    assert Node(HGX).host is not host and Node(HGX).host.root == HGX
+
+
+def test_specs_are_the_nodes_own_profile_dirs_and_target_root(audio: tuple[Path, Path]) -> None:
+    """`specs(options)` writes for the node: its --profile-dir's kinds and its --target-root, whatever the
+    options say."""
+    from devinject.specs.generate import GenerateOptions
+
+    root, profiles = audio
+    node = Node(str(root), target_root="/target", profile_dirs=(str(profiles),))
+    options = GenerateOptions(root="/nonexistent", hook_path="/x", kinds=("acme.example/audio",), target_root="/o")
+    (spec,) = node.specs(options)
+    assert spec.kind == "acme.example/audio"
+    assert {(n.path, n.host_path) for d in spec.devices for n in d.edits.device_nodes} == {(
+        "/dev/acme-audio0", "/target/dev/acme-audio0")}
+
+
+def test_holders_and_dev_char_links_of_the_node(audio: tuple[Path, Path], tmp_path: Path) -> None:
+    root, profiles = audio
+    node = Node(str(root), profile_dirs=(str(profiles),), state_dir=str(tmp_path / "state"))
+    with open("/dev/null"):  # /dev/acme-audio0 has its numbers
+        mine = [row for row in node.holders("acme.example/audio=0") if row.holder.pid == os.getpid()]
+        everyone = {(row.name, row.holder.pid) for row in node.holders()}
+    assert [(row.name, row.kind, row.holder.node) for row in mine] == [("acme.example/audio=0", "acme.example/audio",
+                                                                      "c 1:3")]
+    assert ("acme.example/audio=0", os.getpid()) in everyone
+    assert node.holders("nvidia.com/gpu=0") == []  # the fixture's nodes are files: nobody holds them
+    (root / "dev/char").mkdir(exist_ok=True)
+    if (root / "dev/char/1:3").is_symlink():
+        (root / "dev/char/1:3").unlink()
+    links = dict(node.dev_char_links())
+    assert links[str(root / "dev/char/1:3")] == "../acme-audio0"
+    assert str(root / "dev/char/1:3") not in dict(Node(str(root)).dev_char_links())
+
+
+def test_health_takes_the_probe_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from devinject.agent import inventory
+    from devinject.agent.health import PROBE_TIMEOUT
+
+    asked = []
+    monkeypatch.setattr(inventory, "device_health", lambda node, timeout: asked.append((node, timeout)) or [])
+    node = Node(HGX)
+    assert node.health(timeout=0.25) == [] and node.health() == []
+    assert asked == [(node, 0.25), (node, PROBE_TIMEOUT)]
+
+
+def test_an_events_details_are_the_rest_of_the_entry_in_name_order() -> None:
+    event = Event.of("a.com/b=0000:01:00.0", {"time": 3, "event": "cleared", "device": "a.com/b=0000:01:00.0",
+                                               "reasons": ["x"], "status": "healthy", "by": "admin",
+                                               "functions": ["0000:01:00.0"]})
+    assert event.details == (("by", "admin"), ("functions", ["0000:01:00.0"]), ("health", "healthy"))
+    assert (event.time, event.event, event.reasons) == (3.0, "cleared", ("x",))
+    assert isinstance(event.time, float)
