@@ -477,6 +477,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
         target_root_option,
         driver_root_option,
         node_hook_option,
+        profile_dir_option,
     )):
         command = option(command)
     return command
@@ -485,14 +486,15 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
 def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float,
                    threshold: int, rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
-                   target_root: str | None, driver_root: str | None,
-                   node_hook: str | None = None) -> tuple[WatchOptions, Node]:
+                   target_root: str | None, driver_root: str | None, node_hook: str | None = None,
+                   profile_dirs: tuple[str, ...] = ()) -> tuple[WatchOptions, Node]:
     """The loop's options, and the node it watches (its roots checked once, here)."""
     from devinject.agent.watch import WatchOptions
     from devinject.core.trusteddir import trusted_dir
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
-    node = _node(root=root, target_root=target_root, state_dir=state_dir, kernel_log=kernel_log)
+    node = _node(root=root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
+                 kernel_log=kernel_log)
     trusted_dir(state_dir)  # health verdicts and events the hook trusts: refused when others could write there
     if not test_timings:
         if not 5 <= interval <= 60:
@@ -503,7 +505,7 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
         raise DevinjectError("--interval, --recheck and --rescan must be positive")
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
-                          target_root=target_root, driver_root=driver_root)
+                          target_root=target_root, driver_root=driver_root, profile_dirs=profile_dirs)
     gen.check()
     return WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
                         recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log,

@@ -7,14 +7,18 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from devinject.agent.inventory import DeviceHealth, DeviceRecord, HeldNode, Holder
+from devinject.agent.watch import Watcher, WatchOptions, watched_node
 from devinject.api import Event, Node
 from devinject.core.errors import ConfigError
 from devinject.discovery import node as discovery_node
 from devinject.discovery.node import device_names
+from devinject.kubelet.agent import DevicePluginAgent, PluginOptions
+from devinject.specs.generate import GenerateOptions
 from tests.conftest import HOSTS
 
 HGX = str(HOSTS / "hgx-h100")
@@ -300,3 +304,85 @@ def test_an_events_details_are_the_rest_of_the_entry_in_name_order() -> None:
     assert event.details == (("by", "admin"), ("functions", ["0000:01:00.0"]), ("health", "healthy"))
     assert (event.time, event.event, event.reasons) == (3.0, "cleared", ("x",))
     assert isinstance(event.time, float)
+
+
+# --- watch and the device plugin over the node (agent/watch.py, kubelet/agent.py) -----------------------
+# The node a command made (its roots checked, its profile dirs) is the one the loop and the device plugin over
+# it watch; its profiles are loaded once, its devices found again on every rescan (`Node.rescanned`).
+
+GPU1 = "0000:2a:00.0"
+
+
+def options(root: Path, tmp_path: Path, **generate: Any) -> WatchOptions:
+    return WatchOptions(generate=GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", **generate),
+                        output_dir=tmp_path / "cdi", state_dir=str(tmp_path / "state"), threshold=3,
+                        kernel_log="/var/log/kern.log", probe_timeout=0.5, uevents=False)
+
+
+def test_the_loop_and_the_device_plugin_watch_the_node_they_are_given(audio: tuple[Path, Path], tmp_path: Path) -> None:
+    """A node with a --profile-dir the options do not name: its devices are the ones served (the loop used to
+    build its own Host and profiles from the options)."""
+    root, profiles = audio
+    node = Node(str(root), profile_dirs=(str(profiles),), state_dir=str(tmp_path / "state"))
+    w = Watcher(options(root, tmp_path), node=node)
+    assert w.scanned is node and w.host is node.host
+    w.rescan()
+    w.check()
+    w.write()
+    assert "acme.example/audio" in {f.profile.kind for f in w.found}
+    assert (tmp_path / "cdi" / "acme.example-audio.yaml").exists()
+    agent = DevicePluginAgent(PluginOptions(watch=options(root, tmp_path / "plugin")), node=node)
+    assert agent.watcher.scanned is node
+    agent.watcher.rescan()
+    assert "acme.example/audio" in {f.profile.kind for f in agent.watcher.found}
+    # without a node: the one the options describe, with their roots, state dir and kernel log
+    made = watched_node(options(root, tmp_path, profile_dirs=(str(profiles),), target_root="/target"))
+    assert (made.root, made.target_root, made.profile_dirs, made.state_dir, made.kernel_log) == (
+        str(root), "/target", (str(profiles),), str(tmp_path / "state"), "/var/log/kern.log")
+
+
+def test_a_rescan_finds_a_hot_plug_with_the_profiles_loaded_once(host_copy, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    loads = []
+    load = discovery_node.load_profiles
+    monkeypatch.setattr(discovery_node, "load_profiles", lambda *a: loads.append(a) or load(*a))
+    root = host_copy("hgx-h100")
+    w = Watcher(options(root, tmp_path, kinds=("nvidia.com/gpu",)))
+    assert w.rescan()
+    first = w.scanned
+    assert len(w.found) == 8 and {f.profile.kind for f in w.found} == {"nvidia.com/gpu"}  # --kind: its own
+    link = root / "sys/bus/pci/devices" / GPU1
+    target = os.readlink(link)
+    link.unlink()  # unplugged
+    assert w.rescan()
+    assert GPU1 not in {f.address for f in w.found} and len(w.found) == 7
+    assert w.scanned is not first and w.scanned.profiles is first.profiles
+    link.symlink_to(target)  # plugged in again
+    assert w.rescan()
+    assert GPU1 in {f.address for f in w.found} and len(w.found) == 8
+    assert not w.rescan()  # nothing changed
+    assert len(loads) == 1
+
+
+def test_watch_reads_the_profile_dirs_it_is_given(audio: tuple[Path, Path], tmp_path: Path) -> None:
+    """`devinject watch --profile-dir` (and device-plugin's, the same options): the node the CLI hands the loop
+    has them, as generate's has (watch had no --profile-dir, so it could not serve what generate wrote)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, profiles = audio
+    spec = tmp_path / "cdi" / "acme.example-audio.yaml"
+    agent = subprocess.Popen([sys.executable, "-m", "devinject", "watch", "--root", str(root), "--profile-dir",
+                              str(profiles), "--output-dir", str(tmp_path / "cdi"), "--state-dir",
+                              str(tmp_path / "state"), "--hook-path", "/usr/bin/devinject", "--no-uevents"],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not spec.exists() and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        _, stderr = agent.communicate(timeout=30)
+    assert spec.exists(), stderr
+    assert "/dev/acme-audio0" in spec.read_text()
