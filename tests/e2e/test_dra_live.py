@@ -1,0 +1,417 @@
+"""`devinject dra-driver` on the real control plane (../shared/kube/cluster-up.sh with CONTAINERD=bundled:
+containerd 1.7 applies CDI), run on the host with the admin kubeconfig as the cluster's README says, over the
+4-switch HGX tree (tests/fixtures/topologies/hgx-h100-4sw.yaml: two GPUs and a NIC under each of four host
+bridges) built with real char nodes.
+
+Through the API and the real scheduler: the slices published and read back; a claim for 2 GPUs with
+`matchAttribute: resource.kubernetes.io/pcieRoot` gets two GPUs under one root and the pod sees exactly their
+nodes; a GPU+NIC claim gets a co-located pair; a claim no root can meet leaves its pod Pending with the
+scheduler's reason; deleting the pod unprepares the claim (its spec goes); the driver restarted mid-life keeps
+the prepared claim and cleans it when the pod goes.
+
+A missing prerequisite fails, never skips. The cluster is always taken down (`cluster-down.sh --purge`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from tests.e2e.conftest import REPO
+from tests.fixtures.pcie_hosts import build_topology_host
+
+pytestmark = pytest.mark.live
+
+KUBE = next((p for p in (Path(os.environ.get("DEVINJECT_KUBE", REPO.parent / "shared" / "kube")),
+                         REPO.parent / "shared" / "kube", Path("/work/shared/kube")) if (p / "cluster-up.sh").exists()),
+            REPO.parent / "shared" / "kube")
+KUBE_DIR = Path("/tmp/devinject-dra-test")
+HOST = Path("/var/lib/devinject-dra-test/host")
+STATE = Path("/run/devinject-dra-test")
+CDI = Path("/var/run/cdi")
+DRIVER = "dra.devinject.io"
+DEVINJECT = str(Path(sys.executable).parent / "devinject")
+SLEEPER = ["sh", "-c", 'trap "exit 0" TERM; sleep 3600 & wait']
+ROOT = "resource.kubernetes.io/pcieRoot"
+T = TypeVar("T")
+
+
+def need(condition: object, reason: str) -> None:
+    if not condition:
+        pytest.fail(f"DRA live test prerequisite missing: {reason}", pytrace=False)
+
+
+def until(condition: Callable[[], T | None], timeout: float, what: str, every: float = 0.3) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.env = {**os.environ, "KUBE_DIR": str(KUBE_DIR), "CONTAINERD": "bundled",
+                    "KUBECONFIG": str(KUBE_DIR / "admin.kubeconfig")}
+        self.node = ""
+        self.driver: subprocess.Popen[bytes] | None = None
+        self.log = KUBE_DIR / "logs" / "devinject-dra-driver.log"
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
+        done = subprocess.run([str(KUBE_DIR / "bin" / "kubectl"), *args], capture_output=True, text=True,
+                              env=self.env, input=input, timeout=timeout)
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
+        return done.stdout
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def apply(self, *manifests: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", input="\n".join(json.dumps(m) for m in manifests))
+
+    def start_driver(self) -> None:
+        handle = open(self.log, "ab")  # noqa: SIM115 - the driver's own log, kept for the report
+        self.driver = subprocess.Popen(
+            [DEVINJECT, "dra-driver", "--host-root", str(HOST), "--node-name", self.node, "--kubeconfig",
+             str(KUBE_DIR / "admin.kubeconfig"), "--state-dir", str(STATE), "--hook-path", DEVINJECT,
+             "--rescan", "2"], stdout=handle, stderr=handle, stdin=subprocess.DEVNULL)
+        handle.close()
+        until(lambda: self.slices(), 60, "the driver's ResourceSlices")
+
+    def stop_driver(self) -> None:
+        if self.driver is not None and self.driver.poll() is None:
+            self.driver.send_signal(signal.SIGTERM)
+            try:
+                self.driver.wait(15)
+            except subprocess.TimeoutExpired:
+                self.driver.kill()
+                self.driver.wait(5)
+        self.driver = None
+
+    def slices(self) -> list[dict[str, Any]]:
+        items = self.json("resourceslices", "--field-selector", f"spec.driver={DRIVER}")["items"]
+        return items  # type: ignore[no-any-return]
+
+    def pod(self, name: str) -> dict[str, Any]:
+        return self.json("pod", name)  # type: ignore[no-any-return]
+
+    def running(self, name: str) -> dict[str, Any] | None:
+        pod = self.pod(name)
+        return pod if pod["status"].get("phase") == "Running" else None
+
+    def claim_of(self, pod: str) -> dict[str, Any]:
+        status = self.pod(pod)["status"]
+        (entry,) = status["resourceClaimStatuses"]
+        return self.json("resourceclaim", entry["resourceClaimName"])  # type: ignore[no-any-return]
+
+    def delete_pod(self, name: str) -> None:
+        self.kubectl("delete", "pod", name, "--grace-period=1", "--wait=true", timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    need(os.geteuid() == 0, "needs root")
+    need((KUBE / "cluster-up.sh").exists(), f"{KUBE}/cluster-up.sh")
+    shutil.rmtree(HOST.parent, ignore_errors=True)
+    build_topology_host("hgx-h100-4sw", HOST, real_nodes=True)
+    for directory in (HOST.parent, HOST):
+        directory.chmod(0o755)
+    cluster = Cluster()
+    try:
+        up = subprocess.run([str(KUBE / "cluster-up.sh")], capture_output=True, text=True, env=cluster.env,
+                            timeout=600)
+        assert up.returncode == 0, f"cluster-up.sh failed:\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
+        cluster.node = cluster.json("nodes")["items"][0]["metadata"]["name"]
+        cluster.log.parent.mkdir(parents=True, exist_ok=True)
+        cluster.apply(*[{"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                         "metadata": {"name": name},
+                         "spec": {"selectors": [{"cel": {"expression":
+                                  f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].kind == "{kind}"'}}]}}
+                        for name, kind in (("gpu.devinject.io", "nvidia.com/gpu"),
+                                           ("nic.devinject.io", "nvidia.com/rdma"))])
+        cluster.start_driver()
+        yield cluster
+    finally:
+        cluster.stop_driver()
+        subprocess.run([str(KUBE / "cluster-down.sh"), "--purge"], capture_output=True, env=cluster.env,
+                       timeout=300)
+        shutil.rmtree(HOST.parent, ignore_errors=True)
+        shutil.rmtree(STATE, ignore_errors=True)
+
+
+def claim_pod(cluster: Cluster, name: str, requests: list[tuple[str, str, int]], *, match: bool = True) -> None:
+    """A pod with a ResourceClaimTemplate of `requests` (name, class, count), all under one pcieRoot when
+    `match`; the container lists its /dev/nvidia* and /dev/infiniband nodes."""
+    spec: dict[str, Any] = {"devices": {"requests": [
+        {"name": r, "exactly": {"deviceClassName": c, "count": n, "allocationMode": "ExactCount"}}
+        for r, c, n in requests]}}
+    if match:
+        spec["devices"]["constraints"] = [{"requests": [r for r, _, _ in requests], "matchAttribute": ROOT}]
+    cluster.apply(
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+         "spec": {"spec": spec}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+         "spec": {"terminationGracePeriodSeconds": 1, "resourceClaims": [
+             {"name": "devices", "resourceClaimTemplateName": name}],
+             "containers": [{"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never",
+                             "command": SLEEPER, "resources": {"claims": [{"name": "devices"}]}}]}})
+
+
+def devices_seen(cluster: Cluster, pod: str) -> list[str]:
+    out = cluster.kubectl("exec", pod, "--", "sh", "-c", "ls /dev | grep -E '^nvidia[0-9]+$' || true")
+    return sorted(out.split())
+
+
+def published(cluster: Cluster) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for s in cluster.slices() for d in s["spec"].get("devices", [])}
+
+
+def test_slices_are_published_and_read_back(cluster: Cluster) -> None:
+    slices = cluster.slices()
+    pools = {s["spec"]["pool"]["name"] for s in slices}
+    assert pools == {f"{cluster.node}-nvidia-com-gpu", f"{cluster.node}-nvidia-com-rdma"}
+    assert all(s["spec"]["nodeName"] == cluster.node for s in slices)
+    devices = published(cluster)
+    assert len([n for n in devices if n.startswith("gpu-")]) == 8 and len(devices) == 12
+    gpu = devices["gpu-0000-18-00-0"]["attributes"]
+    assert gpu[ROOT] == {"string": "pci0000:15"}
+    assert gpu["resource.kubernetes.io/pciBusID"] == {"string": "0000:18:00.0"}
+    assert devices["rdma-0000-1a-00-0"]["attributes"][ROOT] == gpu[ROOT]
+
+
+def test_two_gpus_under_one_root_and_the_pod_sees_exactly_them(cluster: Cluster) -> None:
+    claim_pod(cluster, "two-gpus", [("gpus", "gpu.devinject.io", 2)])
+    until(lambda: cluster.running("two-gpus"), 120, "pod two-gpus Running")
+    claim = cluster.claim_of("two-gpus")
+    results = claim["status"]["allocation"]["devices"]["results"]
+    assert len(results) == 2 and {r["driver"] for r in results} == {DRIVER}
+    devices = published(cluster)
+    roots = {devices[r["device"]]["attributes"][ROOT]["string"] for r in results}
+    assert len(roots) == 1, results
+    spec = json.loads((CDI / f"{DRIVER}-{claim['metadata']['uid']}.json").read_text())
+    expected = sorted(n["path"].removeprefix("/dev/") for d in spec["devices"]
+                      for n in d["containerEdits"]["deviceNodes"])
+    assert len(expected) == 2 and devices_seen(cluster, "two-gpus") == expected
+    uid = claim["metadata"]["uid"]
+    cluster.delete_pod("two-gpus")
+    until(lambda: not (CDI / f"{DRIVER}-{uid}.json").exists(), 60, "the claim's spec removed (unprepared)")
+
+
+def test_a_gpu_and_a_nic_under_one_root(cluster: Cluster) -> None:
+    claim_pod(cluster, "pair", [("gpu", "gpu.devinject.io", 1), ("nic", "nic.devinject.io", 1)])
+    until(lambda: cluster.running("pair"), 120, "pod pair Running")
+    results = cluster.claim_of("pair")["status"]["allocation"]["devices"]["results"]
+    devices = published(cluster)
+    assert sorted(r["device"].split("-")[0] for r in results) == ["gpu", "rdma"]
+    assert len({devices[r["device"]]["attributes"][ROOT]["string"] for r in results}) == 1
+    cluster.delete_pod("pair")
+
+
+def test_a_claim_no_root_can_meet_stays_pending_with_the_schedulers_reason(cluster: Cluster) -> None:
+    claim_pod(cluster, "three", [("gpus", "gpu.devinject.io", 3)])
+
+    def reason() -> str | None:
+        conditions = cluster.pod("three")["status"].get("conditions", [])
+        return next((c.get("message", "") for c in conditions
+                     if c["type"] == "PodScheduled" and c["status"] == "False" and c.get("message")), None)
+
+    message = until(reason, 60, "the scheduler's reason")
+    assert "cannot allocate all claims" in message, message
+    assert cluster.pod("three")["status"]["phase"] == "Pending"
+    cluster.delete_pod("three")
+
+
+def test_a_restarted_driver_keeps_the_claim_and_cleans_it_on_delete(cluster: Cluster) -> None:
+    claim_pod(cluster, "kept", [("gpu", "gpu.devinject.io", 1)], match=False)
+    until(lambda: cluster.running("kept"), 120, "pod kept Running")
+    uid = cluster.claim_of("kept")["metadata"]["uid"]
+    spec = CDI / f"{DRIVER}-{uid}.json"
+    assert spec.exists()
+    cluster.stop_driver()
+    cluster.start_driver()
+    cluster.delete_pod("kept")
+    until(lambda: not spec.exists(), 90, "the claim's spec removed by the restarted driver")
+
+
+FIGURES = REPO / "build" / "dra-figures.json"
+
+
+def record(name: str, value: float) -> None:
+    figures = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+    figures[name] = value
+    FIGURES.parent.mkdir(exist_ok=True)
+    FIGURES.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+
+
+def time_to_running(cluster: Cluster, name: str, device_class: str) -> float:
+    start = time.monotonic()
+    claim_pod(cluster, name, [("dev", device_class, 1)], match=False)
+    until(lambda: cluster.running(name), 120, f"pod {name} Running", every=0.1)
+    return time.monotonic() - start
+
+
+def test_pod_to_running_against_the_reference_driver(cluster: Cluster) -> None:
+    """The same one-device pod with devinject's driver and with Kubernetes' own dra-test-driver, in one run."""
+    reference = KUBE_DIR / "bin" / "dra-test-driver"
+    need(reference.exists(), f"{reference} (cluster-up.sh unpacks it)")
+    Path("/var/lib/kubelet/plugins/test-driver.cdi.k8s.io").mkdir(parents=True, exist_ok=True)
+    log = open(KUBE_DIR / "logs" / "dra-test-driver-devinject.log", "ab")  # noqa: SIM115
+    peer = subprocess.Popen([str(reference), f"--kubeconfig={KUBE_DIR / 'admin.kubeconfig'}", "-v=2",
+                             "kubelet-plugin", f"--node-name={cluster.node}", "--num-devices=4"],
+                            stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    log.close()
+    try:
+        cluster.apply({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                       "metadata": {"name": "test-driver.devinject.io"},
+                       "spec": {"selectors": [{"cel": {"expression": 'device.driver == "test-driver.cdi.k8s.io"'}}]}})
+        until(lambda: cluster.json("resourceslices", "--field-selector", "spec.driver=test-driver.cdi.k8s.io")["items"],
+              60, "the reference driver's slice")
+        ours, theirs = [], []
+        for n in range(3):
+            ours.append(time_to_running(cluster, f"ours-{n}", "gpu.devinject.io"))
+            cluster.delete_pod(f"ours-{n}")
+            theirs.append(time_to_running(cluster, f"theirs-{n}", "test-driver.devinject.io"))
+            cluster.delete_pod(f"theirs-{n}")
+        ours.sort()
+        theirs.sort()
+        record("pod_running_devinject_s", round(ours[1], 2))
+        record("pod_running_reference_s", round(theirs[1], 2))
+        record("pod_running_ratio", round(ours[1] / theirs[1], 2))
+    finally:
+        peer.send_signal(signal.SIGTERM)
+        try:
+            peer.wait(15)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+
+
+def test_publish_time_for_the_1024_device_synthetic_host(cluster: Cluster, tmp_path: Path) -> None:
+    """The slices of bench_generate's 1,024-device host (8 ConnectX PFs x 127 VFs) through the API server,
+    for a node name of their own, then removed."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_generate import synthetic_host
+
+    from devinject.discovery.node import Node
+    from devinject.dra.publisher import SlicePublisher, api_client
+    from devinject.dra.slices import offers, resource_slices
+
+    root = tmp_path / "synthetic"
+    assert synthetic_host(root, 127) == 1024
+    publisher = SlicePublisher(api_client(str(KUBE_DIR / "admin.kubeconfig")), DRIVER, "synthetic-node")
+    start = time.monotonic()
+    desired = resource_slices(DRIVER, "synthetic-node", offers(Node(str(root), check=False), "synthetic-node"))
+    built = time.monotonic()
+    publisher.publish(desired)
+    done = time.monotonic()
+    try:
+        read = [s for s in cluster.slices() if s["spec"]["nodeName"] == "synthetic-node"]
+        assert sum(len(s["spec"]["devices"]) for s in read) == 1024
+    finally:
+        publisher.remove_all()
+    record("synthetic_1024_build_s", round(built - start, 2))
+    record("synthetic_1024_publish_s", round(done - built, 2))
+
+
+def test_driver_rss(cluster: Cluster) -> None:
+    assert cluster.driver is not None and cluster.driver.poll() is None, "the driver died"
+    status = Path(f"/proc/{cluster.driver.pid}/status").read_text()
+    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    record("driver_rss_mib", round(rss / 1024, 1))
+
+
+def test_the_shipped_device_classes_serve_an_unchanged_extended_resource_pod(cluster: Cluster) -> None:
+    """deploy/kubernetes/dra/deviceclasses.yaml applied as shipped; a pod asking `limits: {nvidia.com/gpu: 1}`
+    (no claim of its own, no device plugin on the node) is given one whole GPU by DRA."""
+    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "extended"},
+                   "spec": {"terminationGracePeriodSeconds": 1, "containers": [
+                       {"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never", "command": SLEEPER,
+                        "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
+    try:
+        until(lambda: cluster.running("extended"), 120, "pod extended Running")
+        status = cluster.pod("extended")["status"]
+        claim_name = status["extendedResourceClaimStatus"]["resourceClaimName"]
+        claim = cluster.json("resourceclaim", claim_name)
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert result["driver"] == DRIVER and result["device"].startswith("gpu-")
+        assert len(devices_seen(cluster, "extended")) == 1
+    finally:
+        cluster.delete_pod("extended")
+        cluster.kubectl("delete", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
+
+
+MIG_DRIVER = "mig.devinject.io"
+MIG_GPU = 'device.attributes["resource.kubernetes.io"].pciBusID == "0000:07:00.0"'
+
+
+def selector_pod(cluster: Cluster, name: str, device_class: str, expression: str) -> None:
+    request = {"name": "dev", "exactly": {"deviceClassName": device_class, "count": 1, "allocationMode": "ExactCount",
+                                          "selectors": [{"cel": {"expression": expression}}]}}
+    cluster.apply(
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": name},
+         "spec": {"spec": {"devices": {"requests": [request]}}}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+         "spec": {"terminationGracePeriodSeconds": 1, "resourceClaims": [
+             {"name": "devices", "resourceClaimTemplateName": name}],
+             "containers": [{"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never",
+                             "command": SLEEPER, "resources": {"claims": [{"name": "devices"}]}}]}})
+
+
+def test_a_mig_instance_and_its_whole_gpu_are_never_both_allocated(cluster: Cluster) -> None:
+    """A second driver (its own name, state dir and sockets) over the DGX A100 fixture, whose first GPU has
+    two MIG instances: while a pod holds the whole GPU, a pod asking for one of its instances stays Pending
+    (the shared counters), and it runs once the whole GPU is free; two instances go to two pods at once."""
+    state = STATE.with_name(STATE.name + "-mig")
+    log = open(KUBE_DIR / "logs" / "devinject-dra-mig.log", "ab")  # noqa: SIM115
+    mig = subprocess.Popen(
+        [DEVINJECT, "dra-driver", "--host-root", str(REPO / "tests" / "fixtures" / "hosts" / "dgx-a100-mig"),
+         "--node-name", cluster.node, "--kubeconfig", str(KUBE_DIR / "admin.kubeconfig"), "--state-dir", str(state),
+         "--hook-path", DEVINJECT, "--driver-name", MIG_DRIVER, "--rescan", "2"],
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    log.close()
+    try:
+        cluster.apply(*[{"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
+                         "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{MIG_DRIVER}" && '
+                                                 f'device.attributes["{MIG_DRIVER}"].partition == "{part}"'}}]}}
+                        for name, part in (("whole.mig.devinject.io", "whole"), ("mig.mig.devinject.io", "mig"))])
+        until(lambda: cluster.json("resourceslices", "--field-selector", f"spec.driver={MIG_DRIVER}")["items"],
+              60, "the MIG driver's slices")
+        selector_pod(cluster, "whole", "whole.mig.devinject.io", MIG_GPU)
+        until(lambda: cluster.running("whole"), 120, "pod whole Running")
+        selector_pod(cluster, "instance", "mig.mig.devinject.io", MIG_GPU)
+
+        def reason() -> str | None:
+            conditions = cluster.pod("instance")["status"].get("conditions", [])
+            return next((c.get("message", "") for c in conditions
+                         if c["type"] == "PodScheduled" and c["status"] == "False" and c.get("message")), None)
+
+        assert "cannot allocate all claims" in until(reason, 60, "the scheduler's reason for pod instance")
+        cluster.delete_pod("whole")
+        until(lambda: cluster.running("instance"), 120, "pod instance Running once the whole GPU is free")
+        selector_pod(cluster, "instance2", "mig.mig.devinject.io", MIG_GPU)
+        until(lambda: cluster.running("instance2"), 120, "pod instance2 Running beside instance")
+        devices = {cluster.claim_of(p)["status"]["allocation"]["devices"]["results"][0]["device"]
+                   for p in ("instance", "instance2")}
+        assert devices == {"gpu-0000-07-00-0-gi1-ci0", "gpu-0000-07-00-0-gi2-ci0"}
+        cluster.delete_pod("instance")
+        cluster.delete_pod("instance2")
+    finally:
+        mig.send_signal(signal.SIGTERM)
+        try:
+            mig.wait(15)
+        except subprocess.TimeoutExpired:
+            mig.kill()
+        shutil.rmtree(state, ignore_errors=True)
