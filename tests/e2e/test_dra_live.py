@@ -415,3 +415,28 @@ def test_a_mig_instance_and_its_whole_gpu_are_never_both_allocated(cluster: Clus
         except subprocess.TimeoutExpired:
             mig.kill()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_opaque_config_is_a_clear_error_in_the_pods_events_and_nothing_is_left(cluster: Cluster) -> None:
+    cluster.apply(
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "opaque"},
+         "spec": {"spec": {"devices": {
+             "requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.devinject.io", "count": 1,
+                                                      "allocationMode": "ExactCount"}}],
+             "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {"mode": "fast"}}}]}}}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "opaque"},
+         "spec": {"terminationGracePeriodSeconds": 1, "resourceClaims": [
+             {"name": "devices", "resourceClaimTemplateName": "opaque"}],
+             "containers": [{"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never",
+                             "command": SLEEPER, "resources": {"claims": [{"name": "devices"}]}}]}})
+    try:
+        def event() -> str | None:
+            events = cluster.json("events", "--field-selector", "involvedObject.name=opaque")["items"]
+            return next((e["message"] for e in events if "opaque configuration" in e.get("message", "")), None)
+
+        message = until(event, 90, "the pod's event with the driver's error")
+        assert f"{DRIVER} takes no opaque configuration" in message, message
+        assert cluster.pod("opaque")["status"]["phase"] == "Pending"
+        assert not [p for p in CDI.glob(f"{DRIVER}-*.json")], "a claim spec was left behind"
+    finally:
+        cluster.delete_pod("opaque")
