@@ -18,6 +18,7 @@ from devinject.agent import nodehook
 from devinject.agent.nodehook import DEFAULT_DIR, LAUNCHER, STAMP, install_node_hook, node_hook_ready
 from devinject.core.errors import DevinjectError
 from devinject.core.ldcache import parse_ldcache
+from tests.conftest import HOSTS
 from tests.e2e.conftest import DEVINJECT
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
@@ -183,7 +184,7 @@ def test_install_node_hook_command_prints_the_hook_path_and_generate_names_it(ho
     check = subprocess.run([DEVINJECT, "install-node-hook", "--host-root", str(tmp_path), "--check"],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 1 and check.stderr.startswith("devinject: error: ") and "no node hook" in check.stderr
-    fixture = Path(__file__).resolve().parents[1] / "fixtures/hosts/hgx-h100"
+    fixture = HOSTS / "hgx-h100"
     fake = tmp_path / "host"
     shutil.copytree(fixture, fake, symlinks=True)
     shutil.copytree(_bundle(host), _bundle(fake), symlinks=True)

@@ -22,10 +22,11 @@ from devinject.hook.registry import Registry
 from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger
 from devinject.nodestate.sharing import sharing_policy
+from tests.conftest import HOSTS
 from tests.e2e.conftest import require
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
-HGX = Path(__file__).resolve().parents[1] / "fixtures" / "hosts" / "hgx-h100"
+HGX = HOSTS / "hgx-h100"  # DEVINJECT_FIXTURES: make mutation runs the tests where the fixture trees are not
 
 
 @pytest.fixture
