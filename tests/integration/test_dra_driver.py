@@ -356,3 +356,12 @@ def test_claims_left_when_the_kubelets_deadline_nears_are_answered_not_attempted
     assert answer.claims["uid-slow1"].error == ""
     assert answer.claims["uid-slow2"].error.startswith("not attempted:")
     unprepare(driver, ("slow1", "uid-slow1"))
+
+
+def test_a_subrequests_device_is_named_by_its_base_request(driver: DraDriver, api: FakeApi) -> None:
+    """firstAvailable allocates `<request>/<subrequest>`; the kubelet matches containers' claims by the
+    request's own name, so that is the name returned."""
+    api.add("first", "uid-first", [(GPU_POOL, "gpu-0000-db-00-0")], request="gpu/h100")
+    (device,) = prepare(driver, ("first", "uid-first")).claims["uid-first"].devices
+    assert list(device.request_names) == ["gpu"]
+    unprepare(driver, ("first", "uid-first"))

@@ -238,7 +238,9 @@ class Preparer:
             except LedgerError as err:
                 _remove(path)
                 raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
-            prepared = [PreparedDevice((request,), offer.pool, offer.name, (f"{self.kind}={uid}-{offer.name}",))
+            # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base
+            prepared = [PreparedDevice((request.partition("/")[0],), offer.pool, offer.name,
+                                       (f"{self.kind}={uid}-{offer.name}",))
                         for (request, _, _), offer in zip(results, offers, strict=True)]
             claims[uid] = {"namespace": namespace, "name": name, "spec": path,
                            "devices": [d.to_json() for d in prepared],
