@@ -440,3 +440,36 @@ def test_opaque_config_is_a_clear_error_in_the_pods_events_and_nothing_is_left(c
         assert not [p for p in CDI.glob(f"{DRIVER}-*.json")], "a claim spec was left behind"
     finally:
         cluster.delete_pod("opaque")
+
+
+def test_a_fault_leaves_the_slice_and_shows_in_the_pods_resource_health(cluster: Cluster) -> None:
+    """The node agent's verdict (health.json in the state dir, as `watch` writes it) for a GPU a pod holds:
+    the device leaves the slice, and the kubelet's NodeWatchResources stream puts it Unhealthy in the pod's
+    status (ResourceHealthStatus, beta and on: `allocatedResourcesStatus`, the claim's entry, the device by
+    its CDI id); put back, both return."""
+    claim_pod(cluster, "health", [("gpu", "gpu.devinject.io", 1)], match=False)
+    until(lambda: cluster.running("health"), 120, "pod health Running")
+    claim = cluster.claim_of("health")
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    spec = json.loads((CDI / f"{DRIVER}-{claim['metadata']['uid']}.json").read_text())
+    node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
+    health_file = STATE / "health.json"
+
+    def resource_health() -> dict[str, str]:
+        out = {}
+        for container in cluster.pod("health")["status"].get("containerStatuses", []):
+            for entry in container.get("allocatedResourcesStatus") or []:
+                out.update({r["resourceID"]: r.get("health", "") for r in entry.get("resources", [])})
+        return out
+
+    resource = f"{DRIVER}/claim={claim['metadata']['uid']}-{result['device']}"  # the kubelet names it by CDI id
+    try:
+        health_file.write_text(json.dumps({"unhealthy_nodes": [f"c {node['major']}:{node['minor']}"]}))
+        until(lambda: result["device"] not in published(cluster), 30, "the device out of the slice")
+        until(lambda: resource_health().get(resource) == "Unhealthy", 60, f"{resource} Unhealthy in pod status")
+        health_file.write_text(json.dumps({"unhealthy_nodes": []}))
+        until(lambda: result["device"] in published(cluster), 30, "the device back in the slice")
+        until(lambda: resource_health().get(resource) == "Healthy", 60, f"{resource} Healthy again")
+    finally:
+        health_file.unlink(missing_ok=True)
+        cluster.delete_pod("health")
