@@ -1,5 +1,5 @@
-"""The ResourceSlice publisher (dra/publisher.py) against a recording stand-in for the kubernetes client's
-ResourceV1Api: created at generation 1, left alone while nothing changed, replaced at the next generation
+"""The ResourceSlice publisher (dra/publisher.py) against a recording stand-in for dra/kubeapi.py's
+ResourceApi: created at generation 1, left alone while nothing changed, replaced at the next generation
 (with the resourceVersion it read) when a pool's devices changed, and slices no pool needs deleted."""
 
 from __future__ import annotations
@@ -13,41 +13,36 @@ from devinject.dra.slices import DRIVER, offers, resource_slices
 from tests.conftest import HOSTS
 
 
-class Response:
-    def __init__(self, body: object) -> None:
-        self.data = json.dumps(body).encode()
-
-
 class FakeResourceApi:
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, str]] = []
         self.version = 0
 
-    def list_resource_slice(self, field_selector: str, **_: object) -> Response:
+    def list_resource_slice(self, field_selector: str, **_: object) -> dict[str, Any]:
         assert field_selector == f"spec.nodeName=node1,spec.driver={DRIVER}"
-        return Response({"items": list(self.objects.values())})
+        return {"items": list(self.objects.values())}
 
-    def _store(self, body: dict[str, Any]) -> Response:
+    def _store(self, body: dict[str, Any]) -> dict[str, Any]:
         self.version += 1
         body = json.loads(json.dumps(body))
         body["metadata"]["resourceVersion"] = str(self.version)
         self.objects[body["metadata"]["name"]] = body
-        return Response(body)
+        return body
 
-    def create_resource_slice(self, body: dict[str, Any], **_: object) -> Response:
+    def create_resource_slice(self, body: dict[str, Any], **_: object) -> dict[str, Any]:
         assert body["metadata"]["name"] not in self.objects
         self.calls.append(("create", body["metadata"]["name"]))
         return self._store(body)
 
-    def replace_resource_slice(self, name: str, body: dict[str, Any], **_: object) -> Response:
+    def replace_resource_slice(self, name: str, body: dict[str, Any], **_: object) -> dict[str, Any]:
         assert body["metadata"]["resourceVersion"] == self.objects[name]["metadata"]["resourceVersion"]
         self.calls.append(("replace", name))
         return self._store(body)
 
-    def delete_resource_slice(self, name: str, **_: object) -> Response:
+    def delete_resource_slice(self, name: str, **_: object) -> dict[str, Any]:
         self.calls.append(("delete", name))
-        return Response(self.objects.pop(name))
+        return self.objects.pop(name)
 
 
 def publisher() -> tuple[SlicePublisher, FakeResourceApi]:

@@ -27,11 +27,12 @@ CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
 
 
 class ApiError(DevinjectError):
-    """An API call that failed: `status` is the HTTP status (0 when no answer came)."""
+    """An API call that failed: `status` is the HTTP status (0 when no answer came), `reason` what went wrong
+    without the call's name (the status and the server's message, or the connection's error)."""
 
-    def __init__(self, message: str, status: int = 0) -> None:
+    def __init__(self, message: str, status: int = 0, reason: str = "") -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.reason = status, reason or message
 
 
 class Credentials:
@@ -149,7 +150,7 @@ class ResourceApi:
             response = connection.getresponse()
             payload = response.read()
         except (OSError, http.client.HTTPException) as err:
-            raise ApiError(f"{method} {path}: {err}") from None
+            raise ApiError(f"{method} {path}: {err}", reason=str(err)) from None
         finally:
             connection.close()
         try:
@@ -158,7 +159,8 @@ class ResourceApi:
             answer = {}
         if response.status >= 300:
             message = answer.get("message") if isinstance(answer, dict) else None
-            raise ApiError(f"{method} {path}: {response.status} {message or response.reason}", response.status)
+            reason = f"{response.status} {message or response.reason}"
+            raise ApiError(f"{method} {path}: {reason}", response.status, reason)
         return answer if isinstance(answer, dict) else {}
 
     def list_resource_slice(self, field_selector: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""Publishing the node's ResourceSlices through the API server with the official `kubernetes` client: the
-slices of this driver and node are listed, each pool's generation is bumped when its content changed, slices
-are created or replaced by their stable names, and ones no pool needs any more are deleted."""
+"""Publishing the node's ResourceSlices through the API server (dra/kubeapi.py): the slices of this driver and
+node are listed, each pool's generation is bumped when its content changed, slices are created or replaced by
+their stable names, and ones no pool needs any more are deleted."""
 
 from __future__ import annotations
 
@@ -9,30 +9,26 @@ import logging
 from typing import Any
 
 from devinject.core.errors import DevinjectError
+from devinject.dra import kubeapi
 
 log = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT = 10.0  # seconds per API call: a driver never blocks on a dead API server
+REQUEST_TIMEOUT = kubeapi.REQUEST_TIMEOUT  # seconds per API call: a driver never blocks on a dead API server
 
 
 class PublishError(DevinjectError):
     pass
 
 
-def api_client(kubeconfig: str | None) -> Any:
-    """A client from --kubeconfig, else the pod's in-cluster service account, else ~/.kube/config."""
-    from kubernetes import client, config
-
+def api_client(kubeconfig: str | None) -> kubeapi.Credentials:
+    """The API server and credentials from --kubeconfig, else the pod's in-cluster service account, else
+    ~/.kube/config."""
     try:
-        if kubeconfig:
-            return config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-        try:
-            config.load_incluster_config()  # type: ignore[no-untyped-call]
-            return client.ApiClient()
-        except config.ConfigException:
-            return config.new_client_from_config()  # type: ignore[no-untyped-call]
-    except (config.ConfigException, OSError) as err:
-        raise PublishError(f"--kubeconfig {kubeconfig or '(in-cluster)'}: {err}") from None
+        return kubeapi.credentials(kubeconfig)
+    except kubeapi.ApiError as err:
+        raise PublishError(f"--kubeconfig {kubeconfig or '(in-cluster)'}: {err.message}") from None
+    except OSError as err:
+        raise PublishError(f"--kubeconfig {kubeconfig or '(in-cluster)'}: {err.strerror}") from None
 
 
 def _content(item: dict[str, Any]) -> str:
@@ -44,29 +40,16 @@ def _content(item: dict[str, Any]) -> str:
 
 
 class SlicePublisher:
-    def __init__(self, client: Any, driver: str, node_name: str) -> None:
-        from kubernetes import client as k8s
-
-        self.api = k8s.ResourceV1Api(client)
+    def __init__(self, client: kubeapi.Credentials | None, driver: str, node_name: str) -> None:
+        self.api: Any = kubeapi.ResourceApi(client, REQUEST_TIMEOUT) if client is not None else None
         self.driver = driver
         self.node_name = node_name
 
     def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
-        from kubernetes.client.exceptions import ApiException
-        from urllib3.exceptions import HTTPError
-
         try:
-            response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
-            return json.loads(response.data or b"{}")
-        except ApiException as err:
-            reason = err.reason
-            try:
-                reason = json.loads(err.body or "").get("message", reason)
-            except (TypeError, ValueError, AttributeError):
-                pass
-            raise PublishError(f"{what}: {err.status} {reason}") from None
-        except (HTTPError, OSError) as err:
-            raise PublishError(f"{what}: {err}") from None
+            return method(*args, **kwargs)
+        except kubeapi.ApiError as err:
+            raise PublishError(f"{what}: {err.reason}") from None
 
     def existing(self) -> dict[str, dict[str, Any]]:
         selector = f"spec.nodeName={self.node_name},spec.driver={self.driver}"
