@@ -5,7 +5,7 @@ PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_HOST := tests/fixtures/hosts/hgx-h100
-SYSTEM_PACKAGES := python3-venv runc podman crun busybox-static gcc libc6-dev graphviz containerd systemd mmdebstrap
+SYSTEM_PACKAGES := python3-venv runc podman crun busybox-static gcc libc6-dev graphviz containerd systemd mmdebstrap prometheus
 # The agent's image (`make image`): an OCI archive that `ctr -n k8s.io images import` and `podman load` read.
 IMAGE := build/devinject-image.tar
 IMAGE_INPUTS := pyproject.toml README.md tools/mkimage.py $(wildcard deploy/image/*) \

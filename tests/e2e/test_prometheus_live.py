@@ -1,0 +1,179 @@
+"""`/metrics` scraped by a real Prometheus: Debian's `prometheus` binary (an instance of the test's own on a free
+loopback port, never the package's system service) scrapes the real `devinject device-plugin` process, which
+serves the HGX H100 fixture to a kubelet-side peer over real unix sockets (fake_kubelet.py), and the test reads
+devinject's series back through Prometheus's HTTP API (`/api/v1/targets`, `/api/v1/query`): the devices by
+kind and health, the kubelet registrations, and a GPU taken out by a fatal Xid in the agent's kernel log.
+
+A missing prerequisite (the prometheus binary, root for the fixture's copy) fails, never skips."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.fake_kubelet import FakeKubelet
+from tests.integration.test_device_plugin_log import Agent, _free_port
+
+pytestmark = pytest.mark.live
+
+GPU = "0000:18:00.0"  # the HGX fixture's first GPU
+KERNEL_LOG = "var/log/kern.log"  # the agent's default --kernel-log, under --root
+WAIT = 30.0  # seconds: bounded so a broken agent or scrape fails, not hangs; nothing asserts a duration
+DEVICES = 'devinject_devices{{job="devinject",kind="{kind}",health="{health}"}}'
+
+
+def _until(condition: Callable[[], object], timeout: float = WAIT) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = condition()
+        if got or time.monotonic() >= deadline:
+            return got
+        time.sleep(0.2)
+
+
+class Prometheus:
+    """Debian's prometheus binary with a config, a TSDB and a listen address of its own (a temp dir and a free
+    port on 127.0.0.1), scraping one static target every second."""
+
+    def __init__(self, binary: str, target: str, work: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = work / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: devinject\n    static_configs:\n"
+            f"      - targets: ['{target}']\n")
+        self.log_path = work / "prometheus.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
+            stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, cwd=work)
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def get(self, path: str, **params: str) -> dict[str, object]:
+        """The `data` of an API answer whose status is success; a failed one fails the test with its error."""
+        query = ("?" + urllib.parse.urlencode(params)) if params else ""
+        try:
+            with urllib.request.urlopen(self.url + path + query, timeout=5) as response:
+                answer = json.load(response)
+        except urllib.error.HTTPError as err:
+            answer = json.load(err)
+        assert answer.get("status") == "success", f"{path} {params}: {answer}"
+        data = answer["data"]
+        assert isinstance(data, dict)
+        return data
+
+    def ready(self) -> bool:
+        assert self.process.poll() is None, f"prometheus exited {self.process.returncode}:\n{self.text()}"
+        try:
+            with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    def target(self) -> dict[str, object] | None:
+        """The devinject job's active target, once Prometheus has one."""
+        targets = self.get("/api/v1/targets", state="active")["activeTargets"]
+        assert isinstance(targets, list)
+        return next((t for t in targets if t.get("labels", {}).get("job") == "devinject"), None)
+
+    def value(self, expr: str) -> float | None:
+        """The one sample an instant query answers, or None while it answers none."""
+        data = self.get("/api/v1/query", query=expr)
+        assert data["resultType"] == "vector", data
+        result = data["result"]
+        assert isinstance(result, list)
+        assert len(result) <= 1, f"{expr}: more than one series: {result}"
+        return float(result[0]["value"][1]) if result else None
+
+    def value_is(self, expr: str, expected: float) -> bool:
+        return self.value(expr) == expected
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.fail("live test prerequisite missing: the prometheus binary (Debian's prometheus package: "
+                    "make system-deps)")
+    return binary
+
+
+@pytest.fixture
+def plugin_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="dpp-", dir="/tmp"))  # a unix socket path has at most 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_prometheus_scrapes_the_agent_and_sees_a_gpu_taken_out(prometheus_binary, host_copy, tmp_path,  # type: ignore[no-untyped-def]
+                                                                plugin_dir) -> None:
+    host = host_copy("hgx-h100")
+    (host / KERNEL_LOG).parent.mkdir(parents=True, exist_ok=True)
+    (host / KERNEL_LOG).write_text("[    0.000000] Linux version 6.1.0 (debian-kernel@lists.debian.org)\n")
+    (tmp_path / "prometheus").mkdir()
+    kubelet = FakeKubelet(str(plugin_dir))
+    kubelet.start()
+    agent = Agent(host, plugin_dir, tmp_path)
+    prometheus = Prometheus(prometheus_binary, f"127.0.0.1:{agent.port}", tmp_path / "prometheus")
+    try:
+        assert kubelet.wait_for(lambda: len(kubelet.latest("nvidia.com/gpu") or {}) == 8), agent.text()
+        assert _until(prometheus.ready), f"prometheus never ready:\n{prometheus.text()}"
+
+        def up() -> dict[str, object] | None:
+            target = prometheus.target()
+            return target if target is not None and target.get("health") == "up" else None
+
+        target = _until(up)
+        assert target, f"the agent's target never up: {prometheus.target()}\n{prometheus.text()}\n{agent.text()}"
+        assert isinstance(target, dict) and target["scrapeUrl"] == f"http://127.0.0.1:{agent.port}/metrics", target
+        assert target["lastError"] == "", target
+        assert prometheus.value('up{job="devinject"}') == 1
+
+        healthy_gpus = DEVICES.format(kind="nvidia.com/gpu", health="healthy")
+        unhealthy_gpus = DEVICES.format(kind="nvidia.com/gpu", health="unhealthy")
+        assert _until(lambda: prometheus.value_is(healthy_gpus, 8)), prometheus.value(healthy_gpus)
+        assert prometheus.value(DEVICES.format(kind="nvidia.com/rdma", health="healthy")) == 8
+        assert prometheus.value(unhealthy_gpus) in (None, 0)  # no series yet, or 0 once it has been shown
+        registrations = 'devinject_kubelet_registrations_total{job="devinject",resource="%s"}'
+        for resource in ("nvidia.com/gpu", "nvidia.com/rdma"):
+            assert prometheus.value(registrations % resource) == 1, resource  # registered once
+        assert len(kubelet.registrations) == 2, kubelet.registrations
+
+        with open(host / KERNEL_LOG, "a") as log:  # as the kernel writes it: the GPU taken out at once
+            log.write(f"[ 4242.424242] NVRM: Xid (PCI:{GPU[:-2]}): 79, pid=0, GPU has fallen off the bus.\n")
+        assert _until(lambda: prometheus.value_is(healthy_gpus, 7)), \
+            f"healthy GPUs in Prometheus: {prometheus.value(healthy_gpus)}\n{agent.text()}"
+        assert prometheus.value(unhealthy_gpus) == 1
+        assert _until(lambda: prometheus.value_is('devinject_take_outs_total{kind="nvidia.com/gpu"}', 1))
+        assert prometheus.value(DEVICES.format(kind="nvidia.com/rdma", health="healthy")) == 8
+        assert (kubelet.latest("nvidia.com/gpu") or {})[GPU][0] == "Unhealthy"
+    finally:
+        prometheus.stop()
+        kubelet.stop()
+        text = agent.stop()
+    assert agent.process.returncode == 0, text
