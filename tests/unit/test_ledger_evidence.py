@@ -185,3 +185,15 @@ def test_a_health_file_in_a_directory_others_can_write_is_never_read(tmp_path: P
     state.chmod(0o777)
     with pytest.raises(LedgerError, match=f"{state}: the state directory .*refused"):
         Ledger(str(state)).book("b", os.getpid(), claim("c 195:0"), POLICY)
+
+
+def test_a_released_mig_instance_does_not_keep_its_whole_gpu_waiting_for_the_sweep(tmp_path: Path) -> None:
+    """A MIG instance holds its GPU's node shared: a whole-GPU booking wants that node exclusive, and it used
+    to leave the instance's release unfinished (it looked only at releases holding a node it wanted
+    exclusive), so the whole GPU was refused until the node agent's sweep."""
+    ledger = Ledger(str(tmp_path), reclaim_timeout=3600)
+    instance = (Claim("vendor.com/gpu=0:1", ("c 195:0", "c 510:12"), shared=("c 195:0",)),)
+    ledger.book("mig", os.getpid(), instance, POLICY)
+    assert ledger.release("mig") == "released"
+    assert ledger.book("whole", os.getpid(), claim("c 195:0"), POLICY).new
+    assert "mig" not in ledger.snapshot()["allocations"]

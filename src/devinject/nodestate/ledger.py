@@ -268,8 +268,8 @@ class Ledger:
         """Drop allocations of dead containers; finish releases whose nodes nobody holds any more.
 
         Finishing a release needs a /proc/*/fd scan, so it is done only for releases that hold one of the
-        `wanted` nodes (a booking's; None: all of them, for `list` and `who`), in one scan; none happens
-        when nothing is in the way. Poststop therefore costs no scan at all.
+        `wanted` nodes, exclusive or shared (a booking's; None: all of them, for `list` and `who`), in one
+        scan; none happens when nothing is in the way. Poststop therefore costs no scan at all.
         """
         allocations = data["allocations"]
         for cid, entry in allocations.items():
@@ -278,7 +278,7 @@ class Ledger:
                 entry["released_at"] = time.time()
                 self.event("container-gone", container=cid, devices=entry.get("devices"))
         releasing = {cid: e for cid, e in allocations.items() if e.get("state") == "reclaiming"
-                     and (wanted is None or wanted & set(e["exclusive"]))}
+                     and (wanted is None or wanted & set(e["exclusive"] + e.get("shared", [])))}
         for cid, entry in list(releasing.items()):
             # A container with a pid namespace of its own leaves nobody behind: the kernel ends every other
             # process of the namespace before its init's exit completes. No scan for it.
@@ -346,7 +346,7 @@ class Ledger:
         if start_time is None:
             raise LedgerError(f"container {container_id}: process {pid} is gone")
         with self.locked() as data:
-            self.reclaim(data, wanted=set(exclusive))
+            self.reclaim(data, wanted=set(exclusive) | set(shared))  # what could clash: held either way
             allocations = data["allocations"]
             existing = allocations.get(container_id)
             if existing is not None:
