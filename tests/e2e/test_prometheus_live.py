@@ -158,7 +158,15 @@ def test_prometheus_scrapes_the_agent_and_sees_a_gpu_taken_out(prometheus_binary
         unhealthy_gpus = DEVICES.format(kind="nvidia.com/gpu", health="unhealthy")
         assert _until(lambda: prometheus.value_is(healthy_gpus, 8)), prometheus.value(healthy_gpus)
         assert prometheus.value(DEVICES.format(kind="nvidia.com/rdma", health="healthy")) == 8
-        assert prometheus.value(unhealthy_gpus) in (None, 0)  # no series yet, or 0 once it has been shown
+        # Every series of a served kind is there from the first scrape, at 0: one that first appears at 1 is no
+        # increase to increase() or rate(), and an alert on a first take-out or refusal would never fire.
+        take_outs = 'devinject_take_outs_total{job="devinject",kind="nvidia.com/gpu"}'
+        for zero in (unhealthy_gpus, take_outs, 'devinject_put_backs_total{kind="nvidia.com/gpu"}',
+                     'devinject_probe_timeouts_total{kind="nvidia.com/gpu"}',
+                     'devinject_allocate_refusals_total{resource="nvidia.com/gpu"}',
+                     'devinject_allocated_devices_total{resource="nvidia.com/gpu"}',
+                     DEVICES.format(kind="nvidia.com/rdma", health="unhealthy")):
+            assert prometheus.value(zero) == 0, f"{zero}: {prometheus.value(zero)} (no series: None)"
         registrations = 'devinject_kubelet_registrations_total{job="devinject",resource="%s"}'
         for resource in ("nvidia.com/gpu", "nvidia.com/rdma"):
             assert prometheus.value(registrations % resource) == 1, resource  # registered once
@@ -169,7 +177,9 @@ def test_prometheus_scrapes_the_agent_and_sees_a_gpu_taken_out(prometheus_binary
         assert _until(lambda: prometheus.value_is(healthy_gpus, 7)), \
             f"healthy GPUs in Prometheus: {prometheus.value(healthy_gpus)}\n{agent.text()}"
         assert prometheus.value(unhealthy_gpus) == 1
-        assert _until(lambda: prometheus.value_is('devinject_take_outs_total{kind="nvidia.com/gpu"}', 1))
+        assert _until(lambda: prometheus.value_is(take_outs, 1)), prometheus.value(take_outs)
+        rise = f"increase({take_outs}[1m]) > 0"  # what an alert on take-outs asks
+        assert _until(lambda: prometheus.value(rise)), f"{rise}: no sample; {prometheus.value(take_outs)}"
         assert prometheus.value(DEVICES.format(kind="nvidia.com/rdma", health="healthy")) == 8
         assert (kubelet.latest("nvidia.com/gpu") or {})[GPU][0] == "Unhealthy"
     finally:

@@ -166,6 +166,7 @@ class DevicePluginAgent:
                 state = self.states.get(kind)
                 if state is None:
                     state = self.states[kind] = ResourceState(self.opts.resource_names.get(kind, kind), kind)
+                    self.metrics.served(kind, state.resource, (HEALTHY, UNHEALTHY))
                     self.due.setdefault(kind, (time.time(), "it was found"))
                 listed = state.devices
                 if state.update(devices, specs.get(kind)) and self.started.is_set():

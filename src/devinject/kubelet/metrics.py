@@ -62,6 +62,17 @@ class Metrics:
                                   "The devinject hook's newest prestart duration on this node (from its log)",
                                   registry=self.registry)
 
+    def served(self, kind: str, resource: str, healths: tuple[str, ...]) -> None:
+        """A kind the agent serves, as `resource`: each of its series exported from now on, at 0 until it counts.
+        A counter that first appears at 1 is no increase to Prometheus (`increase()` and `rate()` see a
+        series start, not a step), so an alert on a first take-out or refusal would never fire."""
+        for health in healths:
+            self.devices.labels(kind, health)
+        for counter in (self.take_outs, self.put_backs, self.probe_timeouts):
+            counter.labels(kind)
+        for counter in (self.allocations, self.refusals, self.registrations):
+            counter.labels(resource)
+
     def text(self) -> bytes:
         return generate_latest(self.registry)
 
