@@ -435,6 +435,40 @@ def test_a_deleted_agent_pod_comes_back_registers_again_and_no_gpu_is_given_twic
         cluster.kubectl("delete", "deployment", "gpu-one", "--wait=false", check=False)
 
 
+def test_a_rolling_update_to_a_new_image_tag_keeps_running_pods_and_their_gpus(
+        cluster: Cluster, deployment: dict[str, Any]) -> None:
+    """Day 2: the DaemonSet's image moves to a new tag (the same image here, tagged anew, as a registry
+    would serve it); the agent rolls over, registers again, and the running pod keeps its devices."""
+    image = cluster.json("daemonset", "-n", "devinject-system", "devinject")["spec"]["template"]["spec"]
+    current = image["containers"][0]["image"]
+    updated = current.rsplit(":", 1)[0] + ":rolling-update"
+    tagged = run(["ctr", "--address", SOCKETS[cluster.mode], "-n", "k8s.io", "images", "tag", "--force", current,
+                  updated], 60)
+    assert tagged.returncode == 0, tagged.stderr
+    old = cluster.agent()
+    assert old is not None
+    started = time.time()
+    cluster.kubectl("-n", "devinject-system", "set", "image", "daemonset/devinject", f"device-plugin={updated}",
+                    f"install-node-hook={updated}")
+    cluster.kubectl("-n", "devinject-system", "rollout", "status", "daemonset/devinject", "--timeout=180s",
+                    timeout=200)
+    agent = until(lambda: (p := cluster.agent()) and p["metadata"]["uid"] != old["metadata"]["uid"] and p, 180,
+                  "the updated agent pod, Ready")
+    assert {c["image"] for c in agent["spec"]["containers"] + agent["spec"]["initContainers"]} == {updated}
+    record(cluster, "rolling_update_to_ready_s", round(time.time() - started, 2))
+    registered = cluster.logged(f"{GPU}: registered with the kubelet", started, 60)
+    record(cluster, "rolling_update_to_registered_s", round(registered - started, 2))
+    cluster.await_allocatable(8, 60, "after the rolling update")
+    assert_still_running(cluster, deployment)
+    cluster.apply(deployment_manifest("gpu-after-update", 1))
+    try:
+        pod = running_pod(cluster, "gpu-after-update")
+        mine = cluster.allocated(pod["metadata"]["uid"])
+        assert len(mine) == 1 and not set(mine) & set(cluster.allocated(deployment["metadata"]["uid"]))
+    finally:
+        cluster.kubectl("delete", "deployment", "gpu-after-update", "--wait=false", check=False)
+
+
 def test_a_driver_unbind_leaves_allocatable_and_a_rebind_comes_back(
         cluster: Cluster, deployment: dict[str, Any]) -> None:
     """A fault the agent polls (the fake host sends no uevent): the GPU's sysfs `driver` link goes."""
