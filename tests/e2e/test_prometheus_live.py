@@ -9,6 +9,7 @@ A missing prerequisite (the prometheus binary, root for the fixture's copy) fail
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import REPO
 from tests.integration.fake_kubelet import FakeKubelet
 from tests.integration.test_device_plugin_log import Agent, _free_port
 
@@ -65,6 +67,16 @@ class Prometheus:
         return self.log_path.read_text()
 
     def get(self, path: str, **params: str) -> dict[str, object]:
+        data = self._data(path, params)
+        assert isinstance(data, dict), data
+        return data
+
+    def get_list(self, path: str, **params: str) -> list[str]:
+        data = self._data(path, params)
+        assert isinstance(data, list), data
+        return data
+
+    def _data(self, path: str, params: dict[str, str]) -> object:
         """The `data` of an API answer whose status is success; a failed one fails the test with its error."""
         query = ("?" + urllib.parse.urlencode(params)) if params else ""
         try:
@@ -73,9 +85,7 @@ class Prometheus:
         except urllib.error.HTTPError as err:
             answer = json.load(err)
         assert answer.get("status") == "success", f"{path} {params}: {answer}"
-        data = answer["data"]
-        assert isinstance(data, dict)
-        return data
+        return answer["data"]
 
     def ready(self) -> bool:
         assert self.process.poll() is None, f"prometheus exited {self.process.returncode}:\n{self.text()}"
@@ -112,6 +122,12 @@ class Prometheus:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+def documented_series() -> set[str]:
+    """The series README.md ("On Kubernetes") tells an admin to scrape: its table's first column."""
+    text = (REPO / "README.md").read_text()
+    return set(re.findall(r"^\| `(devinject_[a-z_]+)` \|", text, re.MULTILINE))
 
 
 @pytest.fixture
@@ -171,6 +187,9 @@ def test_prometheus_scrapes_the_agent_and_sees_a_gpu_taken_out(prometheus_binary
         for resource in ("nvidia.com/gpu", "nvidia.com/rdma"):
             assert prometheus.value(registrations % resource) == 1, resource  # registered once
         assert len(kubelet.registrations) == 2, kubelet.registrations
+        names = prometheus.get_list("/api/v1/label/__name__/values", **{"match[]": '{job="devinject"}'})
+        exported = {n for n in names if n.startswith("devinject_") and not n.endswith("_created")}
+        assert exported == documented_series(), "README's series table is not what Prometheus scraped"
 
         with open(host / KERNEL_LOG, "a") as log:  # as the kernel writes it: the GPU taken out at once
             log.write(f"[ 4242.424242] NVRM: Xid (PCI:{GPU[:-2]}): 79, pid=0, GPU has fallen off the bus.\n")
