@@ -22,7 +22,8 @@ $(BIN)/devinject: pyproject.toml
 venv: $(BIN)/devinject
 
 # Debian packages the live tests drive (real runc, podman, crun), build fixture libraries with, and check
-# the systemd units with (systemd-analyze), and build the agent's image with (mmdebstrap).
+# the systemd units with (systemd-analyze), build the agent's image with (mmdebstrap), and scrape the agent with
+# (prometheus: test_prometheus_live runs an instance of its own on a free port, never the package's service).
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
