@@ -79,10 +79,11 @@ class Node(discovery_node.Node):
         return holders(self, device)
 
     def specs(self, options: GenerateOptions) -> list[Spec]:
-        """The CDI specs `generate` writes for this node: `options` with the node's roots and profile dirs."""
+        """The CDI specs `generate` writes for this node: `options` with the node's roots, for the node's
+        profiles and devices (generate_specs reads the options' profile dirs only when it is given no node)."""
         from devinject.specs.generate import generate_specs
 
-        options = replace(options, root=self.root, target_root=self.target_root, profile_dirs=self.profile_dirs)
+        options = replace(options, root=self.root, target_root=self.target_root)
         return generate_specs(options, node=self)
 
     def events(self, device: str | None = None) -> list[Event]:

@@ -58,6 +58,20 @@ def test_hgx_matrix_matches_the_reviewed_golden(update_golden: bool) -> None:
     assert done.stdout == _golden("hgx-h100", done.stdout, update_golden)
 
 
+@pytest.mark.parametrize("name", ["hgx-h100", "workstation"])
+def test_the_text_is_rendered_in_process_as_the_command_prints_it(name: str) -> None:
+    """Topology.render itself (the golden tests run `devinject topo` in another process, which mutation testing
+    does not see): the HGX golden, and the mixed workstation's matrix, devices, pairs and legend."""
+    from devinject.discovery.node import Node
+
+    text = Node(str(HOSTS / name)).topology().render()
+    done = subprocess.run([DEVINJECT, "topo", "--root", str(HOSTS / name)], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert text == done.stdout
+    if name == "hgx-h100":
+        assert text == (FIXTURES / "golden-topo" / "hgx-h100.txt").read_text()
+
+
 def test_each_matrix_label_is_tied_to_its_cdi_name_and_pci_address() -> None:
     """A mixed host (an Intel and an NVIDIA GPU, both a GPU0 of their own kind): the text says which is which,
     under the matrix, as --json's `devices` does."""
@@ -131,9 +145,12 @@ def topo(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("name", TOPOLOGY_HOSTS)
 def test_topology_hosts_match_their_reviewed_goldens(topology_hosts, name: str, update_golden: bool) -> None:  # type: ignore[no-untyped-def]
+    from devinject.discovery.node import Node
+
     done = topo("--root", str(topology_hosts / name))
     assert done.returncode == 0, done.stderr
     assert done.stdout == _golden(name, done.stdout, update_golden)
+    assert Node(str(topology_hosts / name)).topology().render() == done.stdout  # in-process: what mutants change
 
 
 def test_pairing_balances_nics_and_refuses_the_slow_path(topology_hosts) -> None:  # type: ignore[no-untyped-def]
