@@ -386,3 +386,18 @@ def test_watch_reads_the_profile_dirs_it_is_given(audio: tuple[Path, Path], tmp_
         _, stderr = agent.communicate(timeout=30)
     assert spec.exists(), stderr
     assert "/dev/acme-audio0" in spec.read_text()
+
+
+def test_the_default_root_and_one_view_of_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node is `/` unless told; its devices, specs and topology read the host's shared files (/proc/devices)
+    once, through the node's one view."""
+    from devinject.discovery.host import Host
+
+    assert Node(check=False).root == "/" and Node(check=False).host.root == "/"
+    reads = []
+    read_text = Host.read_text
+    monkeypatch.setattr(Host, "read_text", lambda self, path: reads.append(path) or read_text(self, path))
+    node = Node(str(HOSTS / "mi300x"))  # its discovery reads /proc/devices (the kfd partitions' major)
+    node.devices()
+    node.specs(GenerateOptions(hook_path="/x"))
+    assert reads.count("/proc/devices") == 1

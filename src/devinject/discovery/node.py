@@ -19,9 +19,9 @@ from devinject.discovery.topology import Topology, topology
 
 
 def device_names(found: FoundDevice, strategies: tuple[str, ...]) -> list[str]:
-    """The device's CDI names (without the kind) by each naming strategy: index, uuid, pci. Default: index and
-    uuid, or index and pci for a device without a UUID."""
-    chosen = strategies or (("index", "uuid") if found.uuid else ("index", "pci"))
+    """The device's CDI names (without the kind) by each naming strategy: index, uuid (the PCI address for a
+    device without a UUID), pci. Default: index and uuid."""
+    chosen = strategies or ("index", "uuid")
     names = []
     for strategy in chosen:
         if strategy == "index":
