@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -140,6 +141,17 @@ def bundle(live_host: Path, spec_dir: Path, tmp_path: Path) -> Iterator[Bundle]:
     for line in subprocess.run(["runc", "list", "-q"], capture_output=True, text=True).stdout.split():
         if line.startswith("di-"):
             subprocess.run(["runc", "delete", "-f", line], capture_output=True)
+
+
+def terminate(process: subprocess.Popen[Any], timeout: float = 15) -> None:
+    """SIGTERM, then SIGKILL once `timeout` passes: a test never leaves its process behind."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def container_name() -> str:

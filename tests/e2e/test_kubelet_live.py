@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import DEVINJECT, REPO, require
+from tests.e2e.conftest import DEVINJECT, REPO, require, terminate
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
 
 pytestmark = pytest.mark.live
@@ -86,12 +86,7 @@ class Plugin:
         return _get(f"http://127.0.0.1:{self.port}/readyz")[0] == 200
 
     def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        terminate(self.process)
         self.log.close()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import REPO, terminate
 from tests.integration.fake_kubelet import FakeKubelet
 from tests.integration.test_device_plugin_log import Agent, _free_port
 
@@ -114,13 +113,7 @@ class Prometheus:
         return self.value(expr) == expected
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
         self.log.close()
 
 

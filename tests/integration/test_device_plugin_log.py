@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from devinject.kubelet import agent as agent_module
+from tests.e2e.conftest import terminate
 from tests.integration.fake_kubelet import FakeKubelet
 from tests.integration.test_device_plugin import GPU_PATH, start_agent
 
@@ -81,13 +81,7 @@ class Agent:
             return 0
 
     def stop(self) -> str:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
         self.err.close()
         return self.text()
 

@@ -23,7 +23,7 @@ from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger
 from devinject.nodestate.sharing import sharing_policy
 from tests.conftest import HOSTS
-from tests.e2e.conftest import require
+from tests.e2e.conftest import require, terminate
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 HGX = HOSTS / "hgx-h100"  # DEVINJECT_FIXTURES: make mutation runs the tests where the fixture trees are not
@@ -243,12 +243,7 @@ def test_the_hook_server_under_umask_0_makes_its_socket_directories_0755(tmp_pat
         assert socket.exists(), server.stderr.read() if server.stderr else ""
         assert (mode(top), mode(top / "run"), mode(socket)) == (0o755, 0o755, 0o600)
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:  # a loaded machine: never leave a server (and its workers) behind
-            server.kill()
-            server.wait(10)
+        terminate(server, timeout=10)  # a loaded machine: never leave a server (and its workers) behind
         shutil.rmtree(top, ignore_errors=True)
 
 
