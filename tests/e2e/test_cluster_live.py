@@ -22,23 +22,20 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 
 from tests.e2e.conftest import REPO
+from tests.e2e.kube import KUBE, need, until
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
 
 pytestmark = pytest.mark.live
 
-# the cluster's scripts (their README): where DEVINJECT_KUBE points, beside the checkout, or the machine's own
-KUBE = next((p for p in (Path(os.environ.get("DEVINJECT_KUBE", REPO.parent / "shared" / "kube")),
-                         REPO.parent / "shared" / "kube", Path("/work/shared/kube")) if (p / "cluster-up.sh").exists()),
-            REPO.parent / "shared" / "kube")
 KUBE_DIR = Path("/tmp/devinject-cluster-test")
 TEST_ROOT = Path("/var/lib/devinject-test")  # the overlay's host paths are under it
 HOST = TEST_ROOT / "host"
@@ -51,24 +48,6 @@ LIBCUDA = "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14"
 BUSYBOX = "localhost/busybox:1"
 # busybox `sleep` as PID 1 ignores SIGTERM: a trap, so a pod goes at once
 SLEEPER = ["sh", "-c", 'trap "exit 0" TERM; sleep 3600 & wait']
-T = TypeVar("T")
-
-
-def need(condition: object, reason: str) -> None:
-    """A prerequisite: missing, the test fails (CI must never pass by skipping the cluster)."""
-    if not condition:
-        pytest.fail(f"cluster test prerequisite missing: {reason}", pytrace=False)
-
-
-def until(condition: Callable[[], T | None], timeout: float, what: str, every: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
 
 
 def run(command: list[str], timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -20,20 +20,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import REPO
+from tests.e2e.kube import KUBE, need, until
 from tests.fixtures.pcie_hosts import build_topology_host
 
 pytestmark = pytest.mark.live
 
-KUBE = next((p for p in (Path(os.environ.get("DEVINJECT_KUBE", REPO.parent / "shared" / "kube")),
-                         REPO.parent / "shared" / "kube", Path("/work/shared/kube")) if (p / "cluster-up.sh").exists()),
-            REPO.parent / "shared" / "kube")
 KUBE_DIR = Path("/tmp/devinject-dra-test")
 HOST = Path("/var/lib/devinject-dra-test/host")
 STATE = Path("/run/devinject-dra-test")
@@ -42,23 +40,6 @@ DRIVER = "dra.devinject.io"
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 SLEEPER = ["sh", "-c", 'trap "exit 0" TERM; sleep 3600 & wait']
 ROOT = "resource.kubernetes.io/pcieRoot"
-T = TypeVar("T")
-
-
-def need(condition: object, reason: str) -> None:
-    if not condition:
-        pytest.fail(f"DRA live test prerequisite missing: {reason}", pytrace=False)
-
-
-def until(condition: Callable[[], T | None], timeout: float, what: str, every: float = 0.3) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
 
 
 class Cluster:
