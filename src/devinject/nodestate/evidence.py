@@ -12,7 +12,8 @@ to a live process (so the rebuilt booking ends when that process does):
   itself: anyone can make a mount namespace (`unshare -Urm`), and a monitoring agent or a privileged pod
   keeps every GPU open without being granted any.
 The booking's process is the cgroup's container init (pid 1 of a pid namespace of its own) where there is
-one, so a short-lived `exec` in the container does not end the booking early.
+one, so a short-lived `exec` in the container does not end the booking early; its pod (read from its
+`/proc/<pid>/cgroup`, podcgroup.py) goes with it, so a DRA claim reserved for that pod is no clash with it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 
 from devinject.core.identity import node_id, node_id_of_stat
 from devinject.core.mountinfo import parse_mountinfo
+from devinject.nodestate.podcgroup import pod_of
 
 O_PATH = getattr(os, "O_PATH", 0o10000000)  # the fdinfo `flags:` bit (octal), generic Linux value
 
@@ -35,6 +37,7 @@ class Holding(NamedTuple):
     source: str  # where the evidence was seen, for the event log and the booking's name
     pid: int  # a live process the use belongs to
     nodes: tuple[str, ...]  # "c 195:0"
+    pod: str | None = None  # the Kubernetes pod of that process (its cgroup: podcgroup.py), if any
 
 
 def rule_nodes(lines: list[str]) -> tuple[str, ...]:
@@ -94,7 +97,7 @@ def cgroup_holdings(mountinfo: str, proc: str = "/proc") -> list[Holding]:
                 continue
             nodes = _v1_nodes(directory) if v1 else _v2_nodes(directory)
             if nodes:
-                found.append(Holding(f"cgroup v{1 if v1 else 2} {directory}", pid, nodes))
+                found.append(Holding(f"cgroup v{1 if v1 else 2} {directory}", pid, nodes, pod_of(pid, proc)))
     return found
 
 
@@ -169,7 +172,8 @@ def open_node_holdings(proc: str = "/proc") -> list[Holding]:
     for node, pids in container_holders(None, proc).items():
         for pid in pids:
             by_pid.setdefault(pid, []).append(node)
-    return [Holding(f"open by pid {pid}", pid, tuple(nodes)) for pid, nodes in sorted(by_pid.items())]
+    return [Holding(f"open by pid {pid}", pid, tuple(nodes), pod_of(pid, proc))
+            for pid, nodes in sorted(by_pid.items())]
 
 
 def _opened_for_io(fdinfo: str) -> bool:

@@ -100,7 +100,18 @@ def ledger_problem(data: object) -> str | None:
             return f"allocation {cid}: state is not active or reclaiming"
         if not isinstance(entry.get("own_pid_ns", False), bool):
             return f"allocation {cid}: own_pid_ns is not a boolean"
+        if not isinstance(entry.get("pod", ""), str):
+            return f"allocation {cid}: pod is not a string"
+        if not _strings(entry.get("pods", [])):
+            return f"allocation {cid}: pods is not a list of strings"
     return None
+
+
+def same_pod(booking: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether one of two bookings is a claim's (`pods`: the pods it is reserved for) and the other a
+    container of one of those pods (`pod`, read from its cgroup): the claim holds its devices for that pod's
+    containers, so theirs is no clash, whichever was booked first."""
+    return booking.get("pod") in other.get("pods", ()) or other.get("pod") in booking.get("pods", ())
 
 
 def holders_of(nodes: set[str], proc: str = "/proc", *, containers_only: bool = False) -> dict[str, list[int]]:
@@ -217,10 +228,12 @@ class Ledger:
             started = process_start_time(holding.pid, self.proc)
             if started is not None:
                 # own_pid_ns as for any booking: a recovered container that had one leaves nobody behind
-                allocations[f"recovered: {holding.source}"] = {
+                entry = allocations[f"recovered: {holding.source}"] = {
                     "devices": [], "exclusive": list(holding.nodes), "shared": [], "pid": holding.pid,
                     "start_time": started, "time": now, "state": "active", "recovered": True,
                     "own_pid_ns": has_own_pid_namespace(holding.pid, self.proc)}
+                if holding.pod is not None:
+                    entry["pod"] = holding.pod  # its pod's claim (booked again by the driver) is no clash
         rebuilt = {"allocations": allocations}
         try:
             atomicfile.replace(aside, raw, 0o600)  # forensics: the bytes as they were
@@ -318,8 +331,12 @@ class Ledger:
 
     # --- the operations ------------------------------------------------------------------------------
     def book(self, container_id: str, pid: int, claims: tuple[Claim, ...],
-             policy: dict[str, str] | None = None) -> Booking:
-        """Record `container_id`'s devices; refuse an exclusive device another live container holds."""
+             policy: dict[str, str] | None = None, *, for_pods: tuple[str, ...] | None = None) -> Booking:
+        """Record `container_id`'s devices; refuse an exclusive device another live container holds.
+
+        A container's booking records its pod (its cgroup says; nothing the container says counts). A DRA
+        claim's booking gives `for_pods`, the pods the claim is reserved for: it and a booking of one of
+        those pods' containers do not clash, either way round; anything else does."""
         if policy is None:
             from devinject.nodestate.sharing import sharing_policy
 
@@ -345,21 +362,35 @@ class Ledger:
         start_time = process_start_time(pid, self.proc)
         if start_time is None:
             raise LedgerError(f"container {container_id}: process {pid} is gone")
+        pods: dict[str, Any] = {"pods": sorted(set(for_pods))} if for_pods is not None else {}
+        if for_pods is None:
+            from devinject.nodestate.podcgroup import pod_of
+
+            pod = pod_of(pid, self.proc)
+            if pod is not None:
+                pods["pod"] = pod
         with self.locked() as data:
             self.reclaim(data, wanted=set(exclusive) | set(shared))  # what could clash: held either way
             allocations = data["allocations"]
             existing = allocations.get(container_id)
             if existing is not None:
                 if (existing["pid"], existing["start_time"]) == (pid, start_time):
+                    existing.update(pods)  # a claim's consumers as now known
                     return Booking(self, container_id, new=False)  # the hook ran again for this container
                 if existing["state"] != "reclaiming":
                     raise LedgerError(f"container {container_id}: the id is booked for another live process "
                                       f"(pid {existing['pid']}); refusing a second container with the same id")
                 # A new container reusing a dead one's id: the old booking stays until its nodes are free.
                 allocations[f"{container_id}@{existing['start_time']}"] = allocations.pop(container_id)
+            booking: dict[str, Any] = {"devices": list(names), "exclusive": exclusive, "shared": sorted(set(shared)),
+                                       "pid": pid, "start_time": start_time, "time": time.time(),
+                                       "state": "active", "own_pid_ns": has_own_pid_namespace(pid, self.proc),
+                                       **pods}
             for other_id, entry in allocations.items():
                 if entry.get("recovered") and entry["pid"] == pid:
                     continue  # evidence of this very container from an earlier run of its hook
+                if same_pod(booking, entry):
+                    continue  # a claim and a container of a pod it is reserved for
                 # exclusive against anything held; shared against what another holds exclusively
                 clash = (set(exclusive) & set(entry["exclusive"] + entry.get("shared", []))
                          | set(shared) & set(entry["exclusive"]))
@@ -369,9 +400,7 @@ class Ledger:
                     state = entry.get("state", "active")
                     raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "
                                       f"{other_id} ({state}, pid {entry.get('pid')})")
-            allocations[container_id] = {"devices": list(names), "exclusive": exclusive, "shared": sorted(set(shared)),
-                                         "pid": pid, "start_time": start_time, "time": time.time(),
-                                         "state": "active", "own_pid_ns": has_own_pid_namespace(pid, self.proc)}
+            allocations[container_id] = booking
             self.event("allocated", container=container_id, devices=list(names))
         return Booking(self, container_id, new=True)
 

@@ -1,0 +1,196 @@
+"""A DRA claim's booking and its own pod's containers: the pod is read from the container's cgroup (the
+kubelet's, root-made), and a claim booking reserved for that pod is no clash with it, in either order; a
+container of any other pod, or no pod, still clashes. Before, the claim clashed with its own pod: after a
+ledger rebuild the driver could not book the claim again (its devices looked free once that container
+ended), and the hook refused the pod's container the claim's devices."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devinject.core.errors import LedgerError
+from devinject.nodestate import podcgroup
+from devinject.nodestate.ledger import Claim, Ledger, ledger_problem
+from tests.e2e.conftest import UNLISTED_NODE, held_in_a_container, require, stand_ins
+
+POLICY = {"vendor.com/gpu": "exclusive"}
+POD = "8f0d3b4e-5a9c-4d3e-9f1a-2b7c6d5e4f3a"
+OTHER_POD = "0c6e2f1a-7b3d-4e5f-8a9b-1c2d3e4f5a6b"
+STATIC_POD = "6d5c4b3a29180716f5e4d3c2b1a09f8e"  # a static pod's UID: 32 hex digits
+CTR = "0a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f9"
+NODE_ST = os.stat(UNLISTED_NODE)
+NODE = f"c {os.major(NODE_ST.st_rdev)}:{os.minor(NODE_ST.st_rdev)}"
+GPU = (Claim("vendor.com/gpu=0", (NODE,)),)
+CLAIM = "dra-claim:dra.devinject.io:1111"
+
+
+def v1(path: str, unified: str = "/") -> str:
+    """/proc/<pid>/cgroup of a cgroup v1 (hybrid) host, every controller at `path`, as runc writes it."""
+    controllers = ["cpu,cpuacct", "cpuset", "memory", "devices", "freezer", "net_cls,net_prio", "blkio",
+                   "perf_event", "hugetlb", "pids", "rdma", "misc"]
+    lines = [f"{13 - n}:{c}:{path}" for n, c in enumerate(controllers)]
+    return "\n".join([*lines, f"1:name=systemd:{path}", f"0::{unified}"]) + "\n"
+
+
+def v2(path: str) -> str:
+    return f"0::{path}\n"
+
+
+SYSTEMD_BURSTABLE = (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD.replace('-', '_')}.slice/"
+                     f"cri-containerd-{CTR}.scope")
+
+
+@pytest.mark.parametrize(("text", "uid"), [
+    (v1(f"/kubepods/besteffort/pod{POD}/{CTR}"), POD),
+    (v1(f"/kubepods/burstable/pod{POD}/{CTR}"), POD),
+    (v1(f"/kubepods/pod{POD}/{CTR}"), POD),
+    (v1(f"/kubepods/besteffort/pod{POD}"), POD),  # the pod's own cgroup (its sandbox's parent)
+    (v1(SYSTEMD_BURSTABLE, unified=SYSTEMD_BURSTABLE), POD),
+    (v1(f"/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice/cri-containerd-{CTR}.scope"), POD),
+    (v2(f"/kubepods/besteffort/pod{POD}/{CTR}"), POD),
+    (v2(f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD.replace('-', '_')}.slice/"
+        f"cri-containerd-{CTR}.scope"), POD),
+    (v2(f"/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice/crio-{CTR}.scope"), POD),
+    (v2(f"/kubepods/burstable/pod{STATIC_POD}/{CTR}"), STATIC_POD),
+    (v2(f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{STATIC_POD}.slice"), STATIC_POD),
+    # a container writing below its own cgroup (delegation, cgroupns) cannot name another pod
+    (v2(f"/kubepods/besteffort/pod{POD}/{CTR}/kubepods/besteffort/pod{OTHER_POD}/x"), POD),
+], ids=["v1-cgroupfs-besteffort", "v1-cgroupfs-burstable", "v1-cgroupfs-guaranteed", "v1-pod-cgroup",
+        "v1-systemd-burstable", "v1-systemd-guaranteed", "v2-cgroupfs", "v2-systemd-besteffort",
+        "v2-systemd-guaranteed-crio", "v2-static-pod", "v2-systemd-static-pod", "v2-nested-below-a-pod"])
+def test_the_pod_of_a_kubelet_container_is_read_from_its_cgroup(text: str, uid: str) -> None:
+    assert podcgroup.parse_pod_uid(text) == uid
+
+
+@pytest.mark.parametrize("text", [
+    v1("/"),
+    v2("/system.slice/containerd.service"),
+    v2("/user.slice/user-1000.slice/user@1000.service/app.slice"),
+    # anything not the kubelet's tree from the root: a user's delegated subtree, a kubelet in a container
+    v2(f"/user.slice/user-1000.slice/user@1000.service/kubepods/besteffort/pod{POD}/x"),
+    v1(f"/docker/{CTR}/kubepods/besteffort/pod{POD}/{CTR}"),
+    v2(f"/machine.slice/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice"),
+    v2("/kubepods/besteffort"),  # the QoS level, no pod
+    v2("/kubepods"),
+    v2("/kubepods.slice/kubepods-besteffort.slice"),
+    v2(f"/kubepods/besteffort/pod{POD[:-1]}/{CTR}"),  # not a UID
+    v2(f"/kubepods/besteffort/pod{POD.upper()}/{CTR}"),
+    v2(f"/kubepods/besteffort/podx{POD}/{CTR}"),
+    v2(f"/kubepods/guaranteed/pod{POD}/{CTR}"),  # no such QoS level
+    v2(f"/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD}.slice"),  # systemd escapes -
+    v2(f"/kubepods.slice/kubepods-besteffort.slice/kubepods-burstable-pod{POD.replace('-', '_')}.slice"),
+    v2(f"/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.scope"),
+    # two pods at once: no pod
+    f"4:devices:/kubepods/besteffort/pod{POD}/{CTR}\n3:memory:/kubepods/besteffort/pod{OTHER_POD}/{CTR}\n",
+    "", "garbage\n",
+], ids=["v1-root", "v2-system-service", "v2-user-session", "v2-user-delegated-kubepods", "v1-kubelet-in-docker",
+        "v2-kubepods-slice-below-root", "qos-level", "kubepods-root", "systemd-qos-level", "short-uid", "upper-uid",
+        "podx", "unknown-qos", "systemd-unescaped", "systemd-qos-mismatch", "systemd-scope", "two-pods",
+        "empty", "garbage"])
+def test_anything_else_is_no_pod(text: str) -> None:
+    assert podcgroup.parse_pod_uid(text) is None
+
+
+HIERARCHY = "devinject-test-pods"  # a named cgroup v1 hierarchy of the tests' own: no controller, no kubelet
+
+
+@contextlib.contextmanager
+def in_a_pod(pid: int, uid: str, layout: str = "cgroupfs") -> Iterator[None]:
+    """Process `pid` in a pod's cgroup as the kubelet makes it, in a real cgroup hierarchy (a named v1 one of
+    the test's own, which no kubelet or runtime touches): the kernel's own /proc/<pid>/cgroup text names it.
+    Moved back out and removed however the test ends. Needs root."""
+    require(os.geteuid() == 0, "needs root (a cgroup hierarchy)")
+    mount_point = tempfile.mkdtemp(prefix="devinject-pods-")
+    if os.system(f"mount -t cgroup -o none,name={HIERARCHY} cgroup {mount_point}") != 0:
+        os.rmdir(mount_point)
+        pytest.fail("cannot mount a named cgroup v1 hierarchy")
+    if layout == "systemd":
+        escaped = uid.replace("-", "_")
+        parts = ["kubepods.slice", "kubepods-besteffort.slice", f"kubepods-besteffort-pod{escaped}.slice",
+                 f"cri-containerd-{CTR}.scope"]
+    else:
+        parts = ["kubepods", "besteffort", f"pod{uid}", CTR]
+    leaf = Path(mount_point, *parts)
+    try:
+        leaf.mkdir(parents=True)
+        (leaf / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            Path(mount_point, "cgroup.procs").write_text(str(pid))
+        for depth in range(len(parts), 0, -1):
+            with contextlib.suppress(OSError):
+                Path(mount_point, *parts[:depth]).rmdir()
+        os.system(f"umount {mount_point}")
+        os.rmdir(mount_point)
+
+
+@pytest.mark.parametrize("layout", ["cgroupfs", "systemd"])
+def test_the_kernels_own_cgroup_file_names_the_pod(layout: str) -> None:
+    with stand_ins(1) as (container,):
+        assert podcgroup.pod_of(container.pid) is None
+        with in_a_pod(container.pid, POD, layout):
+            assert podcgroup.pod_of(container.pid) == POD
+        assert podcgroup.pod_of(container.pid) is None
+    assert podcgroup.pod_of(container.pid) is None  # gone
+
+
+def test_a_claim_booked_first_lets_its_pods_container_book_its_device(tmp_path: Path) -> None:
+    """The claim (held for the node, pid 1, reserved for POD), then the hook in POD's container asking for the
+    claim's device (CRI-O with devinject's hook, an admin's annotation): booked. Another pod's container, and a
+    process in no pod, are refused as before."""
+    ledger = Ledger(str(tmp_path))
+    ledger.book(CLAIM, 1, GPU, POLICY, for_pods=(POD,))
+    with stand_ins(3) as (mine, theirs, stranger), in_a_pod(mine.pid, POD), in_a_pod(theirs.pid, OTHER_POD):
+        assert ledger.book("mine", mine.pid, GPU, POLICY).new
+        with pytest.raises(LedgerError, match=f"device {NODE} is held by container {CLAIM}"):
+            ledger.book("theirs", theirs.pid, GPU, POLICY)
+        with pytest.raises(LedgerError, match=f"device {NODE} is held by container {CLAIM}"):
+            ledger.book("stranger", stranger.pid, GPU, POLICY)
+        allocations = ledger.snapshot()["allocations"]
+        assert allocations["mine"]["pod"] == POD and allocations[CLAIM]["pods"] == [POD]
+        assert sorted(allocations) == sorted([CLAIM, "mine"])
+
+
+def test_a_claim_booked_after_its_pods_container_is_booked(tmp_path: Path) -> None:
+    """The other way round (a claim booked again after a ledger lost it, while its pod's container holds the
+    device): booked; a claim for another pod is refused."""
+    ledger = Ledger(str(tmp_path))
+    with stand_ins(1) as (mine,), in_a_pod(mine.pid, POD):
+        ledger.book("mine", mine.pid, GPU, POLICY)
+        with pytest.raises(LedgerError, match=f"device {NODE} is held by container mine"):
+            ledger.book("dra-claim:dra.devinject.io:2222", 1, GPU, POLICY, for_pods=(OTHER_POD,))
+        with pytest.raises(LedgerError, match=f"device {NODE} is held by container mine"):
+            ledger.book("dra-claim:dra.devinject.io:3333", 1, GPU, POLICY, for_pods=())
+        assert ledger.book(CLAIM, 1, GPU, POLICY, for_pods=(OTHER_POD, POD)).new
+        assert sorted(ledger.snapshot()["allocations"]) == sorted([CLAIM, "mine"])
+
+
+def test_a_claim_is_booked_again_over_its_pods_recovered_container(tmp_path: Path) -> None:
+    """A ledger rebuilt from live evidence (a corrupt file) books the claim's pod's running container (its
+    device cgroup grants the GPU), with its pod: the driver's rebook of the claim then succeeds, a claim for
+    another pod still clashes, and so does a process in no pod."""
+    with held_in_a_container(UNLISTED_NODE) as container, in_a_pod(container, POD):
+        (tmp_path / "ledger.json").write_text('{"allocations": {"c1": {"exclus')
+        with pytest.raises(LedgerError, match="held by container recovered: "):
+            Ledger(str(tmp_path)).book("dra-claim:dra.devinject.io:2222", 1, GPU, POLICY, for_pods=(OTHER_POD,))
+        recovered = json.loads((tmp_path / "ledger.json").read_text())["allocations"]
+        assert {e.get("pod") for e in recovered.values() if NODE in e["exclusive"]} == {POD}  # cgroup, open node
+        assert Ledger(str(tmp_path)).book(CLAIM, 1, GPU, POLICY, for_pods=(POD,)).new
+        with pytest.raises(LedgerError, match="held by container"):
+            Ledger(str(tmp_path)).book("hook", os.getpid(), GPU, POLICY)
+
+
+def test_the_pod_fields_are_validated() -> None:
+    entry = {"devices": [], "exclusive": [NODE], "shared": [], "pid": 1, "start_time": 1, "state": "active"}
+    assert ledger_problem({"allocations": {"a": {**entry, "pod": POD}, "b": {**entry, "pods": [POD]}}}) is None
+    assert ledger_problem({"allocations": {"a": {**entry, "pod": [POD]}}}) == "allocation a: pod is not a string"
+    assert ledger_problem({"allocations": {"a": {**entry, "pods": POD}}}) == \
+        "allocation a: pods is not a list of strings"
