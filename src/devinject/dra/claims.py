@@ -77,6 +77,9 @@ def _problem(data: object) -> str | None:
                     or not all(isinstance(device.get(k), list) and all(isinstance(v, str) for v in device[k])
                                for k in ("requests", "cdi")):
                 return f"claim {uid}: a device without pool, device, requests and cdi"
+        pods = entry.get("pods", [])
+        if not (isinstance(pods, list) and all(isinstance(p, str) for p in pods)):
+            return f"claim {uid}: pods is not a list of pod UIDs"
         for booked in entry.get("ledger", []):
             if not (isinstance(booked, list) and len(booked) == 3 and isinstance(booked[0], str)
                     and all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in booked[1:])):
@@ -152,6 +155,19 @@ def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
     return out
 
 
+def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
+    """The UIDs of the pods a claim is reserved for (`status.reservedFor[]` entries of core `pods`): the only
+    containers whose bookings of its devices are no clash with the claim's (their cgroups name the pod)."""
+    status = claim.get("status")
+    consumers = status.get("reservedFor") if isinstance(status, dict) else None
+    pods = []
+    for consumer in consumers if isinstance(consumers, list) else ():
+        if isinstance(consumer, dict) and consumer.get("resource") == "pods" and not consumer.get("apiGroup") \
+                and isinstance(consumer.get("uid"), str) and consumer["uid"]:
+            pods.append(consumer["uid"])
+    return tuple(sorted(set(pods)))
+
+
 def _chosen(offers: list[Offer]) -> list[FoundDevice]:
     """The devices the spec pipeline builds for these offers: a whole device as itself, the partitions of one
     device together (its others left out)."""
@@ -212,7 +228,9 @@ class Preparer:
             entry = claims.get(uid)
             if entry is not None and os.path.exists(str(entry["spec"])):
                 return [_device(d) for d in entry["devices"]]  # type: ignore[attr-defined]
-            results = allocated(self.get_claim(namespace, name), self.driver, namespace, name, uid)
+            claim = self.get_claim(namespace, name)
+            results = allocated(claim, self.driver, namespace, name, uid)
+            pods = reserved_pods(claim)
             inventory = self.inventory()
             offers = []
             for _, pool, device in results:
@@ -234,7 +252,7 @@ class Preparer:
                 raise PrepareError(f"{path}: cannot write the claim's CDI spec: {err.strerror}") from None
             booked = tuple(_ledger_claim(o, e) for o, e in zip(offers, edits, strict=True))
             try:
-                self.ledger.book(self.booking(uid), NODE_PID, booked)
+                self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods)
             except LedgerError as err:
                 _remove(path)
                 raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
@@ -243,7 +261,7 @@ class Preparer:
                                        (f"{self.kind}={uid}-{offer.name}",))
                         for (request, _, _), offer in zip(results, offers, strict=True)]
             claims[uid] = {"namespace": namespace, "name": name, "spec": path,
-                           "devices": [d.to_json() for d in prepared],
+                           "devices": [d.to_json() for d in prepared], "pods": list(pods),
                            "ledger": [[c.name, list(c.nodes), list(c.shared)] for c in booked]}
             try:
                 self.checkpoint.save(claims)
@@ -300,8 +318,11 @@ class Preparer:
 
     def rebook(self) -> int:
         """Book every checkpointed claim in the ledger again (a no-op for those it holds): after a restart, or
-        a ledger rebuilt from live evidence (which sees no claim), the hook and the device plugin still find
-        the claims' devices taken. The number of claims whose booking was refused (logged)."""
+        a ledger rebuilt from live evidence (which sees no claim, but sees its pod's running containers, each
+        with its pod), the hook and the device plugin still find the claims' devices taken. A claim refused
+        is read again from the API server once (a checkpoint from before pods were recorded, or a pod that
+        joined a shared claim) and booked with the pods it is reserved for now. The number of claims whose
+        booking was refused (logged)."""
         with self.lock:
             claims = self.checkpoint.load()
             refused = 0
@@ -310,13 +331,33 @@ class Preparer:
                                for n, nodes, shared in entry.get("ledger") or [])  # type: ignore[attr-defined]
                 if not booked:
                     continue
+                pods: tuple[str, ...] = tuple(entry.get("pods") or ())  # type: ignore[arg-type]
                 try:
-                    self.ledger.book(self.booking(uid), NODE_PID, booked)
-                except LedgerError as err:
+                    try:
+                        self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods)
+                    except LedgerError:
+                        now = self._reserved_pods(uid, entry)
+                        if now is None or set(now) <= set(pods):
+                            raise
+                        self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=now)
+                        entry["pods"] = list(now)
+                        self.checkpoint.save(claims)
+                except (LedgerError, CheckpointError) as err:
                     refused += 1
                     log.warning("claim %s/%s (%s): its devices are not in the ledger: %s", entry.get("namespace"),
                                 entry.get("name"), uid, err.message)
             return refused
+
+    def _reserved_pods(self, uid: str, entry: dict[str, object]) -> tuple[str, ...] | None:
+        """The pods the claim is reserved for now, by the API server; None when it cannot say (logged)."""
+        namespace, name = str(entry.get("namespace")), str(entry.get("name"))
+        try:
+            claim = self.get_claim(namespace, name)
+        except DevinjectError as err:
+            log.warning("claim %s/%s (%s): cannot read it again: %s", namespace, name, uid, err.message)
+            return None
+        meta = claim.get("metadata")
+        return reserved_pods(claim) if isinstance(meta, dict) and meta.get("uid") == uid else None
 
     def prepared(self) -> dict[str, dict[str, object]]:
         with self.lock:
