@@ -1,9 +1,24 @@
+"""core/jsonlite.py: the standard library's json, or the hook's codec (hook/fastjson.py: `_json` without
+the json package); both give the same text and values and refuse the same documents."""
+
 import json
 import math
 
 import pytest
 
 from devinject.core import jsonlite
+from devinject.hook import fastjson
+
+
+@pytest.fixture(params=["json", "fastjson"], autouse=True)
+def codec(request):
+    before = jsonlite._loads, jsonlite._dumps
+    if request.param == "fastjson":
+        fastjson.install()
+    else:
+        jsonlite.install(jsonlite.stdlib_loads, jsonlite.stdlib_dumps)
+    yield request.param
+    jsonlite.install(*before)
 
 DOCS = [
     {"ociVersion": "1.0.2", "id": "c1", "pid": 42, "annotations": {"cdi.k8s.io/x": "a.com/b=c,d"}},
@@ -37,3 +52,8 @@ def test_non_serialisable_and_nan_are_refused():
         jsonlite.dumps({"a": object()})
     with pytest.raises(ValueError):
         jsonlite.dumps(math.nan)
+
+
+def test_the_codec_in_use_does_the_work(codec):
+    assert (jsonlite._loads is fastjson.loads) == (codec == "fastjson")
+

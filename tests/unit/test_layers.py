@@ -217,3 +217,30 @@ def test_each_default_path_is_written_once_in_core_paths() -> None:
                   and any(value in node.value for value in values) and module != "devinject.core.paths"]
     assert not found, "\n".join(found)
     assert paths.HOOK_SOCKET.startswith(paths.DEFAULT_STATE_DIR + "/")
+
+
+def _private_stdlib_imports() -> dict[str, set[str]]:
+    """module -> the interpreter's private modules it imports (`_ctypes`, `_json`, `_collections`...)."""
+    import sys
+
+    found: dict[str, set[str]] = {}
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top.startswith("_") and top != "__future__" and top in sys.stdlib_module_names:
+                    found.setdefault(module, set()).add(top)
+    return found
+
+
+def test_private_cpython_modules_are_the_hook_s_alone() -> None:
+    """The hook's start path reaches into CPython's private modules where a benchmark shows the public ones
+    cost it (bench/bench_hook_imports.py); the code generate, the agent and the device plugin share uses the
+    standard library. `_ctypes`, `_json` and `_collections._tuplegetter` sat in core/."""
+    private = _private_stdlib_imports()
+    assert {"_ctypes", "_json"} <= set().union(*private.values())  # the walk sees them where they are
+    wrong = sorted(f"{module} imports {', '.join(sorted(names))}" for module, names in private.items()
+                   if _layer(module) != "hook")
+    assert not wrong, "\n".join(wrong)

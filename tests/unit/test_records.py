@@ -51,3 +51,15 @@ def test_default_order_is_enforced():
         class Bad(NamedTuple):
             a: int = 1
             b: int
+
+
+def test_replace_refuses_a_field_the_record_has_not():
+    with pytest.raises(TypeError, match="unexpected argument 'z'"):
+        Point(1)._replace(z=2)
+
+
+def test_it_is_built_from_public_parts_only():
+    """No private C accessor (`_collections._tuplegetter`): a field is a property over operator.itemgetter."""
+    accessor = Point.__dict__["x"]
+    assert isinstance(accessor, property) and accessor.__doc__ == "field 0: x"
+    assert type(accessor.fget).__module__ == "operator"

@@ -1,76 +1,102 @@
-"""The C library, for the few calls Python 3.11's os module lacks (mount, setns, statx, syscall, prctl).
+"""The C library, for the few calls Python 3.11's os module lacks (mount, setns, statx, syscall, prctl):
+the standard library's `ctypes`, imported when first used.
 
-Through `_ctypes`, what the ctypes package wraps: the package itself (its type zoo, `struct`, `types`) costs
-~1 ms of imports on each container start the hook serves in-process, as `signal` and `socket` would (the
-hook uses `_signal` and `_socket` for the same reason). The few types needed are declared here, as ctypes
-declares them. A call's arguments are Python ints (passed as C int), bytes or None (a const pointer),
-`Long(n)` (a C long: every argument of the variadic syscall(), and 64-bit values) or a `buffer()` (a
-writable one). Every function returns a C long; its errno is `errno()`.
+Not at import time: the hook imports this module on every container start it runs in-process, and the ctypes
+package (its type zoo, `struct`, `types`) costs ~1 ms there. The hook installs a backend of its own that
+reaches the same C functions through CPython's private `_ctypes` (hook/fastlibc.py, `install`), measured by
+bench/bench_hook_imports.py; nothing else does. A call's arguments are Python ints (passed as C int), bytes or
+None (a const pointer), `Long(n)` (a C long: every argument of the variadic syscall(), and 64-bit values) or a
+`buffer()` (a writable one). Every function returns a C long; its errno is `errno()`.
 """
 
 from __future__ import annotations
 
-import _ctypes
-
-TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     import ctypes
     from collections.abc import Callable
+    from typing import Protocol
 
-    Char = ctypes.c_char
-    Long = ctypes.c_long
-else:
+    Array = ctypes.Array[ctypes.c_char]
 
-    class Char(_ctypes._SimpleCData):  # ctypes.c_char
-        _type_ = "c"
-
-    class Long(_ctypes._SimpleCData):  # ctypes.c_long
-        _type_ = "l"
-
-_RTLD_NOW = 2
+    class Backend(Protocol):
+        def function(self, name: str) -> Callable[..., int]: ...
+        def long(self, value: int) -> ctypes.c_long: ...
+        def buffer(self, size: int) -> Array: ...
+        def errno(self) -> int: ...
+        def addressof(self, array: Array) -> int: ...
 
 
-class _Function(_ctypes.CFuncPtr):
-    """A C function returning long that keeps its errno (ctypes.CDLL(None, use_errno=True)'s functions)."""
+class _Ctypes:
+    """The ctypes package's: this process's own symbols, the C library's among them (`CDLL(None)`), each
+    function returning a C long and keeping its errno."""
 
-    _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
-    _restype_ = Long
+    def __init__(self) -> None:
+        import ctypes
+
+        self._ctypes = ctypes
+        self._process = ctypes.CDLL(None, use_errno=True)
+        self._prototype = ctypes.CFUNCTYPE(ctypes.c_long, use_errno=True)  # every function's: C long, errno kept
+
+    def function(self, name: str) -> Callable[..., int]:
+        found: Callable[..., int] = self._prototype((name, self._process))
+        return found
+
+    def long(self, value: int) -> ctypes.c_long:
+        return self._ctypes.c_long(value)
+
+    def buffer(self, size: int) -> Array:
+        return (self._ctypes.c_char * size)()
+
+    def errno(self) -> int:
+        return self._ctypes.get_errno()
+
+    def addressof(self, array: Array) -> int:
+        return self._ctypes.addressof(array)
 
 
-class _Process:
-    """This process's own symbols, the C library's among them (ctypes.CDLL(None))."""
-
-    _handle: int = 0
-
-
+_backend: Backend | None = None
 _functions: dict[str, Callable[..., int]] = {}
+
+
+def _current() -> Backend:
+    global _backend
+    if _backend is None:
+        _backend = _Ctypes()
+    return _backend
+
+
+def install(backend: Backend) -> None:
+    """Use another backend from now on, in this process (the hook's import-free one)."""
+    global _backend
+    _backend = backend
+    _functions.clear()
 
 
 def function(name: str) -> Callable[..., int]:
     """The C library's `name`; AttributeError when it has none (an older C library)."""
     found = _functions.get(name)
     if found is None:
-        if not _Process._handle:
-            _Process._handle = _ctypes.dlopen(None, _RTLD_NOW)  # type: ignore[arg-type]
-        found = _functions[name] = _Function((name, _Process))  # type: ignore[arg-type]
+        found = _functions[name] = _current().function(name)
     return found
 
 
-if TYPE_CHECKING:
-    Array = _ctypes.Array[Char]
+def Long(value: int) -> ctypes.c_long:  # reads as the C type it makes, as ctypes.c_long does
+    """`value` as a C long argument."""
+    return _current().long(value)
 
 
 def buffer(size: int, data: bytes = b"") -> Array:
     """A writable, zeroed char array of `size` bytes starting with `data` (its bytes are `.raw`)."""
-    array: Array = (Char * size)()
+    array = _current().buffer(size)
     if data:
         array.raw = data
     return array
 
 
 def errno() -> int:
-    return _ctypes.get_errno()
+    return _current().errno()
 
 
 def addressof(array: Array) -> int:
-    return _ctypes.addressof(array)
+    return _current().addressof(array)

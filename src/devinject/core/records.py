@@ -1,21 +1,29 @@
 """`NamedTuple` class syntax without importing `typing` (or running `exec`) at run time.
 
-The hook pays for every import on every container start: `typing` costs ~2 ms and
-`collections.namedtuple`, which compiles a `__new__` per class, ~1 ms more for the hook's records.
-Type checkers see `typing.NamedTuple` (modules import this one only in the `else` branch of
-`if TYPE_CHECKING`); at run time this builds an equivalent tuple subclass: fields from the annotations,
-defaults from the class body, C field accessors, methods and properties kept.
+The hook's in-process start (and every `cdi-hook`, which always runs in-process) pays for each import:
+`typing` costs ~2 ms, and `collections.namedtuple`, which compiles a `__new__` per class, ~1 ms more for the
+hook's records (bench/bench_hook_imports.py measures both). Type checkers see `typing.NamedTuple` (modules
+import this one only in the `else` branch of `if TYPE_CHECKING`); at run time this builds an equivalent tuple
+subclass, with the standard library's public parts only: fields from the annotations, defaults from the class
+body, `operator.itemgetter` field accessors (as namedtuple's were before CPython's private C accessor),
+methods and properties kept.
 """
 
-from _collections import _tuplegetter  # type: ignore[import-not-found]  # C field accessor, as namedtuple's
+from __future__ import annotations
+
+from operator import itemgetter
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _NOT_COPIED = {"__annotations__", "__dict__", "__weakref__", "__orig_bases__"}
 
 
-def _make_new(name: str, fields: tuple[str, ...], defaults: dict[str, object]):  # type: ignore[no-untyped-def]
+def _make_new(name: str, fields: tuple[str, ...], defaults: dict[str, object]) -> Callable[..., tuple[object, ...]]:
     count = len(fields)
 
-    def __new__(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def __new__(cls: type[tuple[object, ...]], *args: object, **kwargs: object) -> tuple[object, ...]:
         if len(args) > count:
             raise TypeError(f"{name}() takes {count} arguments, {len(args)} given")
         if not kwargs and len(args) == count:
@@ -35,19 +43,28 @@ def _make_new(name: str, fields: tuple[str, ...], defaults: dict[str, object]): 
     return __new__
 
 
-def _repr(self: tuple) -> str:  # type: ignore[type-arg]
-    fields = type(self)._fields  # type: ignore[attr-defined]
-    return f"{type(self).__name__}({', '.join(f'{f}={v!r}' for f, v in zip(fields, self, strict=True))})"
+def _fields(record: tuple[object, ...]) -> tuple[str, ...]:
+    fields: tuple[str, ...] = getattr(type(record), "_fields")  # noqa: B009  # the class's, set below
+    return fields
 
 
-def _replace(self: tuple, **changes: object) -> tuple:  # type: ignore[type-arg]
-    fields = type(self)._fields  # type: ignore[attr-defined]
-    values: list[object] = [changes.pop(f, v) for f, v in zip(fields, self, strict=True)]
-    return type(self)(*values, **changes)  # type: ignore[arg-type]
+def _repr(self: tuple[object, ...]) -> str:
+    pairs = zip(_fields(self), self, strict=True)
+    return f"{type(self).__name__}({', '.join(f'{f}={v!r}' for f, v in pairs)})"
 
 
-def _asdict(self: tuple) -> dict[str, object]:  # type: ignore[type-arg]
-    return dict(zip(type(self)._fields, self, strict=True))  # type: ignore[attr-defined]
+def _replace(self: tuple[object, ...], **changes: object) -> tuple[object, ...]:
+    values = [changes.pop(f, v) for f, v in zip(_fields(self), self, strict=True)]
+    record: Callable[..., tuple[object, ...]] = type(self)  # the record's own __new__: a left-over change is an error
+    return record(*values, **changes)
+
+
+def _asdict(self: tuple[object, ...]) -> dict[str, object]:
+    return dict(zip(_fields(self), self, strict=True))
+
+
+def _getnewargs(self: tuple[object, ...]) -> tuple[object, ...]:
+    return tuple(self)
 
 
 class _Meta(type):
@@ -64,11 +81,11 @@ class _Meta(type):
             elif seen_default:
                 raise TypeError(f"{name}: field {field!r} without a default follows one with a default")
         body = {k: v for k, v in namespace.items() if k not in _NOT_COPIED and k not in fields}
-        body.update({f: _tuplegetter(i, f"field {i}: {f}") for i, f in enumerate(fields)})
+        body.update({f: property(itemgetter(i), doc=f"field {i}: {f}") for i, f in enumerate(fields)})
         body.update(__new__=_make_new(name, fields, defaults), __slots__=(), _fields=fields,
-                    _field_defaults=defaults, __match_args__=fields, _replace=_replace, _asdict=_asdict)
+                    _field_defaults=defaults, __match_args__=fields, _replace=_replace, _asdict=_asdict,
+                    __getnewargs__=_getnewargs)
         body.setdefault("__repr__", _repr)
-        body["__getnewargs__"] = lambda self: tuple(self)
         return type(name, (tuple,), body)
 
 

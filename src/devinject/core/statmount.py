@@ -9,12 +9,11 @@ import os
 import sys
 
 from devinject.core import libc
-from devinject.core.libc import Long
 
 
 def syscall(number: int, *args: int | bytes | libc.Array, what: str) -> int:
     """syscall(2), which takes every argument as a long (ints are widened here), raising OSError."""
-    result = libc.function("syscall")(Long(number), *(Long(a) if isinstance(a, int) else a for a in args))
+    result = libc.function("syscall")(libc.Long(number), *(libc.Long(a) if isinstance(a, int) else a for a in args))
     if result < 0:
         err = libc.errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")

@@ -14,6 +14,7 @@ import time
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError, HookError
 from devinject.core.paths import DEFAULT_SPEC_DIRS, DEFAULT_STATE_DIR
+from devinject.hook import fastjson, fastlibc
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -391,6 +392,8 @@ def run_cdi_hook(args: list[str], stdin_fd: int = 0) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    fastjson.install()  # the hook's JSON codec and C library: the standard ones cost imports on every start
+    fastlibc.install()
     command, args = argv[0], argv[1:]
     started = time.monotonic()
     opts = HookOptions()

@@ -7,7 +7,6 @@ import os
 import sys
 
 from devinject.core import libc
-from devinject.core.libc import Long
 
 # Which mount a file is on (statx, statmount): read-only, shared with the device cgroup lookup.
 from devinject.core.statmount import AT_EMPTY_PATH
@@ -35,7 +34,7 @@ def _check(result: int, what: str) -> None:
 
 
 def mount(source: str | None, target: str, flags: int) -> None:
-    _check(libc.function("mount")(source.encode() if source else None, target.encode(), None, Long(flags), None),
+    _check(libc.function("mount")(source.encode() if source else None, target.encode(), None, libc.Long(flags), None),
            f"mount {source or ''} on {target}")
 
 
