@@ -17,7 +17,7 @@ import click
 from devinject import __version__
 from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 from devinject.core.errors import DevinjectError
-from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, HOOK_SOCKET
+from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR, HOOK_SOCKET, STATIC_SPEC_DIR
 
 if TYPE_CHECKING:
     from devinject.agent.watch import WatchOptions
@@ -126,7 +126,7 @@ def cli(verbose: int, quiet: bool) -> None:
 
 @cli.command()
 @root_option
-@click.option("--output-dir", default="/etc/cdi", show_default=True, type=click.Path(file_okay=False),
+@click.option("--output-dir", default=STATIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
               help="Write one <vendor>-<class> spec per kind here.")
 @click.option("--output", "output", default=None, help="Write to this file instead ('-' for stdout).")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True,
@@ -455,8 +455,8 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
     """The health loop's options, shared by `watch` and `device-plugin` (which runs the same loop)."""
     for option in reversed((
         root_option,
-        click.option("--output-dir", default="/var/run/cdi", show_default=True, type=click.Path(file_okay=False),
-                     help="Dynamic spec dir (wins over /etc/cdi)."),
+        click.option("--output-dir", default=DYNAMIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
+                     help=f"Dynamic spec dir (wins over {STATIC_SPEC_DIR})."),
         state_dir_option,
         click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True,
                      help="The spec files' format."),
@@ -637,7 +637,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
               help="The kubelet's plugins directory (the DRA socket goes in <driver-name>/dra.sock).")
 @click.option("--registry-dir", default="/var/lib/kubelet/plugins_registry", show_default=True,
               type=click.Path(file_okay=False), help="The kubelet's plugin registration directory.")
-@click.option("--cdi-dir", default="/var/run/cdi", show_default=True, type=click.Path(file_okay=False),
+@click.option("--cdi-dir", default=DYNAMIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
               help="Where the claim-scoped CDI specs go.")
 @click.option("--rescan", default=30.0, show_default=True, type=click.FloatRange(0.05, 3600),
               help="Seconds between rediscoveries (and slice updates).")

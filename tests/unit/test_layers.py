@@ -200,12 +200,13 @@ def test_the_agent_and_the_device_plugin_read_the_host_through_a_node() -> None:
 
 
 def test_each_default_path_is_written_once_in_core_paths() -> None:
-    """The state dir, the hook server's socket and the kernel log by default: one definition each, in
+    """The state dir, the hook server's socket, the kernel log and the CDI spec dirs by default: one definition each, in
     core/paths.py (the rest name its constants). watch's state dir, the hook client's socket, and the kernel log
     of cli.py and agent/health.py were literals of their own, and help texts spelled them out again."""
     from devinject.core import paths
 
-    values = (paths.DEFAULT_STATE_DIR, paths.HOOK_SOCKET, paths.DEFAULT_KERNEL_LOG)
+    values = (paths.DEFAULT_STATE_DIR, paths.HOOK_SOCKET, paths.DEFAULT_KERNEL_LOG, paths.STATIC_SPEC_DIR,
+              paths.DYNAMIC_SPEC_DIR)
     found = []
     for module, path in _modules().items():
         tree = ast.parse(path.read_text(), str(path))

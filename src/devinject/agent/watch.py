@@ -38,7 +38,7 @@ from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
 from devinject.core.identity import device_key, node_id_of, qualified
 from devinject.core.model import Spec
-from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR
+from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
 from devinject.nodestate import events
@@ -81,7 +81,7 @@ def announced_address(message: Any) -> str | None:
 @dataclass(frozen=True)
 class WatchOptions:
     generate: GenerateOptions
-    output_dir: Path = Path("/var/run/cdi")
+    output_dir: Path = Path(DYNAMIC_SPEC_DIR)
     state_dir: str = DEFAULT_STATE_DIR
     fmt: str = "yaml"
     interval: float = 10.0

@@ -3,7 +3,9 @@
 `os` alone costs more than the rest of the hand-over; tests/e2e/test_hook_server.py checks what a served start
 imports)."""
 
-DEFAULT_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")  # CDI's own defaults, in priority order (later wins)
+STATIC_SPEC_DIR = "/etc/cdi"  # specs an admin writes and keeps: `generate`
+DYNAMIC_SPEC_DIR = "/var/run/cdi"  # specs written at run time and gone at reboot: watch, the plugins, DRA claims
+DEFAULT_SPEC_DIRS = (STATIC_SPEC_DIR, DYNAMIC_SPEC_DIR)  # CDI's own defaults, in priority order (later wins)
 DEFAULT_STATE_DIR = "/run/devinject"  # the node's state: ledger, health, events, caches
 HOOK_SOCKET = DEFAULT_STATE_DIR + "/hook.sock"  # where `devinject hook-server` listens and the hook looks
 DEFAULT_KERNEL_LOG = "/var/log/kern.log"  # read (under the host root) for the kernel's device errors

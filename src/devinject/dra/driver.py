@@ -20,7 +20,7 @@ from devinject import __version__
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
 from devinject.core.identity import node_id_of
-from devinject.core.paths import DEFAULT_STATE_DIR
+from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.node import Node
 from devinject.dra.claims import Inventory, Preparer
 from devinject.dra.server import HealthState, PluginServers
@@ -43,7 +43,7 @@ class DraOptions:
     driver: str = DRIVER
     plugin_dir: str = "/var/lib/kubelet/plugins"
     registry_dir: str = "/var/lib/kubelet/plugins_registry"
-    cdi_dir: str = "/var/run/cdi"
+    cdi_dir: str = DYNAMIC_SPEC_DIR
     state_dir: str = DEFAULT_STATE_DIR
     rescan: float = 30.0
 
