@@ -6,16 +6,14 @@ import shutil
 import pytest
 
 from devinject.agent.health import check_host, parse_kernel_log
-from devinject.discovery.host import Host
-from devinject.discovery.profiles import load_profiles
+from devinject.discovery.node import Node
 
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
 KEY = "nvidia.com/gpu=0000:18:00.0"
 
 
 def _verdicts(root, **kw):
-    host = Host(str(root))
-    return {v.key: v for v in check_host(host, load_profiles(host), **kw)}
+    return {v.key: v for v in check_host(Node(str(root)), **kw)}
 
 
 def _write(root, rel, text):

@@ -192,7 +192,8 @@ def test_the_agent_and_the_device_plugin_read_the_host_through_a_node() -> None:
     their options, and rescan it (`Node.rescanned`): none builds a Host, a HostView or the profiles itself, so
     the loop serves what `generate` and `list` find. watch.py built a Host, selected the profiles and discovered
     with them by hand."""
-    builders = ("Host", "HostView", "load_profiles", "select_profiles", "discover_devices", "profile_search_path")
+    builders = ("Host", "HostView", "load_profiles", "select_profiles", "discover", "discover_devices",
+                "profile_search_path")
     wrong = sorted(f"{module} calls {name}" for name in builders for module in _callers(name)
                    if module.split(".")[1:2] in (["agent"], ["kubelet"]))
     assert not wrong, "\n".join(wrong)

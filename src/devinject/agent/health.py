@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from devinject.core.identity import device_key, node_id_of
 from devinject.core.paths import DEFAULT_KERNEL_LOG as DEFAULT_KERNEL_LOG  # the one definition, re-exported
-from devinject.discovery.discover import FoundDevice, discover, family_of
+from devinject.discovery.discover import FoundDevice, family_of
 from devinject.discovery.gpuinfo import ProbeTimeout, call_with_timeout
 from devinject.discovery.host import Host
+from devinject.discovery.node import Node
 from devinject.discovery.procfs import parse_key_values
 from devinject.discovery.profiles import Profile, select_profile
 from devinject.discovery.sysfs import PciDevice, scan_pci
@@ -358,10 +359,10 @@ def unbound_verdict(profile: Profile, pci: PciDevice) -> Verdict:
                    definite=True)
 
 
-def check_host(host: Host, profiles: list[Profile], *, kernel_log: str = DEFAULT_KERNEL_LOG,
-               timeout: float = PROBE_TIMEOUT, found: list[FoundDevice] | None = None) -> list[Verdict]:
-    """One-shot verdicts for every device of every profile, bound or not (`found`: as already discovered)."""
-    checker = HealthChecker(host, kernel_log=kernel_log, timeout=timeout)
-    verdicts = checker.check(discover(host, profiles) if found is None else found)
-    verdicts += [unbound_verdict(profile, pci) for profile, pci in unbound_functions(host, profiles)]
+def check_host(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
+    """One-shot verdicts for every device of the node's profiles, bound or not: the devices the node
+    discovered (no discovery of its own), its kernel log (or the default's)."""
+    checker = HealthChecker(node.host, kernel_log=node.kernel_log or DEFAULT_KERNEL_LOG, timeout=timeout)
+    verdicts = checker.check(node.devices())
+    verdicts += [unbound_verdict(profile, pci) for profile, pci in unbound_functions(node.host, node.profiles)]
     return sorted(verdicts, key=lambda v: (v.kind, v.address))

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from devinject.agent.health import DEFAULT_KERNEL_LOG, PROBE_TIMEOUT, Verdict, check_host
+from devinject.agent.health import PROBE_TIMEOUT, Verdict, check_host
 from devinject.core.identity import device_key, node_id_of
 from devinject.discovery.node import Node
 from devinject.discovery.topology import known_numa
@@ -109,8 +109,7 @@ def _allocations(state_dir: str | None) -> dict[str, dict[str, Any]]:
 
 def verdicts(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
     """Every device's verdict, bound or not, sorted by kind and address (agent/health.py's check_host)."""
-    return check_host(node.host, node.profiles, kernel_log=node.kernel_log or DEFAULT_KERNEL_LOG, timeout=timeout,
-                      found=node.devices())
+    return check_host(node, timeout=timeout)
 
 
 def device_health(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceHealth]:
