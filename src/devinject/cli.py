@@ -287,7 +287,7 @@ def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_
         return
     header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "PAIRED WITH", "NODES")
     table = [header] + [
-        (r.name, r.pci_address, r.model, "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
+        (r.name, r.pci_address or "-", r.model, "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
          r.health, ",".join(h.container or "?" for h in r.holders) or "-",
          ",".join(name for name, _ in r.paired_with) or "-", " ".join(path for path, _, _ in r.nodes))
         for r in rows
@@ -445,7 +445,7 @@ def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: 
         click.echo(json.dumps([v.to_json() for v in verdicts], indent=2))
     else:
         for v in verdicts:
-            click.echo(f"{v.kind + '=' + v.pci_address:40} {v.health:10} {'; '.join(v.reasons)}".rstrip())
+            click.echo(f"{v.key:40} {v.health:10} {'; '.join(v.reasons)}".rstrip())
         if not verdicts:
             note("no devices found")
     sys.exit(0 if all(v.healthy for v in verdicts) else 1)

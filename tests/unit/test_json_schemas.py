@@ -25,6 +25,7 @@ COMMANDS = ("list", "health", "topo", "who", "events", "validate")
 HELD = "workstation-held"  # a copy whose iGPU node has /dev/null's numbers, held open, booked in the ledger
 EMPTY = "empty-root"  # a root with nothing in it at all
 NUMA_UNKNOWN = "numa-unknown"  # a topology host whose functions' numa_node is -1
+IMEX = "nvidia.com/imex-channel"
 
 
 def schemas() -> dict[str, dict[str, Any]]:
@@ -157,3 +158,22 @@ def test_the_outputs_hold_what_the_schemas_check(every_output: dict[str, dict[st
     assert None in {d["numa_node"] for d in unknown["list"]}
     assert None in {d["numa_node"] for d in unknown["topo"]["devices"].values()}
     assert any(p["severity"] == "error" and p["file"].endswith("broken.yaml") for p in hgx["validate"])
+    dgx = every_output["dgx-a100-mig"]  # IMEX channels: devices with no PCI function, pci_address null
+    channels = [(d["name"], d["pci_address"], d["functions"]) for d in dgx["list"] if d["kind"] == IMEX]
+    assert channels == [(f"{IMEX}=0", None, []), (f"{IMEX}=1", None, [])]
+    assert [(d["name"], d["pci_address"]) for d in dgx["health"] if d["kind"] == IMEX] == [
+        (f"{IMEX}=0", None), (f"{IMEX}=1", None)]
+
+
+def test_the_list_schema_ties_a_null_pci_address_to_a_device_without_pci_fields(
+        every_output: dict[str, dict[str, Any]]) -> None:
+    """A channel's row has no functions, PCI ID or NUMA node; a PCI device's row has its functions: either
+    mixed up is refused."""
+    validator = Draft202012Validator(schemas()["list"])
+    rows = every_output["dgx-a100-mig"]["list"]
+    channel = next(r for r in rows if r["kind"] == IMEX)
+    gpu = next(r for r in rows if r["kind"] == "nvidia.com/gpu")
+    assert validator.is_valid([channel, gpu])
+    for wrong in ({**channel, "functions": [gpu["pci_address"]]}, {**channel, "pci_id": gpu["pci_id"]},
+                  {**channel, "numa_node": 0}, {**gpu, "functions": []}, {**gpu, "pci_id": None}):
+        assert not validator.is_valid([wrong]), wrong

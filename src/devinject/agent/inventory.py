@@ -1,5 +1,6 @@
 """What `devinject list`, `health` and `who` show: result records over a Node, each with its JSON form in the
-one vocabulary of docs/json.md (`name`, `kind`, `pci_address`, `numa_node`, `health`, `reasons`, `holders`)."""
+one vocabulary of docs/json.md (`name`, `kind`, `pci_address`, `numa_node`, `health`, `reasons`, `holders`).
+A device that is a char node and no PCI function (an IMEX channel: Node.channels) has `pci_address` null."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from devinject.agent.channels import channel_verdicts
 from devinject.agent.health import PROBE_TIMEOUT, Verdict, check_host
-from devinject.core.identity import device_key, node_id_of
+from devinject.core.identity import NodeId, device_key, node_id_of
+from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.node import Node
 from devinject.discovery.topology import known_numa
 from devinject.nodestate.ledger import Ledger, holders_of
@@ -36,13 +39,18 @@ class DeviceHealth:
 
     name: str
     kind: str
-    pci_address: str
+    pci_address: str | None  # None: a char-node device (an IMEX channel), whose key is its name
     health: str  # healthy, degraded, unhealthy
     reasons: tuple[str, ...] = ()
 
     @property
     def healthy(self) -> bool:
         return self.health == "healthy"
+
+    @property
+    def key(self) -> str:
+        """What health and watch track it by: `kind=PCI address`; a channel's name (`kind=N`)."""
+        return self.name if self.pci_address is None else device_key(self.kind, self.pci_address)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, "health": self.health,
@@ -55,7 +63,7 @@ class HeldNode:
 
     name: str
     kind: str
-    pci_address: str
+    pci_address: str | None  # None: a char-node device (an IMEX channel)
     holder: Holder
 
     def to_json(self) -> dict[str, Any]:
@@ -68,11 +76,11 @@ class DeviceRecord:
 
     names: tuple[str, ...]  # its CDI names, index name first
     kind: str
-    pci_address: str
+    pci_address: str | None  # None, like pci_id and numa_node, and no functions: a channel (no PCI function)
     functions: tuple[str, ...]
     vendor: str
     model: str
-    pci_id: str
+    pci_id: str | None
     uuid: str | None
     numa_node: int | None  # None: the kernel does not know (-1)
     driver: str | None
@@ -108,12 +116,15 @@ def _allocations(state_dir: str | None) -> dict[str, dict[str, Any]]:
 
 
 def verdicts(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
-    """Every device's verdict, bound or not, sorted by kind and address (agent/health.py's check_host)."""
-    return check_host(node, timeout=timeout)
+    """Every device's verdict, bound or not, sorted by kind and address (agent/health.py's check_host), then
+    the channels' by kind and number (agent/channels.py)."""
+    return check_host(node, timeout=timeout) + channel_verdicts(node.host, node.channels())
 
 
 def device_health(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceHealth]:
-    return [DeviceHealth(node.name_of(v.kind, v.address), v.kind, v.address, v.status, v.reasons)
+    channels = {c.key for c in node.channels()}
+    return [DeviceHealth(v.key, v.kind, None, v.status, v.reasons) if v.key in channels else
+            DeviceHealth(node.name_of(v.kind, v.address), v.kind, v.address, v.status, v.reasons)
             for v in verdicts(node, timeout=timeout)]
 
 
@@ -126,24 +137,47 @@ def inventory(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceRecor
     for item in node.devices():
         pci = item.pci
         vendor = item.profile.vendor_name or f"{pci.vendor:04x}"
-        nodes = {node_id_of(n) for n in item.nodes}
         verdict = by_key[device_key(item.profile.kind, item.address)]
-        held_by = sorted(cid for cid, entry in allocations.items()
-                         if nodes & set(entry.get("exclusive", []) + entry.get("shared", [])))
-        holders = tuple(Holder(allocations[cid].get("pid"), cid, state=allocations[cid].get("state", "active"))
-                        for cid in held_by)
-        states = {h.state for h in holders}
+        holders = _booked({node_id_of(n) for n in item.nodes}, allocations)
         rows.append(DeviceRecord(
             names=tuple(node.names(item)), kind=item.profile.kind, pci_address=item.address,
             functions=tuple(f.address for f in item.functions), vendor=vendor,
             model=item.model or f"{vendor} {pci.device:04x}", pci_id=f"{pci.vendor:04x}:{pci.device:04x}",
             uuid=item.uuid, numa_node=known_numa(pci.numa_node), driver=pci.driver, sharing=item.profile.sharing,
             health=verdict.status, reasons=verdict.reasons, holders=holders,
-            allocation="reclaiming" if "reclaiming" in states else ("allocated" if holders else "free"),
+            allocation=_allocation(holders),
             nodes=tuple((n.path, n.major, n.minor) for n in item.nodes),
             paired_with=tuple(paired.get(device_key(item.profile.kind, item.address), ())),
         ))
-    return rows
+    return rows + [_channel_record(c, by_key[c.key], _booked({node_id_of(c.node)}, allocations))
+                   for c in node.channels()]
+
+
+def _booked(nodes: set[NodeId], allocations: dict[str, dict[str, Any]]) -> tuple[Holder, ...]:
+    """The containers the ledger booked one of `nodes` for, by container id."""
+    held_by = sorted(cid for cid, entry in allocations.items()
+                     if nodes & set(entry.get("exclusive", []) + entry.get("shared", [])))
+    return tuple(Holder(allocations[cid].get("pid"), cid, state=allocations[cid].get("state", "active"))
+                 for cid in held_by)
+
+
+def _allocation(holders: tuple[Holder, ...]) -> str:
+    states = {h.state for h in holders}
+    return "reclaiming" if "reclaiming" in states else ("allocated" if holders else "free")
+
+
+def _channel_record(channel: ChannelDevice, verdict: Verdict, holders: tuple[Holder, ...]) -> DeviceRecord:
+    """A channel as `list` shows it: its one CDI name and its node; no PCI function, so no address, PCI ID,
+    NUMA node or driver binding; its model is the vendor and the kind's class (`NVIDIA imex-channel`)."""
+    profile = channel.profile
+    node = channel.node
+    vendor = profile.vendor_name or profile.kind.partition("/")[0]
+    return DeviceRecord(
+        names=(channel.key,), kind=profile.kind, pci_address=None, functions=(),
+        vendor=vendor, model=f"{vendor} {profile.kind.partition('/')[2]}", pci_id=None,
+        uuid=None, numa_node=None, driver=None, sharing=profile.sharing, health=verdict.status,
+        reasons=verdict.reasons, holders=holders, allocation=_allocation(holders),
+        nodes=((node.path, node.major, node.minor),), paired_with=())
 
 
 def _pairs(node: Node) -> dict[str, list[tuple[str, str]]]:
@@ -168,12 +202,14 @@ def _command(pid: int) -> str:
 
 
 def holders(node: Node, device: str | None = None) -> list[HeldNode]:
-    """Processes with a node of the devices (`device`: those it names, as Node.find reads it) open, and the
-    container the ledger says they belong to."""
-    owner: dict[str, tuple[str, str, str]] = {}
+    """Processes with a node of the devices (`device`: those it names, as Node.find and Node.find_channels
+    read it) open, and the container the ledger says they belong to."""
+    owner: dict[str, tuple[str, str, str | None]] = {}
     for item in node.find(device) if device else node.devices():
         for device_node in item.nodes:
             owner.setdefault(node_id_of(device_node), (node.names(item)[0], item.profile.kind, item.address))
+    for channel in node.find_channels(device) if device else node.channels():
+        owner.setdefault(node_id_of(channel.node), (channel.key, channel.profile.kind, None))
     allocations = _allocations(node.state_dir)
     rows = []
     for held, pids in sorted(holders_of(set(owner)).items()):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from devinject.agent import healthstate
+from devinject.agent.channels import channel_verdicts
 from devinject.agent.health import (
     HEALTHY,
     UNHEALTHY,
@@ -39,6 +40,7 @@ from devinject.core.errors import LedgerError
 from devinject.core.identity import device_key, node_id_of, qualified
 from devinject.core.model import Spec
 from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
+from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
 from devinject.nodestate import events
@@ -119,6 +121,7 @@ class Watcher:
     opts: WatchOptions
     tracks: dict[str, DeviceTrack] = field(default_factory=dict)
     found: list[FoundDevice] = field(default_factory=list)
+    channels: list[ChannelDevice] = field(default_factory=list)  # of the served kinds (IMEX channels)
     unbound: list[Verdict] = field(default_factory=list)
     generation: int | None = None
     specs: list[Spec] = field(default_factory=list)  # as last written
@@ -227,10 +230,13 @@ class Watcher:
         identity: removed and found again, a reboot) loses its sticky readings: it is a new device."""
         self.scanned = self.scanned.rescanned()
         _, found = served_devices(self.scanned, self.opts.generate)
+        kinds = {p.kind for p in self.profiles}
+        channels = [c for c in self.scanned.channels() if c.profile.kind in kinds]
         first, self._rescanned = not self._rescanned, True
-        before = {device_key(f.profile.kind, f.address) for f in self.found}
+        before = {device_key(f.profile.kind, f.address) for f in self.found} | {c.key for c in self.channels}
         after = {device_key(f.profile.kind, f.address): f for f in found}
-        for key in sorted(set(after) - before):
+        present = set(after) | {c.key for c in channels}
+        for key in sorted(present - before):
             if not first:
                 events.record(self.opts.state_dir, "added", key)
         for key, item in sorted(after.items()):
@@ -243,12 +249,12 @@ class Watcher:
             self.identities[key] = {**known, **now}
             if first and self._distrusted is not None:
                 self._hold_out(key, item)
-        for key in sorted(before - set(after)):
+        for key in sorted(before - present):
             events.record(self.opts.state_dir, "removed", key)
-        self.found = found
+        self.found, self.channels = found, channels
         self.unbound = [unbound_verdict(p, pci) for p, pci in unbound_functions(self.host, self.profiles)]
         self._persist()
-        return set(after) != before
+        return present != before
 
     def _hold_out(self, key: str, item: FoundDevice) -> None:
         """After a state file that was not believed: out until `threshold` passes, AER history counting."""
@@ -264,7 +270,7 @@ class Watcher:
         """Health round; returns True when the published state changed (specs must be rewritten)."""
         self._take_put_back_requests()
         self.host.refresh()
-        verdicts = self.checker.check(self.found) + self.unbound
+        verdicts = self.checker.check(self.found) + self.unbound + channel_verdicts(self.host, self.channels)
         present = {v.key for v in verdicts}
         verdicts += [Verdict(key, t.last.kind, t.last.address, UNHEALTHY, (f"{t.last.address}: no longer present",),
                              t.last.nodes, definite=True)

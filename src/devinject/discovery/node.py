@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 from devinject.core.identity import QualifiedName, device_key, qualified
+from devinject.discovery.channels import ChannelDevice, discover_channels
 from devinject.discovery.discover import FoundDevice, HostView, discover
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import Profile, load_profiles
@@ -54,6 +55,7 @@ class Node:
         self.view = HostView(self.host)
         self._profiles: list[Profile] | None = None
         self._devices: list[FoundDevice] | None = None
+        self._channels: list[ChannelDevice] | None = None
 
     @property
     def profiles(self) -> list[Profile]:
@@ -68,6 +70,13 @@ class Node:
             self._devices = discover(self.host, self.profiles, view=self.view)
         return self._devices
 
+    def channels(self) -> list[ChannelDevice]:
+        """Every device of the node's char-node families (profiles with `channels`: IMEX channels), which match
+        no PCI function, discovered once (discovery/channels.py)."""
+        if self._channels is None:
+            self._channels = discover_channels(self.view, self.profiles)
+        return self._channels
+
     def rescanned(self) -> Node:
         """This node read again (a hot-plug, a driver bound or unbound): the host's caches dropped, a fresh
         view, its devices discovered anew when asked; the roots are not checked again and the profiles are the
@@ -76,6 +85,7 @@ class Node:
         again = copy.copy(self)
         again.view = HostView(self.host)
         again._devices = None
+        again._channels = None
         return again
 
     def topology(self) -> Topology:
@@ -103,3 +113,8 @@ class Node:
                           *names, *(n.partition("=")[2] for n in names)):
                 matches.append(found)
         return matches
+
+    def find_channels(self, device: str) -> list[ChannelDevice]:
+        """The channels `device` names: its CDI name (`nvidia.com/imex-channel=0`, which is also its key) or
+        that name without the kind (`0`: every family's channel of that number)."""
+        return [c for c in self.channels() if device in (c.key, c.name)]

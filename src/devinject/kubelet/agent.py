@@ -32,9 +32,12 @@ from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
-from devinject.core.identity import device_key, qualified
+from devinject.core.identity import DeviceKey, QualifiedName, device_key, qualified
+from devinject.discovery.channels import ChannelDevice
+from devinject.discovery.discover import FoundDevice
+from devinject.discovery.host import Host
 from devinject.discovery.node import Node
-from devinject.discovery.topology import place_of
+from devinject.discovery.topology import Place, place_of
 from devinject.kubelet.allocation import HEALTHY as HEALTHY_NAME
 from devinject.kubelet.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.kubelet.allocation import PluginDevice
@@ -79,6 +82,29 @@ def stream_changes(resource: str, before: dict[str, PluginDevice], after: dict[s
             health = HEALTHY_NAME if new.healthy else UNHEALTHY_NAME
             lines.append(f"{resource}: ListAndWatch: {device_id} {health}" + ("" if old else " (new)"))
     return lines
+
+
+Offer = tuple[str, QualifiedName, Place]  # a device ID, its CDI name, where it sits
+
+
+def pci_offers(found: FoundDevice, host: Host) -> tuple[str, DeviceKey, list[Offer]]:
+    """A PCI device's kind, key and what it offers: the device by its PCI address, or a partitioned GPU's
+    partitions (MIG, AMD CPX), never the whole GPU."""
+    kind = found.profile.kind
+    place = place_of(host, found)
+    if found.partitions:
+        offers = [(f"{found.address}-{p.key}", qualified(kind, p.name), place) for p in found.partitions]
+    else:
+        offers = [(found.address, qualified(kind, str(found.index)), place)]
+    return kind, device_key(kind, found.address), offers
+
+
+def channel_offers(channel: ChannelDevice) -> tuple[str, DeviceKey, list[Offer]]:
+    """A channel's kind, key and its one offer: ID `channel-N` (the name NVIDIA's DRA driver gives IMEX
+    channel N), CDI name `kind=N`; no PCIe place and no NUMA node (a place of its own: none is closer)."""
+    device_id = f"channel-{channel.number}"
+    kind = channel.profile.kind
+    return kind, channel.key, [(device_id, qualified(kind, channel.name), Place(device_id, (device_id,), None, ""))]
 
 
 @dataclass(frozen=True)
@@ -133,20 +159,13 @@ class DevicePluginAgent:
         specs = {spec.kind: spec for spec in watcher.specs}
         by_kind: dict[str, dict[str, PluginDevice]] = {}
         counts: dict[tuple[str, str], int] = {}
-        for found in watcher.found:
-            kind = found.profile.kind
-            key = device_key(kind, found.address)
+        served = [pci_offers(f, watcher.host) for f in watcher.found] + [channel_offers(c) for c in watcher.channels]
+        for kind, key, offers in served:
             track = watcher.tracks.get(key)
             healthy = track is None or track.published == HEALTHY
-            place = place_of(watcher.host, found)
             offered = by_kind.setdefault(kind, {})
-            if found.partitions:  # a partitioned GPU (MIG, AMD CPX): its partitions, never the whole GPU
-                for part in found.partitions:
-                    part_id = f"{found.address}-{part.key}"
-                    offered[part_id] = PluginDevice(part_id, qualified(kind, part.name), healthy, place)
-            else:
-                offered[found.address] = PluginDevice(found.address, qualified(kind, str(found.index)), healthy,
-                                                      place)
+            for device_id, cdi_name, place in offers:
+                offered[device_id] = PluginDevice(device_id, cdi_name, healthy, place)
             health = HEALTHY if healthy else UNHEALTHY
             counts[(kind, health)] = counts.get((kind, health), 0) + 1
             before = self.health_seen.get(key)

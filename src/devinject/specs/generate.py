@@ -18,6 +18,7 @@ from devinject.core.identity import device_key
 from devinject.core.ldcache import LdCacheEntry
 from devinject.core.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
 from devinject.core.spec import dump
+from devinject.discovery.channels import profile_channels
 from devinject.discovery.discover import FoundDevice, HostView, discover, shared_nodes
 from devinject.discovery.host import Host
 from devinject.discovery.libraries import (
@@ -321,16 +322,8 @@ def channel_spec(view: HostView, profile: Profile, common: ContainerEdits, reroo
                  opts: GenerateOptions) -> Spec | None:
     """A family of char-node devices (IMEX channels): device `N` for each `<directory>/<prefix>N` on the
     host, major from /proc/devices; none when the directory or the region is absent."""
-    rule = profile.channels
-    assert rule is not None
-    if rule.region not in view.majors:
-        return None
-    major = view.majors[rule.region]
-    numbers = sorted(int(name[len(rule.prefix):]) for name in view.host.listdir(rule.directory)
-                     if name.startswith(rule.prefix) and name[len(rule.prefix):].isdigit())
-    devices = [Device(str(n), ContainerEdits(device_nodes=(rerooter.node(
-        view.node(f"{rule.directory}/{rule.prefix}{n}", major, n)),))) for n in numbers
-        if f"{profile.kind}={n}" not in opts.exclude]
+    devices = [Device(c.name, ContainerEdits(device_nodes=(rerooter.node(c.node),)))
+               for c in profile_channels(view, profile) if c.key not in opts.exclude]
     if not devices:
         return None
     every = ContainerEdits(device_nodes=tuple(n for d in devices for n in d.edits.device_nodes))

@@ -1,0 +1,101 @@
+"""IMEX channels (profile nvidia-imex-channels: char nodes, no PCI function) in what `list`, `health` and `who`
+show, through the node (devinject.api.Node): one row per channel with its node and no PCI address, healthy
+while its node is there, held when a process has it open or the ledger booked it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from devinject.api import Node
+from devinject.nodestate.ledger import Claim, Ledger
+from tests.conftest import HOSTS
+
+DGX = HOSTS / "dgx-a100-mig"  # channel0 and channel1, region nvidia-caps-imex-channels 233 (build_hosts.py)
+KIND = "nvidia.com/imex-channel"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "devinject", *args], capture_output=True, text=True, timeout=60)
+
+
+def held_channel(host_copy) -> Path:  # type: ignore[no-untyped-def]
+    """A DGX copy whose IMEX region is major 1 with a channel3: c 1:3, /dev/null's numbers, so a process
+    holding /dev/null open holds channel 3."""
+    root: Path = host_copy("dgx-a100-mig")
+    devices = root / "proc/devices"
+    devices.write_text(devices.read_text().replace("233 nvidia-caps-imex-channels\n",
+                                                   "1 nvidia-caps-imex-channels\n"))
+    (root / "dev/nvidia-caps-imex-channels/channel3").write_text("")
+    return root
+
+
+def test_list_shows_each_channel_with_its_node_and_no_pci_address() -> None:
+    rows = {r.name: r for r in Node(str(DGX)).inventory()}
+    assert [n for n in rows if n.startswith(KIND)] == [f"{KIND}=0", f"{KIND}=1"]
+    one = rows[f"{KIND}=1"]
+    assert one.to_json() == {
+        "name": f"{KIND}=1", "names": [f"{KIND}=1"], "kind": KIND, "pci_address": None, "functions": [],
+        "vendor": "NVIDIA", "model": "NVIDIA imex-channel", "pci_id": None, "uuid": None, "numa_node": None,
+        "driver": None, "sharing": "exclusive", "health": "healthy", "reasons": [], "holders": [],
+        "allocation": "free", "nodes": [{"path": "/dev/nvidia-caps-imex-channels/channel1", "major": 233,
+                                         "minor": 1}],
+        "paired_with": []}
+    assert rows["nvidia.com/gpu=0"].pci_address == "0000:07:00.0"  # the GPUs as before
+
+
+def test_list_text_and_json_show_the_channels() -> None:
+    done = cli("list", "--root", str(DGX))
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith(f"{KIND}=0 "))
+    assert line.split() == [f"{KIND}=0", "-", "NVIDIA", "imex-channel", "-", "-", "healthy", "-", "-",
+                            "/dev/nvidia-caps-imex-channels/channel0"]
+    done = cli("list", "--root", str(DGX), "--json")
+    assert done.returncode == 0, done.stderr
+    assert [(r["name"], r["pci_address"]) for r in json.loads(done.stdout) if r["kind"] == KIND] == [
+        (f"{KIND}=0", None), (f"{KIND}=1", None)]
+
+
+def test_a_channel_whose_node_is_gone_or_another_is_unhealthy(host_copy) -> None:  # type: ignore[no-untyped-def]
+    root = host_copy("dgx-a100-mig")
+    node = Node(str(root))
+    assert [(h.name, h.pci_address, h.health) for h in node.health() if h.kind == KIND] == [
+        (f"{KIND}=0", None, "healthy"), (f"{KIND}=1", None, "healthy")]
+    node.channels()  # discovered with both nodes there
+    (root / "dev/nvidia-caps-imex-channels/channel1").unlink()
+    health = {h.name: h for h in node.health()}
+    assert health[f"{KIND}=0"].healthy
+    assert (health[f"{KIND}=1"].health, health[f"{KIND}=1"].reasons) == (
+        "unhealthy", ("/dev/nvidia-caps-imex-channels/channel1: no such node",))
+    assert {r.name: r.health for r in node.inventory()}[f"{KIND}=1"] == "unhealthy"
+    os.mknod(root / "dev/nvidia-caps-imex-channels/channel1", 0o600 | 0o020000, os.makedev(1, 3))
+    (verdict,) = [h for h in node.health() if h.name == f"{KIND}=1"]
+    assert verdict.reasons == ("/dev/nvidia-caps-imex-channels/channel1: is c 1:3, not c 233:1",)
+    done = cli("health", "--root", str(root))
+    assert done.returncode == 1
+    assert f"{KIND}=1" in done.stdout and "unhealthy" in done.stdout and "is c 1:3, not c 233:1" in done.stdout
+
+
+def test_who_and_list_name_the_holders_of_a_channel(host_copy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    root = held_channel(host_copy)
+    state = tmp_path / "state"
+    state.mkdir()
+    Ledger(str(state)).book("ctr-imex", os.getpid(), (Claim(f"{KIND}=3", ("c 1:3",)),), {KIND: "exclusive"})
+    node = Node(str(root), state_dir=str(state))
+    assert [c.key for c in node.find_channels(f"{KIND}=3")] == [f"{KIND}=3"] == [c.key for c in node.find_channels("3")]
+    with open("/dev/null"):
+        mine = [r for r in node.holders(f"{KIND}=3") if r.holder.pid == os.getpid()]
+        everyone = {(r.name, r.pci_address, r.holder.pid) for r in node.holders()}
+        done = cli("who", f"{KIND}=3", "--root", str(root), "--state-dir", str(state), "--json")
+    assert [(r.name, r.kind, r.pci_address, r.holder.node, r.holder.container) for r in mine] == [
+        (f"{KIND}=3", KIND, None, "c 1:3", "ctr-imex")]
+    assert (f"{KIND}=3", None, os.getpid()) in everyone
+    assert done.returncode == 0, done.stderr
+    assert (f"{KIND}=3", None, "c 1:3", os.getpid()) in {
+        (r["name"], r["pci_address"], r["node"], r["pid"]) for r in json.loads(done.stdout)}
+    assert node.holders(f"{KIND}=0") == []  # a fixture file: nobody holds it
+    row = {r.name: r for r in node.inventory()}[f"{KIND}=3"]
+    assert (row.allocation, [h.container for h in row.holders]) == ("allocated", ["ctr-imex"])
