@@ -1,8 +1,9 @@
 """The library's one way in: a `Node` made from the roots a command was pointed at (host root, target root,
 profile dirs, state dir, kernel log), checked once, its profiles loaded and its devices discovered once, that
-answers what the commands show: `devices()`, `topology()`, `health()`, `specs(options)`, `holders()`,
-`inventory()`, `events()`, `find()`, `dev_char_links()`. Every answer is a list of result records (or the
-Topology), each with its `to_json()` in the vocabulary of docs/json.md.
+answers what the commands show: `devices()`, `channels()` (IMEX channels: char nodes, no PCI function),
+`topology()`, `health()`, `specs(options)`, `holders()`, `inventory()`, `events()`, `find()`,
+`dev_char_links()`. Every answer is a list of result records (or the Topology), each with its `to_json()` in the
+vocabulary of docs/json.md.
 
 Discovery's half of it is `devinject.discovery.node.Node` (what the layers below the agent take: discovery,
 nodestate, specs); this one adds what needs the layers above (health, specs, the ledger). It sits at the top
@@ -11,6 +12,7 @@ beside the commands (docs/architecture.md), so that `cli.py` is parse, call, ren
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from devinject.core.model import Spec
     from devinject.specs.generate import GenerateOptions
 
+_PCI_ADDRESS = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 # the fields of a recorded event that are the vocabulary's, under its names; the rest are the event's own
 _RENAMED = {"status": "health"}
 _OWN = ("time", "event", "device", "reasons")
@@ -31,7 +34,8 @@ _OWN = ("time", "event", "device", "reasons")
 @dataclass(frozen=True, slots=True)
 class Event:
     """One transition of the state dir's per-device ring (nodestate/events.py): the device by its key
-    (`kind=PCI address`, the name the pci naming strategy gives it), what happened, why."""
+    (`kind=PCI address`, the name the pci naming strategy gives it; an IMEX channel's is its CDI name,
+    `kind=N`), what happened, why."""
 
     name: str
     time: float
@@ -49,8 +53,10 @@ class Event:
         return self.name.partition("=")[0]
 
     @property
-    def pci_address(self) -> str:
-        return self.name.partition("=")[2]
+    def pci_address(self) -> str | None:
+        """The key's PCI address; None for a device that is no PCI function (a channel: `kind=N`)."""
+        address = self.name.partition("=")[2]
+        return address if _PCI_ADDRESS.fullmatch(address) else None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, "time": self.time,

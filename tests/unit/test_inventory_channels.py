@@ -99,3 +99,34 @@ def test_who_and_list_name_the_holders_of_a_channel(host_copy, tmp_path: Path) -
     assert node.holders(f"{KIND}=0") == []  # a fixture file: nobody holds it
     row = {r.name: r for r in node.inventory()}[f"{KIND}=3"]
     assert (row.allocation, [h.container for h in row.holders]) == ("allocated", ["ctr-imex"])
+
+
+def test_a_channels_events_have_no_pci_address(host_copy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """What watch records when a channel's node goes (its key is its CDI name, `kind=N`): `events` shows it
+    with pci_address null, as docs/json.md's schema says, and a GPU's event with its address."""
+    from jsonschema import Draft202012Validator
+
+    from devinject.agent.watch import Watcher, WatchOptions
+    from devinject.specs.generate import GenerateOptions
+    from tests.unit.test_json_schemas import schemas
+
+    root = host_copy("dgx-a100-mig")
+    state = tmp_path / "state"
+    gen = GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", kinds=(KIND,))
+    watcher = Watcher(WatchOptions(generate=gen, output_dir=tmp_path / "cdi", state_dir=str(state), threshold=1,
+                                   uevents=False))
+    watcher.rescan()
+    (root / "dev/nvidia-caps-imex-channels/channel1").unlink()
+    assert watcher.check()  # taken out at once: a node that is gone is a fact
+    assert watcher.unhealthy() == {f"{KIND}=1"}
+    from devinject.nodestate import events
+
+    events.record(str(state), "added", "nvidia.com/gpu=0000:07:00.0")
+    rows = [e.to_json() for e in Node(str(root), state_dir=str(state)).events()]
+    assert [(r["name"], r["event"], r["pci_address"]) for r in rows] == [
+        ("nvidia.com/gpu=0000:07:00.0", "added", "0000:07:00.0"),
+        (f"{KIND}=1", "unhealthy", None), (f"{KIND}=1", "taken-out", None)]
+    done = cli("events", "--state-dir", str(state), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == rows
+    assert Draft202012Validator(schemas()["events"]).is_valid(rows)
