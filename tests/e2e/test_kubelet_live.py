@@ -1,7 +1,8 @@
 """`devinject device-plugin` with the real kubelet (../shared/kube: kubelet v1.36 standalone on containerd 1.6
-with runc) and static pods asking for `nvidia.com/gpu`. containerd 1.6 ignores CDI names, so what reaches the
-container is the Allocate fallback (devices, mounts, envs) built from the same spec: exactly the devices the
-kubelet allocated, the driver library read-only, and a device cgroup that lets the container reach them."""
+with runc) and static pods asking for `nvidia.com/gpu` (and `nvidia.com/imex-channel`). containerd 1.6 ignores
+CDI names, so what reaches the container is the Allocate fallback (devices, mounts, envs) built from the same
+spec: exactly the devices the kubelet allocated, the driver library read-only, and a device cgroup that lets
+the container reach them."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import DEVINJECT, REPO, require, terminate
-from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
+from tests.fixtures.build_hosts import DYN, FakeHost, LibBuilder, build_hgx_h100
 
 pytestmark = pytest.mark.live
 
@@ -32,6 +33,7 @@ KUBE = next((p for p in (Path(os.environ.get("DEVINJECT_KUBE", REPO.parent / "sh
             REPO.parent / "shared" / "kube")
 KUBE_DIR = Path("/tmp/devinject-kube-test")
 GPU_ENABLE = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0/enable"
+IMEX = "nvidia.com/imex-channel"
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -75,9 +77,9 @@ class Plugin:
         self.log = open(work / "plugin.log", "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
             [DEVINJECT, "-v", "device-plugin", "--host-root", str(work / "host"), "--output-dir", str(work / "cdi"),
-             "--state-dir", str(work / "state"), "--kind", "nvidia.com/gpu", "--test-timings", "--interval", "0.5",
-             "--recheck", "0.2", "--threshold", "2", "--no-uevents", "--metrics-address", f"127.0.0.1:{self.port}",
-             "--hook-path", DEVINJECT], stdout=self.log, stderr=subprocess.STDOUT)
+             "--state-dir", str(work / "state"), "--kind", "nvidia.com/gpu", "--kind", IMEX, "--test-timings",
+             "--interval", "0.5", "--recheck", "0.2", "--threshold", "2", "--no-uevents", "--metrics-address",
+             f"127.0.0.1:{self.port}", "--hook-path", DEVINJECT], stdout=self.log, stderr=subprocess.STDOUT)
 
     def metric(self, text: str) -> str:
         return _get(f"http://127.0.0.1:{self.port}/metrics")[1] if text else ""
@@ -95,7 +97,12 @@ def plugin(kubelet: Path) -> Iterator[Plugin]:
     work = Path(tempfile.mkdtemp(prefix="dp-live-", dir="/tmp"))
     builder = LibBuilder()
     try:
-        build_hgx_h100(builder, FakeHost(work / "host", real_nodes=True))
+        host = FakeHost(work / "host", real_nodes=True)
+        build_hgx_h100(builder, host)
+        host.region(DYN["nvidia-caps-imex-channels"], "nvidia-caps-imex-channels")  # two IMEX channels too
+        for channel in (0, 1):
+            host.node(f"nvidia-caps-imex-channels/channel{channel}", DYN["nvidia-caps-imex-channels"], channel)
+        host.finish(ldconfig=False)  # /proc/devices with their region
     finally:
         shutil.rmtree(builder.tmp, ignore_errors=True)
     running = Plugin(work)
@@ -107,15 +114,15 @@ def plugin(kubelet: Path) -> Iterator[Plugin]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def pod_manifest(name: str, gpus: int) -> str:
-    script = ("ls /dev | grep -E '^nvidia[0-9]+$'; cat /dev/nvidia2 /dev/nvidia3; grep libcuda /proc/mounts; "
-              "echo finished; sleep 3600")
+def pod_manifest(name: str, gpus: int, resource: str = "nvidia.com/gpu", script: str | None = None) -> str:
+    script = script or ("ls /dev | grep -E '^nvidia[0-9]+$'; cat /dev/nvidia2 /dev/nvidia3; grep libcuda /proc/mounts; "
+                        "echo finished; sleep 3600")
     return json.dumps({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
         "spec": {"hostNetwork": True, "restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
                  "containers": [{"name": "main", "image": "localhost/busybox:1", "imagePullPolicy": "Never",
                                  "command": ["sh", "-c", script],
-                                 "resources": {"limits": {"nvidia.com/gpu": gpus}}}]}})
+                                 "resources": {"limits": {resource: gpus}}}]}})
 
 
 def pod(name: str) -> dict[str, object] | None:
@@ -131,8 +138,8 @@ def pod_log(name: str) -> str:
     return logs[-1].read_text() if logs else ""
 
 
-def run_pod(kube: Path, name: str, gpus: int) -> None:
-    (kube / "manifests" / f"{name}.yaml").write_text(pod_manifest(name, gpus))
+def run_pod(kube: Path, name: str, gpus: int, resource: str = "nvidia.com/gpu", script: str | None = None) -> None:
+    (kube / "manifests" / f"{name}.yaml").write_text(pod_manifest(name, gpus, resource, script))
 
 
 def remove_pod(kube: Path, name: str) -> None:
@@ -155,6 +162,25 @@ def test_pod_gets_exactly_its_gpus_the_driver_read_only_and_the_cgroup(kubelet: 
         assert 'devinject_allocated_devices_total{resource="nvidia.com/gpu"} 2.0' in plugin.metric("allocated")
     finally:
         remove_pod(kubelet, "gpu-two")
+
+
+def test_pod_gets_exactly_its_imex_channel_and_the_cgroup(kubelet: Path, plugin: Plugin) -> None:
+    """`nvidia.com/imex-channel: 1`: the kubelet allocates one of the two channels the plugin serves, and the
+    container has that channel's node alone, reachable through its device cgroup (the kernel has no driver on
+    the channels' major: ENXIO, not EPERM)."""
+    script = ("ls /dev/nvidia-caps-imex-channels; cat /dev/nvidia-caps-imex-channels/channel*; echo finished; "
+              "sleep 3600")
+    run_pod(kubelet, "imex-one", 1, IMEX, script)
+    try:
+        log = _until(lambda: "finished" in pod_log("imex-one") and pod_log("imex-one"), 120, "the pod's output")
+        lines = [line.split(" ", 3)[-1] for line in log.splitlines()]
+        channels = [line for line in lines if re.fullmatch(r"channel[0-9]+", line)]
+        assert len(channels) == 1, log
+        assert f"can't open '/dev/nvidia-caps-imex-channels/{channels[0]}': No such device or address" in log, log
+        assert f'devinject_allocated_devices_total{{resource="{IMEX}"}} 1.0' in plugin.metric("allocated")
+        assert f'devinject_devices{{health="healthy",kind="{IMEX}"}} 2.0' in plugin.metric("devices")
+    finally:
+        remove_pod(kubelet, "imex-one")
 
 
 def test_a_taken_out_gpu_is_not_allocatable(kubelet: Path, plugin: Plugin) -> None:
