@@ -5,10 +5,13 @@ while its node is there, held when a process has it open or the ledger booked it
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from devinject.api import Node
 from devinject.nodestate.ledger import Claim, Ledger
@@ -101,7 +104,8 @@ def test_who_and_list_name_the_holders_of_a_channel(host_copy, tmp_path: Path) -
     assert (row.allocation, [h.container for h in row.holders]) == ("allocated", ["ctr-imex"])
 
 
-def test_a_channels_events_have_no_pci_address(host_copy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_channels_events_have_no_pci_address(host_copy, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                               caplog: pytest.LogCaptureFixture) -> None:
     """What watch records when a channel's node goes (its key is its CDI name, `kind=N`): `events` shows it
     with pci_address null, as docs/json.md's schema says, and a GPU's event with its address."""
     from jsonschema import Draft202012Validator
@@ -117,8 +121,11 @@ def test_a_channels_events_have_no_pci_address(host_copy, tmp_path: Path) -> Non
                                    uevents=False))
     watcher.rescan()
     (root / "dev/nvidia-caps-imex-channels/channel1").unlink()
-    assert watcher.check()  # taken out at once: a node that is gone is a fact
+    with caplog.at_level(logging.INFO, logger="devinject.agent.watch"):
+        assert watcher.check()  # taken out at once: a node that is gone is a fact
     assert watcher.unhealthy() == {f"{KIND}=1"}
+    assert (f"taking out {KIND}=1: /dev/nvidia-caps-imex-channels/channel1: no such node (at once: the kernel's "
+            "own statement)") in caplog.messages  # by its name, with no PCI address
     from devinject.nodestate import events
 
     events.record(str(state), "added", "nvidia.com/gpu=0000:07:00.0")

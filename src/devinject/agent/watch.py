@@ -333,6 +333,8 @@ class Watcher:
     def _describe(self, verdict: Verdict) -> str:
         """`nvidia.com/gpu=0 (PCI 0000:18:00.0)`: the kind and the device's name in the specs (what
         `devinject put-back` takes), and its PCI address; the kind alone when it is not discovered now."""
+        if any(p.kind == verdict.kind and p.channels is not None for p in self.profiles):
+            return verdict.key  # a channel's key is its CDI name (`kind=N`); it has no PCI address
         found = next((f for f in self.found if f.profile.kind == verdict.kind and f.address == verdict.address),
                      None)
         name = qualified(verdict.kind, str(found.index)) if found is not None else verdict.kind
