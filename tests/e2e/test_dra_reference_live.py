@@ -104,10 +104,7 @@ class Reference:
             self.process = None
 
     def restart(self) -> None:
-        self.stop()
-        until(lambda: not (REGISTRY / f"{REFERENCE}-reg.sock").exists(), 30,
-              "the stopped reference driver's registration socket gone")
-        self.start()
+        restart(REFERENCE, self.stop, self.start)
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +119,14 @@ def reference(cluster: Cluster) -> Iterator[Reference]:
         driver.stop()
 
 
-def restart_devinject(cluster: Cluster) -> None:
-    cluster.stop_driver()
-    cluster.start_driver()
+def restart(driver: str, stop: Callable[[], None], start: Callable[[], None]) -> None:
+    """Stop and start a driver, and wait until the new one serves: its registration socket, gone with the old
+    process, made again (both drivers clean up what they clean at start before they make it)."""
+    socket = REGISTRY / f"{driver}-reg.sock"
+    stop()
+    until(lambda: not socket.exists(), 30, f"the stopped {driver} driver's registration socket gone")
+    start()
+    until(socket.exists, 60, f"the restarted {driver} driver's registration socket")
 
 
 @pytest.fixture(params=["devinject", "reference"])
@@ -137,7 +139,7 @@ def driver(request: pytest.FixtureRequest, cluster: Cluster) -> Driver:
                       "NodeUnprepareResources for a claim it no longer knows with success and removes nothing")
     gpu = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].kind == "nvidia.com/gpu"'
     return Driver("devinject", DRIVER, "gpu.devinject.io", gpu, 8, 12, f"{DRIVER} takes no opaque configuration",
-                  lambda: restart_devinject(cluster))
+                  lambda: restart(DRIVER, cluster.stop_driver, cluster.start_driver))
 
 
 def device_class(name: str, selector: str, extended: str | None = None) -> dict[str, Any]:
