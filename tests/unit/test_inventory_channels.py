@@ -137,3 +137,14 @@ def test_a_channels_events_have_no_pci_address(host_copy, tmp_path: Path,  # typ
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == rows
     assert Draft202012Validator(schemas()["events"]).is_valid(rows)
+
+
+def test_create_dev_char_links_covers_the_channels(host_copy) -> None:  # type: ignore[no-untyped-def]
+    """No sysfs class device, so udev makes no /dev/char link for a channel: systemd's DeviceAllow= would lose
+    its rule on daemon-reload."""
+    root = host_copy("dgx-a100-mig")
+    links = dict(Node(str(root)).dev_char_links())
+    assert links[str(root / "dev/char/233:1")] == "../nvidia-caps-imex-channels/channel1"
+    done = cli("create-dev-char-links", "--root", str(root), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert f"{root}/dev/char/233:0 -> ../nvidia-caps-imex-channels/channel0" in done.stdout.splitlines()

@@ -15,10 +15,11 @@ from devinject.discovery.node import Node
 
 def missing_links(node: Node) -> list[tuple[str, str]]:
     """(link path on this machine, relative target) for every discovered node without a /dev/char link: the
-    devices of the node's profiles (--profile-dir's too) and the nodes their kinds share."""
+    devices of the node's profiles (--profile-dir's too), the nodes their kinds share, and the channels (IMEX
+    channels have no sysfs class device, so udev makes no link for them)."""
     host = node.host
     found = node.devices()
-    nodes = [n for f in found for n in f.nodes]
+    nodes = [n for f in found for n in f.nodes] + [c.node for c in node.channels()]
     for profile in {f.profile.name: f.profile for f in found}.values():
         nodes += shared_nodes(node.view, profile)
     out = []
