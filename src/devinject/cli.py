@@ -700,7 +700,8 @@ def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ..
 
     key, accepted = request_put_back(root, state_dir, device, profile_dirs, node=node)
     totals = ", ".join(f"{fn} fatal {f} non-fatal {n}" for fn, (f, n) in sorted(accepted.items()))
-    click.echo(f"{key}: put-back requested (AER totals accepted: {totals}); the agent puts it back after "
+    accepting = f" (AER totals accepted: {totals})" if accepted else ""  # a channel has no AER counters
+    click.echo(f"{key}: put-back requested{accepting}; the agent puts it back after "
                "--threshold passing checks")
 
 

@@ -148,3 +148,31 @@ def test_create_dev_char_links_covers_the_channels(host_copy) -> None:  # type: 
     done = cli("create-dev-char-links", "--root", str(root), "--dry-run")
     assert done.returncode == 0, done.stderr
     assert f"{root}/dev/char/233:0 -> ../nvidia-caps-imex-channels/channel0" in done.stdout.splitlines()
+
+
+def test_put_back_takes_a_channel(host_copy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`devinject put-back nvidia.com/imex-channel=1` (a name `list` shows) is a request the agent takes: it
+    said 'no such device'. A channel has no AER totals to accept."""
+    from devinject.agent.watch import Watcher, WatchOptions
+    from devinject.nodestate import events
+    from devinject.specs.generate import GenerateOptions
+
+    root = host_copy("dgx-a100-mig")
+    state = tmp_path / "state"
+    gen = GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", kinds=(KIND,))
+    watcher = Watcher(WatchOptions(generate=gen, output_dir=tmp_path / "cdi", state_dir=str(state), threshold=1,
+                                   uevents=False))
+    watcher.rescan()
+    node = root / "dev/nvidia-caps-imex-channels/channel1"
+    node.unlink()
+    watcher.check()
+    assert watcher.unhealthy() == {f"{KIND}=1"}
+    node.write_text("")
+    done = cli("put-back", f"{KIND}=1", "--root", str(root), "--state-dir", str(state))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (f"{KIND}=1: put-back requested; the agent puts it back after --threshold passing "
+                           "checks\n")
+    watcher.check()
+    assert watcher.unhealthy() == frozenset()
+    assert [e["event"] for e in events.device_history(str(state), f"{KIND}=1")[f"{KIND}=1"]][-4:] == [
+        "put-back-requested", "cleared", "healthy", "put-back"]

@@ -267,12 +267,17 @@ def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple
     node = node or Node(root, profile_dirs=profile_dirs, check=False)
     host = node.host
     matches = node.find(device)
-    if len(matches) != 1:
-        raise DevinjectError(f"{device}: no such device under {node.root}" if not matches else
-                             f"{device}: names {len(matches)} devices; give one's key (kind=PCI address)")
-    (found,) = matches
-    key = device_key(found.profile.kind, found.address)
-    accepted = {pci.address: aer_totals(host, pci) for pci in found.functions}
+    channels = node.find_channels(device)  # no readings to accept: its node is there again or not
+    if len(matches) + len(channels) != 1:
+        raise DevinjectError(f"{device}: no such device under {node.root}" if not (matches or channels) else
+                             f"{device}: names {len(matches) + len(channels)} devices; give one's key "
+                             "(kind=PCI address)")
+    if channels:
+        key, accepted = channels[0].key, {}
+    else:
+        (found,) = matches
+        key = device_key(found.profile.kind, found.address)
+        accepted = {pci.address: aer_totals(host, pci) for pci in found.functions}
     try:
         add_request(state_dir, key, accepted)
         events.record(state_dir, "put-back-requested", key, aer={fn: list(c) for fn, c in accepted.items()},
