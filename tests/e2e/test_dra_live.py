@@ -7,7 +7,8 @@ Through the API and the real scheduler: the slices published and read back; a cl
 `matchAttribute: resource.kubernetes.io/pcieRoot` gets two GPUs under one root and the pod sees exactly their
 nodes; a GPU+NIC claim gets a co-located pair; a claim no root can meet leaves its pod Pending with the
 scheduler's reason; deleting the pod unprepares the claim (its spec goes); the driver restarted mid-life keeps
-the prepared claim and cleans it when the pod goes.
+the prepared claim and cleans it when the pod goes, and books it again over its running pod after a ledger
+rebuild.
 
 A missing prerequisite fails, never skips. The cluster is always taken down (`cluster-down.sh --purge`)."""
 
@@ -225,6 +226,41 @@ def test_a_restarted_driver_keeps_the_claim_and_cleans_it_on_delete(cluster: Clu
     cluster.start_driver()
     cluster.delete_pod("kept")
     until(lambda: not spec.exists(), 90, "the claim's spec removed by the restarted driver")
+
+
+def test_a_claim_is_booked_again_over_its_running_pod_after_a_ledger_rebuild(cluster: Cluster) -> None:
+    """Issue 21: the ledger corrupt while a claim's pod runs; the next access rebuilds it from live evidence,
+    which books the pod's container (its device cgroup grants the GPU) with its pod, read from its cgroup;
+    the restarted driver books the claim again (it was refused, "its devices are not in the ledger", and the
+    GPU looked free to the hook once that container ended), and a process in no pod is still refused it."""
+    from devinject.core.errors import LedgerError
+    from devinject.nodestate.ledger import Claim, Ledger
+
+    claim_pod(cluster, "rebuilt", [("gpu", "gpu.devinject.io", 1)], match=False)
+    try:
+        until(lambda: cluster.running("rebuilt"), 120, "pod rebuilt Running")
+        pod_uid = cluster.pod("rebuilt")["metadata"]["uid"]
+        uid = cluster.claim_of("rebuilt")["metadata"]["uid"]
+        (device,) = json.loads((CDI / f"{DRIVER}-{uid}.json").read_text())["devices"]
+        (gpu,) = device["containerEdits"]["deviceNodes"]
+        node, booking = f"c {gpu['major']}:{gpu['minor']}", f"dra-claim:{DRIVER}:{uid}"
+        cluster.stop_driver()
+        (STATE / "ledger.json").write_text('{"allocations": {"c1": {"exclus')
+        rebuilt = Ledger(str(STATE)).snapshot()["allocations"]
+        assert booking not in rebuilt
+        assert {e.get("pod") for e in rebuilt.values() if node in e["exclusive"]} == {pod_uid}, rebuilt
+        logged = cluster.log.stat().st_size
+        cluster.start_driver()
+        until(lambda: booking in Ledger(str(STATE)).snapshot()["allocations"], 30, "the claim booked again")
+        with open(cluster.log, "rb") as handle:
+            handle.seek(logged)
+            assert b"its devices are not in the ledger" not in handle.read()
+        with pytest.raises(LedgerError, match=f"device {node} is held by container"):
+            Ledger(str(STATE)).book("hook-style", os.getpid(), (Claim("nvidia.com/gpu=0", (node,)),))
+    finally:
+        if cluster.driver is None:
+            cluster.start_driver()  # the pod's claim is unprepared by it, and the next tests need it
+        cluster.delete_pod("rebuilt")
 
 
 FIGURES = REPO / "build" / "dra-figures.json"
