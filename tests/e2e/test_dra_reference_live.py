@@ -23,8 +23,9 @@ Not applicable to the reference driver, so only in test_dra_live.py:
 - `matchAttribute: resource.kubernetes.io/pcieRoot` (two GPUs under one root, a GPU and a NIC co-located): the
   reference publishes devices with no attributes and of one kind;
 - MIG instances and their whole GPU (shared counters): the reference publishes no counters or partitions;
-- device health (a fault leaving the slice, `allocatedResourcesStatus`): the reference has no health source
-  to fault: no flag, no file, only its in-process e2e hooks;
+- device health (a fault leaving the slice, `allocatedResourcesStatus`): the reference serves
+  NodeWatchResources but sends empty updates (every 2 s, its log says), with no flag or file to make a device
+  unhealthy from outside its process;
 - the figures (pod-to-Running timing against the reference, which test_dra_live.py already measures in one
   run; the 1,024-device host's publish time; RSS): measurements, not assertions.
 
