@@ -29,7 +29,7 @@ from bench.bench_hook import compile_bytecode  # noqa: E402
 HOOK_MODULES = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.request", "devinject.hook.registry",
                 "devinject.hook.plan", "devinject.hook.executor", "devinject.hook.nsenter",
                 "devinject.hook.linkercache", "devinject.hook.cgroup", "devinject.hook.bpf",
-                "devinject.nodestate.ledger", "devinject.nodestate.sharing", "devinject.core.spec")
+                "devinject.nodestate.ledger", "devinject.nodestate.profilefacts", "devinject.core.spec")
 
 
 def variant(json_package: bool, ctypes_package: bool, typing_records: bool) -> str:

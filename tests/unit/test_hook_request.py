@@ -36,7 +36,7 @@ def test_devinject_devices_env_and_dedup():
 )
 def test_vendor_variables(env, names, tmp_path):
     """The variables and their kinds come from the shipped profiles' `request-env`."""
-    from devinject.nodestate.sharing import request_variables
+    from devinject.nodestate.profilefacts import request_variables
 
     vendor_env = request_variables(str(tmp_path))
     assert requested_devices({}, (env,), allow_env=True, vendor_env=vendor_env).names == names

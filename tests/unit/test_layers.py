@@ -183,7 +183,7 @@ def test_profiles_are_loaded_in_one_place() -> None:
     (core/paths.py), and every command, the agent and the hook's cache miss ask a node. `Host(root) ->
     load_profiles -> discover` was wired by hand in seven places, two of them without --profile-dir."""
     assert _callers("load_profiles") == {"devinject.discovery.node"}
-    assert _callers("profile_search_path") == {"devinject.discovery.profiles", "devinject.nodestate.sharing"}
+    assert _callers("profile_search_path") == {"devinject.discovery.profiles", "devinject.nodestate.profilefacts"}
     assert "devinject.api" in import_graph()["devinject.cli"]
 
 

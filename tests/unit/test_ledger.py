@@ -181,7 +181,7 @@ def test_fifty_parallel_bookings_for_eight_devices_never_double_allocate(tmp_pat
 
 def test_the_shipped_profiles_decide_sharing_when_no_policy_is_given(tmp_path):
     """Without an explicit policy the ledger asks the profiles: RDMA NICs are shared, GPUs exclusive."""
-    from devinject.nodestate.sharing import sharing_policy
+    from devinject.nodestate.profilefacts import sharing_policy
 
     policy = sharing_policy(str(tmp_path))
     assert policy["nvidia.com/rdma"] == "shared" and policy["nvidia.com/gpu"] == "exclusive"

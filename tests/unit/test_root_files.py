@@ -21,7 +21,7 @@ from devinject.core.trusteddir import append, trusted_dir
 from devinject.hook.registry import Registry
 from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger
-from devinject.nodestate.sharing import sharing_policy
+from devinject.nodestate.profilefacts import sharing_policy
 from tests.conftest import HOSTS
 from tests.e2e.conftest import require, terminate
 
@@ -110,11 +110,11 @@ def test_the_ledger_refuses_a_state_dir_others_can_write(tmp_path: Path) -> None
 
 
 def test_sharing_facts_are_read_only_from_a_directory_that_is_roots_alone(tmp_path: Path) -> None:
-    """A planted sharing cache would make an exclusive GPU shared."""
+    """A planted profile-facts cache would make an exclusive GPU shared."""
     state = tmp_path / "state"
     state.mkdir()
     sharing_policy(str(state))  # the real facts, cached
-    cache = state / "sharing-cache.json"
+    cache = state / "profile-facts.json"
     data = json.loads(cache.read_text())
     data["policy"]["nvidia.com/gpu"] = "shared"
     cache.write_text(json.dumps(data))

@@ -169,7 +169,7 @@ def _log(opts: HookOptions, record: dict[str, object]) -> None:
 
 def _trusted_state_dir(opts: HookOptions) -> str:
     """The state dir, created 0755 or checked (root's alone) before the hook reads anything from it: the
-    ledger, health verdicts, sharing facts and cached parses there decide what a container gets."""
+    ledger, health verdicts, profile facts and cached parses there decide what a container gets."""
     from devinject.core.trusteddir import trusted_dir
 
     return trusted_dir(opts.state_dir, error=HookError)
@@ -212,7 +212,7 @@ class HostParts:
             return None
         from devinject.hook.plan import node_identity
         from devinject.nodestate.ledger import Claim, Ledger
-        from devinject.nodestate.sharing import sharing_policy
+        from devinject.nodestate.profilefacts import sharing_policy
 
         policy = sharing_policy(self.opts.state_dir, profile_dirs=self.opts.profile_dirs)
         offered_by: dict[str, set[str]] | None = None
@@ -312,7 +312,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
     bundle = load_bundle(state)
     vendor_env = None
     if opts.env_requests:  # the profiles name the variables (cached: no YAML on a warm start)
-        from devinject.nodestate.sharing import request_variables
+        from devinject.nodestate.profilefacts import request_variables
 
         vendor_env = request_variables(opts.state_dir, profile_dirs=opts.profile_dirs)  # checks the dir
     request = requested_devices({**bundle.annotations, **state.annotations}, bundle.env,

@@ -35,7 +35,7 @@ log = logging.getLogger("devinject.hook-server")
 # What a container start loads: imported once here, so no worker imports anything.
 PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.request", "devinject.hook.registry",
            "devinject.hook.plan", "devinject.hook.nsenter", "devinject.hook.executor", "devinject.hook.cgroup",
-           "devinject.hook.bpf", "devinject.nodestate.ledger", "devinject.nodestate.sharing",
+           "devinject.hook.bpf", "devinject.nodestate.ledger", "devinject.nodestate.profilefacts",
            "devinject.nodestate.evidence")
 RECEIVE_TIMEOUT = 5.0
 SPARES = 3  # workers waiting for a request: container starts come in bursts, and a poststop takes one too

@@ -338,7 +338,7 @@ class Ledger:
         claim's booking gives `for_pods`, the pods the claim is reserved for: it and a booking of one of
         those pods' containers do not clash, either way round; anything else does."""
         if policy is None:
-            from devinject.nodestate.sharing import sharing_policy
+            from devinject.nodestate.profilefacts import sharing_policy
 
             policy = sharing_policy(self.state_dir, profile_dirs=self.profile_dirs)
         names = tuple(claim.name for claim in claims)

@@ -1,6 +1,8 @@
-"""What the hook needs to know of the device families, from the profiles, cached as JSON so a container
-start never parses YAML: each kind's sharing mode ("exclusive" or "shared"), and the env variables other
-vendors' hooks read, mapped onto kinds (`NVIDIA_VISIBLE_DEVICES` -> `nvidia.com/gpu`)."""
+"""The profile facts: what the hook and the ledger need to know of the device families, read from the
+profiles through the node (discovery/node.py) and cached as JSON in the state dir, so a container start never
+parses YAML: each kind's sharing mode ("exclusive" or "shared", which the ledger books by), and the env
+variables other vendors' hooks read, mapped onto kinds (`NVIDIA_VISIBLE_DEVICES` -> `nvidia.com/gpu`). The
+cache is keyed on the identity of every profile file, so an edit (even a `touch -r` one) is read again."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from devinject.core.identity import file_identity
 from devinject.core.paths import SHIPPED_PROFILE_DIR, profile_search_path
 from devinject.core.trusteddir import trusted_dir
 
-CACHE_NAME = "sharing-cache.json"
+CACHE_NAME = "profile-facts.json"
 
 
 def _profile_files(root: str, profile_dirs: tuple[str, ...]) -> list[str]:
