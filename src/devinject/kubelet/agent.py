@@ -9,7 +9,8 @@ The kubelet removes plugin sockets when it starts: a supervisor thread notices i
 (or ours gone) and serves and registers again within `kubelet_poll` seconds. A kubelet that dies leaves its
 socket behind and breaks the ListAndWatch streams: a resource whose stream ended is not ready until it is
 registered again, which waits for something to listen on the kubelet's socket. Device IDs are PCI
-addresses, so they are the same after a plugin restart, and the ledger is untouched by a restart.
+addresses (an IMEX channel's `channel-N`: the resource `nvidia.com/imex-channel`, one device per channel),
+so they are the same after a plugin restart, and the ledger is untouched by a restart.
 
 The log (`kubectl logs`, at info) has one plain line for each thing the agent does: its start, waiting for
 the kubelet (once, then every `WAIT_LOG_EVERY` seconds), each registration and how long it took, a kubelet

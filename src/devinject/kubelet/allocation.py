@@ -1,8 +1,8 @@
 """What the device plugin offers and answers, as plain data (no gRPC here, so every rule is unit-tested).
 
-Device IDs are PCI addresses (a partition: `<address>-gi<G>-ci<C>` for MIG, `<address>-part<N>` for AMD):
-stable across plugin and kubelet restarts, unique on the node, and the names `devinject list` and the
-kernel use. An allocation answers, per container, with
+Device IDs are PCI addresses (a partition: `<address>-gi<G>-ci<C>` for MIG, `<address>-part<N>` for AMD;
+an IMEX channel, which is no PCI function: `channel-<N>`): stable across plugin and kubelet restarts, unique
+on the node, and the names `devinject list` and the kernel use. An allocation answers, per container, with
 
 - `cdi_devices`: the CDI names (`nvidia.com/gpu=0`) for kubelets and runtimes that apply CDI specs;
 - a fallback for runtimes without CDI (containerd 1.6, CRI-O without CDI), built from the same spec: the
@@ -31,7 +31,7 @@ class AllocationError(DevinjectError):
 
 @dataclass(frozen=True, slots=True)
 class PluginDevice:
-    id: str  # the PCI address
+    id: str  # the PCI address (channel-N for an IMEX channel)
     cdi_name: str  # kind=index
     healthy: bool
     place: Place
