@@ -85,16 +85,41 @@ def test_rbac_is_what_the_driver_does() -> None:
 
 
 def test_a_device_class_per_kind_and_partition_the_driver_publishes() -> None:
-    kinds = {p.kind for p in Node("/", check=False).profiles if p.channels is None}
+    """Every kind (an IMEX channel's too: its class selects `type` `channel`, the attribute dra/slices.py gives
+    a channel, and maps the device plugin's `nvidia.com/imex-channel`)."""
+    profiles = Node("/", check=False).profiles
+    kinds = {p.kind for p in profiles}
+    channel_kinds = {p.kind for p in profiles if p.channels is not None}
+    assert channel_kinds == {"nvidia.com/imex-channel"}
     selected = set()
     for deviceclass in by_kind("DeviceClass"):
         (selector,) = deviceclass["spec"]["selectors"]
         expression = selector["cel"]["expression"]
         assert f'device.driver == "{DRIVER}"' in expression
         (kind,) = re.findall(r'\.kind == "([^"]+)"', expression)
+        selected.add(kind)
+        if kind in channel_kinds:
+            assert re.findall(r'\.type == "([^"]+)"', expression) == ["channel"] and ".partition" not in expression
+            assert deviceclass["spec"]["extendedResourceName"] == kind
+            continue
         (partition,) = re.findall(r'\.partition == "([^"]+)"', expression)
         assert partition in ("whole", "mig", "amd")
-        selected.add(kind)
         if partition == "whole" and "extendedResourceName" in deviceclass["spec"]:
             assert deviceclass["spec"]["extendedResourceName"] == kind  # the device plugin's resource name
     assert selected == kinds
+
+
+def test_the_channel_class_selects_exactly_the_published_channels() -> None:
+    """The channel class's selector, read as the scheduler reads its two tests, against the DGX fixture's slices:
+    its two channels, none of its GPUs (the attributes it tests are the ones published)."""
+    from devinject.dra.slices import offers, resource_slices
+    from tests.conftest import HOSTS
+
+    (deviceclass,) = [d for d in by_kind("DeviceClass") if "imex-channel" in d["metadata"]["name"]]
+    expression = deviceclass["spec"]["selectors"][0]["cel"]["expression"]
+    tests = dict(re.findall(rf'device\.attributes\["{re.escape(DRIVER)}"\]\.(\w+) == "([^"]+)"', expression))
+    assert set(tests) == {"kind", "type"}
+    slices = resource_slices(DRIVER, "n", offers(Node(str(HOSTS / "dgx-a100-mig")), "n"))
+    devices = [d for s in slices for d in s["spec"].get("devices", [])]
+    chosen = [d["name"] for d in devices if all(d["attributes"].get(k) == {"string": v} for k, v in tests.items())]
+    assert chosen == ["channel-0", "channel-1"]

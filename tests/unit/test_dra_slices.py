@@ -70,7 +70,8 @@ def test_mig_instances_are_partitionable_devices_of_their_gpu() -> None:
     (counter_set,) = counters[0]["spec"]["sharedCounters"]
     assert counter_set == {"name": "gpu-0000-07-00-0-partitions",
                            "counters": {"gi1-ci0": {"value": "1"}, "gi2-ci0": {"value": "1"}}}
-    assert all(s["spec"]["pool"]["resourceSliceCount"] == 2 for s in slices)
+    pools = sorted((s["spec"]["pool"]["name"], s["spec"]["pool"]["resourceSliceCount"]) for s in slices)
+    assert pools == [("node1-nvidia-com-gpu", 2)] * 2 + [("node1-nvidia-com-imex-channel", 1)]  # test_dra_channels
     devices = devices_of(slices)
     whole = devices["gpu-0000-07-00-0"]
     instance = devices["gpu-0000-07-00-0-gi1-ci0"]

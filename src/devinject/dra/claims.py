@@ -169,18 +169,20 @@ def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
 
 
 def _chosen(offers: list[Offer]) -> list[FoundDevice]:
-    """The devices the spec pipeline builds for these offers: a whole device as itself, the partitions of one
-    device together (its others left out)."""
+    """The PCI devices the spec pipeline builds for these offers: a whole device as itself, the partitions of
+    one device together (its others left out); a channel is none (its profile's channel spec holds it)."""
     whole: dict[str, FoundDevice] = {}
     parts: dict[str, FoundDevice] = {}
     for offer in offers:
-        key = f"{offer.kind}={offer.found.address}"
+        if offer.channel is not None:
+            continue
+        key = f"{offer.kind}={offer.device.address}"
         if offer.partition is None:
-            whole[key] = offer.found
+            whole[key] = offer.device
         else:
             held = parts.get(key)
             partitions = (*(held.partitions if held else ()), offer.partition)
-            parts[key] = replace(offer.found, partitions=partitions)
+            parts[key] = replace(offer.device, partitions=partitions)
     return [*whole.values(), *parts.values()]
 
 
@@ -190,7 +192,7 @@ def _ledger_claim(offer: Offer, edits: ContainerEdits) -> Claim:
     nodes = tuple(node_id_of(n) for n in edits.device_nodes)
     shared: tuple[str, ...] = ()
     if offer.partition is not None:
-        siblings = {node_id_of(n) for p in offer.found.partitions if p != offer.partition for n in p.nodes}
+        siblings = {node_id_of(n) for p in offer.device.partitions if p != offer.partition for n in p.nodes}
         shared = tuple(n for n in nodes if n in siblings or n == node_id_of(offer.partition.nodes[0]))
     return Claim(f"{offer.kind}={offer.name}", nodes, shared)  # type: ignore[arg-type]
 
@@ -275,11 +277,13 @@ class Preparer:
 
     def _spec(self, node: Node, uid: str, offers: list[Offer]) -> tuple[Spec, list[ContainerEdits]]:
         """One spec of kind `<driver>/claim`: a device `<uid>-<device>` per offer with that device's edits as
-        `generate` builds them, and the edits of every kind it holds (libraries, binaries) once for all."""
+        `generate` builds them, and the edits of every kind it holds (libraries, binaries) once for all. A
+        channel's device is the one its profile's channel spec (specs/generate.py channel_spec) names `N`."""
         from devinject.discovery.node import device_names
 
         chosen = _chosen(offers)
-        profiles = list({f.profile.name: f.profile for f in chosen}.values())
+        profiles = list({**{f.profile.name: f.profile for f in chosen},
+                         **{o.channel.profile.name: o.channel.profile for o in offers if o.channel}}.values())
         specs = {s.kind: s for s in build_specs(node.host, profiles, chosen, self.generate, node.view)}
         common = ContainerEdits()
         for spec in specs.values():
@@ -287,8 +291,12 @@ class Preparer:
         devices, edits = [], []
         for offer in offers:
             kind_spec = specs.get(offer.kind)
-            wanted = offer.partition.name if offer.partition is not None else \
-                device_names(offer.found, self.generate.strategies)[0]
+            if offer.channel is not None:
+                wanted = offer.channel.name
+            elif offer.partition is not None:
+                wanted = offer.partition.name
+            else:
+                wanted = device_names(offer.device, self.generate.strategies)[0]
             found = [d for d in (kind_spec.devices if kind_spec else ()) if d.name == wanted]
             if not found:
                 raise PrepareError(f"{offer.pool}/{offer.name}: the spec pipeline builds no device for it")

@@ -3,7 +3,10 @@
 Every `rescan` seconds the node is discovered again (discovery/node.py, as every command sees it); its
 offers (dra/slices.py) minus the devices `watch` took out (their nodes in the state dir's health.json, the
 file the hook and the ledger read) are published when they changed, and the health stream the kubelet
-watches says which devices are unhealthy. Claims are prepared by dra/claims.py.
+watches says which devices are unhealthy. An IMEX channel (a char node, no PCI function) is judged by its
+node as `health` judges it (discovery/channels.py channel_fault): one whose node is gone, or has other
+numbers, leaves the slice and is unhealthy, as a device `watch` took out. Claims are prepared by
+dra/claims.py.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
 from devinject.core.identity import node_id_of
 from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
+from devinject.discovery.channels import channel_fault
+from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.dra.claims import Inventory, Preparer
 from devinject.dra.server import HealthState, PluginServers
@@ -59,9 +64,14 @@ def unhealthy_nodes(state_dir: str) -> set[str]:
     return {n for n in nodes if isinstance(n, str)} if isinstance(nodes, list) else set()
 
 
-def _healthy(offer: Offer, unhealthy: set[str]) -> bool:
-    nodes = offer.partition.nodes if offer.partition is not None else offer.found.nodes
-    return not any(node_id_of(n) in unhealthy for n in nodes)
+def _verdict(host: Host, offer: Offer, unhealthy: set[str]) -> tuple[bool, str]:
+    """(healthy, why not): a channel whose node is gone or not its own; nodes `watch` took out."""
+    fault = channel_fault(host, offer.channel) if offer.channel is not None else None
+    if fault is not None:
+        return False, fault
+    if any(node_id_of(n) in unhealthy for n in offer.nodes):
+        return False, "taken out by the node's health checks"
+    return True, ""
 
 
 class DraDriver:
@@ -72,6 +82,7 @@ class DraDriver:
         self.lock = threading.Lock()
         self._inventory: Inventory | None = None
         self._all: list[Offer] = []
+        self._channels: dict[tuple[str, str], Offer] = {}  # every channel offered since start: one gone is unhealthy
         self.health = HealthState()
         self.published: list[dict[str, Any]] | None = None
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
@@ -88,6 +99,7 @@ class DraDriver:
                    if not gen.kinds or o.kind in gen.kinds]
         with self.lock:
             self._all = offered
+            self._channels.update({(o.pool, o.name): o for o in offered if o.channel is not None})
             self._inventory = Inventory(node, {(o.pool, o.name): o for o in offered})
             return self._inventory
 
@@ -99,14 +111,17 @@ class DraDriver:
     def refresh(self) -> bool:
         """Rediscover, book the prepared claims again (a ledger rebuilt meanwhile knows none), publish when the
         slices changed; True when published."""
-        self.discover()
+        host = self.discover().node.host
         self.preparer.rebook()
         unhealthy = unhealthy_nodes(self.opts.state_dir)
         with self.lock:
             offered = list(self._all)
-        self.health.update({(o.pool, o.name): (_healthy(o, unhealthy), "" if _healthy(o, unhealthy) else
-                                               "taken out by the node's health checks") for o in offered})
-        desired = resource_slices(self.opts.driver, self.opts.node_name, [o for o in offered if _healthy(o, unhealthy)])
+            present = {(o.pool, o.name) for o in offered}
+            gone = [o for key, o in self._channels.items() if key not in present]
+        verdicts = {(o.pool, o.name): _verdict(host, o, unhealthy) for o in [*offered, *gone]}
+        self.health.update(verdicts)
+        desired = resource_slices(self.opts.driver, self.opts.node_name,
+                                  [o for o in offered if verdicts[(o.pool, o.name)][0]])
         if desired == self.published:
             return False
         self.publisher.publish([dict(s) for s in desired])

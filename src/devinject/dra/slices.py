@@ -13,6 +13,10 @@ own, the whole device all of them, so the scheduler never gives the whole GPU an
 claims. The counter sets go in a slice of their own (the API allows devices or sharedCounters in one slice,
 not both), and no slice holds more devices than the API allows (128; 64 when they consume counters or carry
 taints).
+
+A family of char-node devices (IMEX channels, discovery/channels.py) is a pool of its own too: channel N is
+device `channel-N` (the name NVIDIA's DRA driver gives it) with `type` `channel` and `id` N (its attributes
+there too), its kind, vendor and `partition` `whole`, and no PCI attribute (it has no PCI function).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from devinject.core.model import DeviceNode
+from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
@@ -60,18 +66,32 @@ class Offer:
     pool: str
     name: str
     kind: str
-    found: FoundDevice  # a whole device: its partitions left out (the whole GPU's own edits)
+    found: FoundDevice | None  # a whole device: its partitions left out (the whole GPU's own edits); None: a channel
     partition: Partition | None
     attributes: tuple[tuple[str, dict[str, object]], ...]
     capacity: tuple[tuple[str, str], ...] = ()
     consumes: tuple[str, ...] = ()  # counters of the parent's counter set this device consumes
+    channel: ChannelDevice | None = None  # a char-node device (an IMEX channel), which has no PCI function
+
+    @property
+    def device(self) -> FoundDevice:
+        """The PCI device of an offer that is not a channel's."""
+        assert self.found is not None, f"{self.name} is a channel"
+        return self.found
+
+    @property
+    def nodes(self) -> tuple[DeviceNode, ...]:
+        """The device nodes the offer stands for: its channel's, its partition's or its device's."""
+        if self.channel is not None:
+            return (self.channel.node,)
+        return self.partition.nodes if self.partition is not None else self.device.nodes
 
     def to_json(self) -> dict[str, object]:
         device: dict[str, object] = {"name": self.name, "attributes": dict(self.attributes)}
         if self.capacity:
             device["capacity"] = {name: {"value": value} for name, value in self.capacity}
         if self.consumes:
-            device["consumesCounters"] = [{"counterSet": counter_set_name(self.found),
+            device["consumesCounters"] = [{"counterSet": counter_set_name(self.device),
                                            "counters": {c: {"value": "1"} for c in self.consumes}}]
         return device
 
@@ -89,7 +109,8 @@ def _capacity(host: Host, found: FoundDevice) -> tuple[tuple[str, str], ...]:
 
 def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | None = None) -> list[Offer]:
     """Every device of the node as the driver offers it, in discovery order (a partitioned device's
-    instances right after it). `driver_versions`: kind -> the running driver's version (None: not known)."""
+    instances right after it), then its channels by number. `driver_versions`: kind -> the running driver's
+    version (None: not known)."""
     versions = driver_versions or {}
     out: list[Offer] = []
     for found in node.devices():
@@ -125,7 +146,19 @@ def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | 
                 attributes["uuid"] = {"string": partition.uuid}
             out.append(Offer(pool, device_name(found, partition), kind, found, partition,
                              tuple(attributes.items()), (), (partition.key,)))
-    return out
+    return out + [channel_offer(channel, node_name) for channel in node.channels()]
+
+
+def channel_offer(channel: ChannelDevice, node_name: str) -> Offer:
+    """Channel N as NVIDIA's DRA driver names and describes it (`channel-N`, `type` `channel`, `id` N), with
+    its kind, vendor and partition (`whole`): no PCI, PCIe root or NUMA attribute (a char node, no PCI function)."""
+    kind = channel.profile.kind
+    attributes: dict[str, dict[str, object]] = {
+        "kind": {"string": kind}, "vendor": {"string": channel.profile.vendor_name or kind.partition("/")[0]},
+        "type": {"string": "channel"}, "id": {"int": channel.number},
+        "partition": {"string": "whole"}}  # always set: a selector testing it alone never meets a missing attribute
+    return Offer(pool_name(node_name, kind), f"channel-{channel.number}", kind, None, None,
+                 tuple(attributes.items()), channel=channel)
 
 
 def _chunks(items: list[Offer], size: int) -> list[list[Offer]]:
@@ -140,7 +173,7 @@ def pool_slices(driver: str, node_name: str, pool: str, offered: list[Offer],
     counter_sets = []
     for offer in offered:
         if offer.partition is None and offer.consumes:
-            counter_sets.append({"name": counter_set_name(offer.found),
+            counter_sets.append({"name": counter_set_name(offer.device),
                                  "counters": {c: {"value": "1"} for c in offer.consumes}})
     size = MAX_DEVICES_WITH_COUNTERS if counter_sets else MAX_DEVICES
     specs: list[dict[str, object]] = []
