@@ -176,3 +176,15 @@ def test_put_back_takes_a_channel(host_copy, tmp_path: Path) -> None:  # type: i
     assert watcher.unhealthy() == frozenset()
     assert [e["event"] for e in events.device_history(str(state), f"{KIND}=1")[f"{KIND}=1"]][-4:] == [
         "put-back-requested", "cleared", "healthy", "put-back"]
+
+
+def test_only_the_driver_s_own_node_names_are_channels(host_copy) -> None:  # type: ignore[no-untyped-def]
+    """`channel01` (a leading zero) and `channel²` (a digit that is not ASCII) beside channel0 and channel1:
+    the first made channel 1 twice (`generate`: device '1' defined twice), the second a traceback in list."""
+    root: Path = host_copy("dgx-a100-mig")
+    for stray in ("channel01", "channel\u00b2", "channel", "channel-2"):
+        (root / "dev/nvidia-caps-imex-channels" / stray).write_text("")
+    node = Node(str(root))
+    assert [r.name for r in node.inventory() if r.kind == KIND] == [f"{KIND}=0", f"{KIND}=1"]
+    done = cli("generate", "--root", str(root), "--output", "-", "--kind", KIND)
+    assert done.returncode == 0, done.stderr

@@ -36,14 +36,21 @@ class ChannelDevice:
         return device_key(self.profile.kind, self.name)
 
 
+def _number(name: str, prefix: str) -> int | None:
+    """N of `<prefix>N` as the driver names its nodes (ASCII digits, no leading zero); None for any other
+    file there: `channel01` would be channel 1 twice, `channel²` no number at all."""
+    digits = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(digits) if digits.isascii() and digits.isdigit() and digits == str(int(digits)) else None
+
+
 def profile_channels(view: HostView, profile: Profile) -> list[ChannelDevice]:
     """The channels of one profile with `channels`, by number."""
     rule = profile.channels
     if rule is None or rule.region not in view.majors:
         return []
     major = view.majors[rule.region]
-    numbers = sorted(int(name[len(rule.prefix):]) for name in view.host.listdir(rule.directory)
-                     if name.startswith(rule.prefix) and name[len(rule.prefix):].isdigit())
+    numbers = sorted(n for n in (_number(name, rule.prefix) for name in view.host.listdir(rule.directory))
+                     if n is not None)
     return [ChannelDevice(profile, n, view.node(f"{rule.directory}/{rule.prefix}{n}", major, n)) for n in numbers]
 
 
