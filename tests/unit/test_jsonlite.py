@@ -37,7 +37,8 @@ def test_round_trip_matches_stdlib(doc):
         assert jsonlite.loads(text.encode()) == doc
 
 
-@pytest.mark.parametrize("text", ["", "{", '{"a": 1} x', "[1,]", "NaN", '{"a": Infinity}', "\ufeff{}", "nul"])
+@pytest.mark.parametrize("text", ["", "{", '{"a": 1} x', "[1,]", "NaN", '{"a": Infinity}', "\ufeff{}", "nul",
+                                  "1e400", '{"t": -1e999}'])
 def test_invalid_documents_raise_value_error(text):
     with pytest.raises(ValueError):
         jsonlite.loads(text)
@@ -57,3 +58,10 @@ def test_non_serialisable_and_nan_are_refused():
 def test_the_codec_in_use_does_the_work(codec):
     assert (jsonlite._loads is fastjson.loads) == (codec == "fastjson")
 
+
+
+def test_a_circular_structure_is_a_value_error():
+    loop: list[object] = []
+    loop.append(loop)
+    with pytest.raises(ValueError):
+        jsonlite.dumps(loop)

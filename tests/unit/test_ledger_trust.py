@@ -66,6 +66,9 @@ def test_a_zombie_container_process_is_dead_and_its_device_reclaimed(tmp_path: P
     (json.dumps({"allocations": {"c1": {"devices": [], "exclusive": [], "shared": [], "pid": "1",
                                         "start_time": 1, "state": "active"}}}).encode(),
      "allocation c1: pid is not an integer"),
+    # a float out of range parsed as inf: the ledger then could not be written back, and the lock was held
+    (b'{"allocations": {"c1": {"devices": [], "exclusive": [], "shared": [], "pid": 1, "start_time": 1, '
+     b'"state": "active", "time": 1e400}}}', "unreadable"),
 ])
 def test_a_broken_ledger_is_moved_aside_and_the_node_goes_on(tmp_path: Path, content: bytes, reason: str) -> None:
     (tmp_path / "ledger.json").write_bytes(content)
@@ -143,3 +146,24 @@ def test_events_file_is_rotated_not_grown_forever(tmp_path: Path, monkeypatch: p
     assert current.stat().st_size <= 4096 and rotated.stat().st_size <= 4096
     assert json.loads(current.read_text().splitlines()[-1])["container"] == "c499"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "events.jsonl.1"]
+
+
+def test_the_lock_is_released_whatever_fails_after_it_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) \
+        -> None:
+    """A failure between taking the lock and handing the contents over (here the snapshot of what was read)
+    released nothing: a long-lived agent then held the node's ledger lock and every hook timed out."""
+    from devinject.nodestate import ledger as ledger_module
+
+    Ledger(str(tmp_path)).book("c1", os.getpid(), claim("c 195:0"), POLICY)
+    real = ledger_module.jsonlite.dumps
+
+    def failing(obj: object, *, sort_keys: bool = False) -> str:
+        raise ValueError("the snapshot failed")
+
+    monkeypatch.setattr(ledger_module.jsonlite, "dumps", failing)
+    with pytest.raises(ValueError, match="the snapshot failed"):
+        with Ledger(str(tmp_path)).locked():
+            pass
+    monkeypatch.setattr(ledger_module.jsonlite, "dumps", real)
+    taker = subprocess.run(["flock", "--nonblock", str(tmp_path / "ledger.lock"), "true"], timeout=10)
+    assert taker.returncode == 0, "the ledger lock is still held"

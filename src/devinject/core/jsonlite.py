@@ -4,7 +4,7 @@ Not at import time: the hook's modules import this one on every container start 
 (and every `cdi-hook`), and `json` pulls in `re` and `enum` (~5 ms). The hook installs a codec of its own
 instead (hook/fastjson.py, `install`): the one place that reaches into CPython's private `_json`, measured by
 bench/bench_hook_imports.py. Both codecs give the same text and values; NaN and Infinity are refused both
-ways, as JSON has no such values.
+ways, as JSON has no such values (a number out of a double's range too, which would parse as inf).
 """
 
 from __future__ import annotations
@@ -19,10 +19,18 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def finite_float(text: str) -> float:
+    """A JSON number as a float; ValueError for one out of a double's range (`1e400` is no inf here)."""
+    value = float(text)
+    if value - value != 0:  # inf (or nan): inf - inf is nan, and nan != 0
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
 def stdlib_loads(text: str) -> Any:
     import json
 
-    return json.loads(text, parse_constant=_refuse_constant)
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=finite_float)
 
 
 def stdlib_dumps(obj: object, sort_keys: bool) -> str:

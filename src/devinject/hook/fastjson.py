@@ -30,7 +30,7 @@ class _Context:
     strict = True
     object_hook = None
     object_pairs_hook = None
-    parse_float = float
+    parse_float = staticmethod(jsonlite.finite_float)  # a number out of range is no inf
     parse_int = int
 
     @staticmethod
@@ -44,10 +44,12 @@ def _refuse(obj: object) -> Any:
 
 if _json is not None:
     _scan = _json.make_scanner(_Context())  # type: ignore[arg-type]  # duck-typed context, as json's
-    _encoders = {
-        flag: _json.make_encoder(None, _refuse, _json.encode_basestring_ascii, None, ": ", ", ", flag, False, False)
-        for flag in (False, True)
-    }
+
+
+def _encoder(sort_keys: bool) -> Any:
+    """The C encoder as json.dumps makes it; a fresh `markers` dict per call, so a circular structure is a
+    ValueError (as json's), not a RecursionError."""
+    return _json.make_encoder({}, _refuse, _json.encode_basestring_ascii, None, ": ", ", ", sort_keys, False, False)
 
 
 def _skip(text: str, index: int) -> int:
@@ -71,7 +73,7 @@ def loads(text: str) -> Any:
 
 
 def dumps(obj: object, sort_keys: bool) -> str:
-    return "".join(_encoders[sort_keys](obj, 0))
+    return "".join(_encoder(sort_keys)(obj, 0))
 
 
 def install() -> None:

@@ -147,10 +147,10 @@ class _Locked:
         self.lock.__enter__()
         try:
             self.data = self.ledger._read()
+            self.before = jsonlite.dumps(self.data, sort_keys=True)
         except BaseException:
-            self.lock.__exit__()
+            self.lock.__exit__()  # whatever went wrong, never leave the node's ledger locked
             raise
-        self.before = jsonlite.dumps(self.data, sort_keys=True)
         return self.data
 
     def __exit__(self, kind: object, *rest: object) -> None:
