@@ -22,3 +22,14 @@ def test_only_the_hook_s_backend_keeps_the_package_out(package: str, lean: str, 
     done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": SRC})
     assert done.stdout.strip() == str(not installed), done.stderr
+
+
+def test_the_hook_server_preloads_the_hook_s_backends_and_a_request_keeps_them() -> None:
+    """preload() warmed the C library through the ctypes package, and each request's hook/main install threw
+    the warmed functions away (and mixed two backends in one process)."""
+    code = ("import sys\nfrom devinject.hook import server\nserver.preload()\nfrom devinject.core import libc\n"
+            "from devinject.hook import fastlibc\nwarm = libc.function('syscall')\nfastlibc.install()\n"
+            "print('ctypes' in sys.modules, 'json' in sys.modules, libc.function('syscall') is warm)\n")
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": SRC})
+    assert done.stdout.split() == ["False", "False", "True"], done.stdout + done.stderr

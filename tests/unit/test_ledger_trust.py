@@ -161,9 +161,8 @@ def test_the_lock_is_released_whatever_fails_after_it_is_taken(tmp_path: Path, m
         raise ValueError("the snapshot failed")
 
     monkeypatch.setattr(ledger_module.jsonlite, "dumps", failing)
-    with pytest.raises(ValueError, match="the snapshot failed"):
-        with Ledger(str(tmp_path)).locked():
-            pass
+    with pytest.raises(ValueError, match="the snapshot failed"), Ledger(str(tmp_path)).locked():
+        pass
     monkeypatch.setattr(ledger_module.jsonlite, "dumps", real)
     taker = subprocess.run(["flock", "--nonblock", str(tmp_path / "ledger.lock"), "true"], timeout=10)
     assert taker.returncode == 0, "the ledger lock is still held"

@@ -67,10 +67,12 @@ def _current() -> Backend:
 
 
 def install(backend: Backend) -> None:
-    """Use another backend from now on, in this process (the hook's import-free one)."""
+    """Use another backend from now on, in this process (the hook's import-free one); the functions already
+    looked up stay when it is the one in use."""
     global _backend
-    _backend = backend
-    _functions.clear()
+    if backend is not _backend:
+        _backend = backend
+        _functions.clear()
 
 
 def function(name: str) -> Callable[..., int]:

@@ -65,5 +65,8 @@ class Backend:
         return _ctypes.addressof(array)
 
 
+_BACKEND = Backend()
+
+
 def install() -> None:
-    libc.install(Backend())
+    libc.install(_BACKEND)

@@ -56,7 +56,10 @@ def preload() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     from devinject.core import libc
+    from devinject.hook import fastjson, fastlibc
 
+    fastjson.install()  # what hook/main installs: the workers' requests find it in place, nothing cleared
+    fastlibc.install()
     libc.function("syscall")  # the C library, loaded once
 
 
