@@ -72,8 +72,30 @@ def pod_container(v1_device_cgroup: Path, pod: str) -> Iterator[int]:
         yield container.pid
 
 
-def corrupt_ledger(dirs: dict[str, str]) -> None:
+def corrupt_ledger(dirs: dict[str, str], *, claims_too: bool = True) -> None:
+    """The ledger broken; `claims_too`: the claims' own copy (ledger-claims.json) lost as well, so the rebuild
+    cannot keep the claim and the driver's round must book it again."""
     Path(dirs["state"], "ledger.json").write_text('{"allocations": {"c1": {"exclus')
+    if claims_too:
+        Path(dirs["state"], "ledger-claims.json").unlink()
+
+
+def test_a_rebuild_keeps_the_claims_bookings(driver: DraDriver, dirs: dict[str, str],
+                                             v1_device_cgroup: Path) -> None:
+    """No process shows a claim's devices in use (a claim is booked for pid 1): the rebuild took them from
+    live evidence alone, so until the driver's next round (up to a rescan later) the claim's GPU was free to
+    anyone. Kept beside the ledger, they are in the rebuilt ledger at once, with the pod's container."""
+    driver.preparer.prepare("default", "held", UID)
+    with pod_container(v1_device_cgroup, POD):
+        corrupt_ledger(dirs, claims_too=False)
+        allocations = Ledger(dirs["state"]).snapshot()["allocations"]
+        assert allocations[BOOKING]["pods"] == [POD]
+        assert [e.get("pod") for n, e in allocations.items() if n != BOOKING and GPU_NODE in e["exclusive"]] \
+            == [POD]
+    # the pod's container gone: the claim alone holds the GPU, no driver round in between
+    with pytest.raises(LedgerError, match=f"device {GPU_NODE} is held by container {BOOKING}"):
+        Ledger(dirs["state"]).book("intruder", os.getpid(), (Claim("nvidia.com/gpu=1", (GPU_NODE,)),))
+    assert driver.preparer.rebook() == 0
 
 
 def test_a_prepared_claim_books_and_checkpoints_its_pods(driver: DraDriver, dirs: dict[str, str]) -> None:
@@ -84,8 +106,9 @@ def test_a_prepared_claim_books_and_checkpoints_its_pods(driver: DraDriver, dirs
 
 def test_the_claim_is_booked_again_over_its_pods_recovered_container(driver: DraDriver, dirs: dict[str, str],
                                                                      v1_device_cgroup: Path) -> None:
-    """Prepared; the ledger corrupt; the next access rebuilds it and books the pod's running container; the
-    driver's round books the claim again (no refusal), and a process in no pod is still refused the GPU."""
+    """Prepared; the ledger and the claims' copy lost; the next access rebuilds it and books the pod's running
+    container; the driver's round books the claim again (no refusal), and a process in no pod is refused the
+    GPU by the claim once the pod's container is gone."""
     driver.preparer.prepare("default", "held", UID)
     with pod_container(v1_device_cgroup, POD):
         corrupt_ledger(dirs)
@@ -94,8 +117,8 @@ def test_the_claim_is_booked_again_over_its_pods_recovered_container(driver: Dra
         assert [e.get("pod") for e in allocations.values() if GPU_NODE in e["exclusive"]] == [POD]
         assert driver.preparer.rebook() == 0
         assert BOOKING in Ledger(dirs["state"]).snapshot()["allocations"]
-        with pytest.raises(LedgerError, match=f"device {GPU_NODE} is held by container"):
-            Ledger(dirs["state"]).book("intruder", os.getpid(), (Claim("nvidia.com/gpu=1", (GPU_NODE,)),))
+    with pytest.raises(LedgerError, match=f"device {GPU_NODE} is held by container {BOOKING}"):
+        Ledger(dirs["state"]).book("intruder", os.getpid(), (Claim("nvidia.com/gpu=1", (GPU_NODE,)),))
 
 
 def test_a_container_of_another_pod_still_keeps_the_claim_out(driver: DraDriver, dirs: dict[str, str],

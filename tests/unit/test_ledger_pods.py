@@ -102,7 +102,7 @@ HIERARCHY = "devinject-test-pods"  # a named cgroup v1 hierarchy of the tests' o
 
 
 @contextlib.contextmanager
-def in_a_pod(pid: int, uid: str, layout: str = "cgroupfs") -> Iterator[None]:
+def in_a_pod(pid: int, uid: str, layout: str = "cgroupfs", container: str = CTR) -> Iterator[None]:
     """Process `pid` in a pod's cgroup as the kubelet makes it, in a real cgroup hierarchy (a named v1 one of
     the test's own, which no kubelet or runtime touches): the kernel's own /proc/<pid>/cgroup text names it.
     Moved back out and removed however the test ends. Needs root."""
@@ -114,9 +114,9 @@ def in_a_pod(pid: int, uid: str, layout: str = "cgroupfs") -> Iterator[None]:
     if layout == "systemd":
         escaped = uid.replace("-", "_")
         parts = ["kubepods.slice", "kubepods-besteffort.slice", f"kubepods-besteffort-pod{escaped}.slice",
-                 f"cri-containerd-{CTR}.scope"]
+                 f"cri-containerd-{container}.scope"]
     else:
-        parts = ["kubepods", "besteffort", f"pod{uid}", CTR]
+        parts = ["kubepods", "besteffort", f"pod{uid}", container]
     leaf = Path(mount_point, *parts)
     try:
         leaf.mkdir(parents=True)
@@ -194,3 +194,48 @@ def test_the_pod_fields_are_validated() -> None:
     assert ledger_problem({"allocations": {"a": {**entry, "pod": [POD]}}}) == "allocation a: pod is not a string"
     assert ledger_problem({"allocations": {"a": {**entry, "pods": POD}}}) == \
         "allocation a: pods is not a list of strings"
+
+
+def test_two_containers_of_a_pod_share_the_devices_its_claim_holds(tmp_path: Path) -> None:
+    """Claims are the pod's: a main container and a sidecar referencing one claim both reach its device.
+    Two containers of the pod on a device no claim of theirs holds still clash, and so does another pod."""
+    ledger = Ledger(str(tmp_path))
+    ledger.book(CLAIM, 1, GPU, POLICY, for_pods=(POD,))
+    other_gpu = (Claim("vendor.com/gpu=1", ("c 195:9",)),)
+    with stand_ins(4) as (main, sidecar, third, theirs), in_a_pod(main.pid, POD, container="main"), \
+            in_a_pod(sidecar.pid, POD, container="sidecar"), in_a_pod(third.pid, POD, container="third"), \
+            in_a_pod(theirs.pid, OTHER_POD):
+        assert ledger.book("main", main.pid, GPU + other_gpu, POLICY).new
+        assert ledger.book("sidecar", sidecar.pid, GPU, POLICY).new
+        with pytest.raises(LedgerError, match="device c 195:9 is held by container main"):
+            ledger.book("third", third.pid, other_gpu, POLICY)
+        with pytest.raises(LedgerError, match=f"device {NODE} is held by container"):
+            ledger.book("theirs", theirs.pid, GPU, POLICY)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"x": {"exclusive": "c 1:1"}}', b'{"x": {"devices": [], '
+                                     b'"exclusive": [], "shared": [], "pid": 1, "start_time": 1, "state": "active"}}'])
+def test_a_broken_claims_copy_is_left_out_of_a_rebuild(tmp_path: Path, content: bytes) -> None:
+    """ledger-claims.json broken too (or holding what is no claim's booking): the rebuild goes on from live
+    evidence alone and says so in the event log; the DRA driver's next round books its claims again."""
+    ledger = Ledger(str(tmp_path))
+    ledger.book(CLAIM, 1, GPU, POLICY, for_pods=(POD,))
+    assert json.loads((tmp_path / "ledger-claims.json").read_text())[CLAIM]["pods"] == [POD]
+    (tmp_path / "ledger-claims.json").write_bytes(content)
+    (tmp_path / "ledger.json").write_text('{"allocations": {"c1": {"exclus')
+    assert CLAIM not in Ledger(str(tmp_path)).snapshot()["allocations"]
+    kinds = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert "claims-unreadable" in kinds and "ledger-rebuilt" in kinds
+
+
+def test_the_claims_copy_follows_the_claims(tmp_path: Path) -> None:
+    """Written when a claim is booked or its booking ends, never for a container's booking."""
+    ledger = Ledger(str(tmp_path))
+    with stand_ins(1) as (container,):
+        ledger.book("c1", container.pid, (Claim("vendor.com/gpu=1", ("c 195:9",)),), POLICY)
+        assert not (tmp_path / "ledger-claims.json").exists()
+        ledger.book(CLAIM, 1, GPU, POLICY, for_pods=(POD,))
+        assert list(json.loads((tmp_path / "ledger-claims.json").read_text())) == [CLAIM]
+        ledger.release(CLAIM)
+        ledger.sweep()
+        assert json.loads((tmp_path / "ledger-claims.json").read_text()) == {}

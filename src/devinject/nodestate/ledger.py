@@ -35,6 +35,7 @@ else:
 
 LEDGER_FILE = "ledger.json"
 LOCK_FILE = "ledger.lock"
+CLAIMS_FILE = "ledger-claims.json"  # the claims' bookings alone (DRA), beside the ledger: a rebuild keeps them
 HEALTH_FILE = "health.json"
 LOCK_TIMEOUT = 10.0
 RECLAIM_TIMEOUT = 30.0
@@ -107,6 +108,12 @@ def ledger_problem(data: object) -> str | None:
     return None
 
 
+def claim_bookings(data: dict[str, Any]) -> dict[str, Any]:
+    """The bookings of claims (DRA: `pods`, the pods a claim is reserved for): held for no process of their
+    own, so no live evidence shows them when a lost ledger is rebuilt; kept in CLAIMS_FILE as well."""
+    return {name: entry for name, entry in data.get("allocations", {}).items() if "pods" in entry}
+
+
 def same_pod(booking: dict[str, Any], other: dict[str, Any]) -> bool:
     """Whether one of two bookings is a claim's (`pods`: the pods it is reserved for) and the other a
     container of one of those pods (`pod`, read from its cgroup): the claim holds its devices for that pod's
@@ -142,12 +149,14 @@ class _Locked:
                               error=LedgerError)
         self.data: dict[str, Any] = {}
         self.before = ""
+        self.before_claims = ""
 
     def __enter__(self) -> dict[str, Any]:
         self.lock.__enter__()
         try:
             self.data = self.ledger._read()
             self.before = jsonlite.dumps(self.data, sort_keys=True)
+            self.before_claims = jsonlite.dumps(claim_bookings(self.data), sort_keys=True)
         except BaseException:
             self.lock.__exit__()  # whatever went wrong, never leave the node's ledger locked
             raise
@@ -156,6 +165,9 @@ class _Locked:
     def __exit__(self, kind: object, *rest: object) -> None:
         try:
             if kind is None and jsonlite.dumps(self.data, sort_keys=True) != self.before:
+                claims = claim_bookings(self.data)
+                if jsonlite.dumps(claims, sort_keys=True) != self.before_claims:
+                    self.ledger._write_claims(claims)  # first: a claim is never in the ledger alone
                 self.ledger._write(self.data)
         finally:
             self.lock.__exit__()
@@ -222,7 +234,7 @@ class Ledger:
         from devinject.nodestate import evidence
 
         aside = f"{self.path}.broken-{time.time_ns()}"
-        allocations: dict[str, Any] = {}
+        allocations: dict[str, Any] = self._kept_claims()  # no process shows a claim's devices in use
         now = time.time()
         for holding in evidence.collect(self.proc):
             started = process_start_time(holding.pid, self.proc)
@@ -254,6 +266,31 @@ class Ledger:
             except OSError:
                 self._pid_namespace = None
         return self._pid_namespace
+
+    def _kept_claims(self) -> dict[str, Any]:
+        """The claims' bookings as the ledger last held them (CLAIMS_FILE); none when that file is missing or
+        broken too (the DRA driver books its checkpointed claims again on its next round)."""
+        path = os.path.join(self.state_dir, CLAIMS_FILE)
+        try:
+            with open(path, "rb") as handle:
+                claims = jsonlite.loads(handle.read().decode("utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, UnicodeDecodeError) as err:
+            self.event("claims-unreadable", path=path, reason=str(err))
+            return {}
+        if not isinstance(claims, dict) or ledger_problem({"allocations": claims}) is not None \
+                or not all("pods" in entry for entry in claims.values()):
+            self.event("claims-unreadable", path=path, reason="not the claims' bookings")
+            return {}
+        return claims
+
+    def _write_claims(self, claims: dict[str, Any]) -> None:
+        path = os.path.join(self.state_dir, CLAIMS_FILE)
+        try:
+            jsonlite.replace_file(path, claims, sort_keys=True)
+        except OSError as err:
+            raise LedgerError(f"{path}: cannot write the claims' bookings: {err.strerror}") from None
 
     def _write(self, data: dict[str, Any]) -> None:
         namespace = self.pid_namespace()
@@ -367,6 +404,8 @@ class Ledger:
             from devinject.nodestate.podcgroup import pod_of
 
             pod = pod_of(pid, self.proc)
+            if process_start_time(pid, self.proc) != start_time:  # the pod read is of the process booked
+                raise LedgerError(f"container {container_id}: process {pid} is gone")
             if pod is not None:
                 pods["pod"] = pod
         with self.locked() as data:
@@ -386,6 +425,9 @@ class Ledger:
                                        "pid": pid, "start_time": start_time, "time": time.time(),
                                        "state": "active", "own_pid_ns": has_own_pid_namespace(pid, self.proc),
                                        **pods}
+            # what the claims reserved for this container's pod hold: the pod's containers share it
+            claimed = {node for entry in allocations.values() if booking.get("pod") in entry.get("pods", ())
+                       for node in entry["exclusive"] + entry.get("shared", [])}
             for other_id, entry in allocations.items():
                 if entry.get("recovered") and entry["pid"] == pid:
                     continue  # evidence of this very container from an earlier run of its hook
@@ -396,6 +438,8 @@ class Ledger:
                          | set(shared) & set(entry["exclusive"]))
                 if entry.get("recovered"):  # evidence names nodes, not how their kind shares them
                     clash -= shared_kind
+                if entry.get("pod") is not None and entry.get("pod") == booking.get("pod"):
+                    clash -= claimed  # two containers of one pod, on the devices its claim holds for both
                 if clash:
                     state = entry.get("state", "active")
                     raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "
