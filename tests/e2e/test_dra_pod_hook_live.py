@@ -60,21 +60,25 @@ def claim_booked_for(bundle: Bundle, pod: str) -> str:
 
 
 def run_in(bundle: Bundle, pod: str | None) -> tuple[str, int, str]:
+    """A container (in `pod`'s cgroup, or in none) asking the hook for GPU 0 and opening its node: the
+    fixture's node has no driver behind it, so a container the device cgroup lets through gets ENXIO."""
     name = container_name()
     if pod is None:
         bundle.config["linux"].pop("cgroupsPath", None)
     else:
         bundle.config["linux"]["cgroupsPath"] = pod_cgroup(pod, name)
-    bundle.save(["true"], annotations={"cdi.k8s.io/test": GPU})
+    bundle.save(["sh", "-c", "cat /dev/nvidia0; echo finished"], annotations={"cdi.k8s.io/test": GPU})
     done = bundle.run(name)
-    return name, done.returncode, done.stderr
+    return name, done.returncode, done.stdout + done.stderr
 
 
 def test_the_claims_own_pod_gets_its_gpu_and_no_other_container_does(bundle: Bundle, pod_cgroups: None) -> None:
     node = claim_booked_for(bundle, POD)
-    name, code, stderr = run_in(bundle, POD)
-    assert code == 0, stderr
-    assert [r.get("container") for r in bundle.log_records() if r.get("container") == name and not r.get("error")]
+    name, code, out = run_in(bundle, POD)
+    assert code == 0, out
+    assert "can't open '/dev/nvidia0': No such device or address" in out and "finished" in out, out
+    served = [r for r in bundle.log_records() if r.get("container") == name and r.get("stage") != "poststop"]
+    assert len(served) == 1 and not served[0].get("error") and GPU in str(served[0]), served
     for pod in (OTHER_POD, None):
         _, code, stderr = run_in(bundle, pod)
         assert code != 0 and f"device {node} is held by container {CLAIM}" in stderr, stderr
