@@ -239,3 +239,17 @@ def test_the_claims_copy_follows_the_claims(tmp_path: Path) -> None:
         ledger.release(CLAIM)
         ledger.sweep()
         assert json.loads((tmp_path / "ledger-claims.json").read_text()) == {}
+
+
+def test_the_pods_of_a_shared_claim_share_its_devices(tmp_path: Path) -> None:
+    """One claim reserved for two pods (a job's pods sharing an IMEX channel or a GPU): a container of each
+    reaches the device; a container of a third pod is refused."""
+    third_pod = "5d4c3b2a-1f0e-4d9c-8b7a-6f5e4d3c2b1a"
+    ledger = Ledger(str(tmp_path))
+    ledger.book(CLAIM, 1, GPU, POLICY, for_pods=(POD, OTHER_POD))
+    with stand_ins(3) as (mine, theirs, stranger), in_a_pod(mine.pid, POD), in_a_pod(theirs.pid, OTHER_POD), \
+            in_a_pod(stranger.pid, third_pod):
+        assert ledger.book("mine", mine.pid, GPU, POLICY).new
+        assert ledger.book("theirs", theirs.pid, GPU, POLICY).new
+        with pytest.raises(LedgerError, match=f"device {NODE} is held by container"):
+            ledger.book("stranger", stranger.pid, GPU, POLICY)

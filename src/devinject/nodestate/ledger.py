@@ -425,9 +425,8 @@ class Ledger:
                                        "pid": pid, "start_time": start_time, "time": time.time(),
                                        "state": "active", "own_pid_ns": has_own_pid_namespace(pid, self.proc),
                                        **pods}
-            # what the claims reserved for this container's pod hold: the pod's containers share it
-            claimed = {node for entry in allocations.values() if booking.get("pod") in entry.get("pods", ())
-                       for node in entry["exclusive"] + entry.get("shared", [])}
+            # the claims reserved for this container's pod: their devices are shared by their pods' containers
+            our_claims = [entry for entry in allocations.values() if booking.get("pod") in entry.get("pods", ())]
             for other_id, entry in allocations.items():
                 if entry.get("recovered") and entry["pid"] == pid:
                     continue  # evidence of this very container from an earlier run of its hook
@@ -438,8 +437,9 @@ class Ledger:
                          | set(shared) & set(entry["exclusive"]))
                 if entry.get("recovered"):  # evidence names nodes, not how their kind shares them
                     clash -= shared_kind
-                if entry.get("pod") is not None and entry.get("pod") == booking.get("pod"):
-                    clash -= claimed  # two containers of one pod, on the devices its claim holds for both
+                for reserved in our_claims:  # two containers of a claim's pods, on the devices it holds for both
+                    if entry.get("pod") in reserved["pods"]:
+                        clash -= set(reserved["exclusive"] + reserved.get("shared", []))
                 if clash:
                     state = entry.get("state", "active")
                     raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "
