@@ -188,3 +188,12 @@ def test_only_the_driver_s_own_node_names_are_channels(host_copy) -> None:  # ty
     assert [r.name for r in node.inventory() if r.kind == KIND] == [f"{KIND}=0", f"{KIND}=1"]
     done = cli("generate", "--root", str(root), "--output", "-", "--kind", KIND)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_bare_number_naming_a_gpu_and_a_channel_asks_for_the_key(tmp_path: Path) -> None:
+    """`put-back 1` on the DGX names GPU 1 and channel 1: refused, and the line says how to name a channel
+    (it said kind=PCI address only, which no channel has)."""
+    done = cli("put-back", "1", "--root", str(DGX), "--state-dir", str(tmp_path / "state"))
+    assert done.returncode != 0
+    assert done.stderr.strip().endswith("1: names 2 devices; give one's key (kind=PCI address, a channel's kind=N)"), \
+        done.stderr

@@ -271,7 +271,7 @@ def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple
     if len(matches) + len(channels) != 1:
         raise DevinjectError(f"{device}: no such device under {node.root}" if not (matches or channels) else
                              f"{device}: names {len(matches) + len(channels)} devices; give one's key "
-                             "(kind=PCI address)")
+                             "(kind=PCI address, a channel's kind=N)")
     if channels:
         key, accepted = channels[0].key, {}
     else:
