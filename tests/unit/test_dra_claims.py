@@ -155,3 +155,27 @@ def test_a_checkpoint_whose_pods_are_not_uids_is_corrupt(driver: DraDriver, dirs
     path.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match=f"claim {UID}: pods is not a list of pod UIDs"):
         Checkpoint(str(path)).load()
+
+
+def test_a_claim_checkpointed_without_pods_learns_them_though_the_ledger_holds_it(driver: DraDriver,
+                                                                                   dirs: dict[str, str]) -> None:
+    """An upgrade: the checkpoint and the ledger's booking from before claims recorded their pods, nothing
+    refused (the ledger holds the claim), so the driver's round never asked the API server and the pod's own
+    containers stayed refused by their claim. Now the round asks once, and books and checkpoints the pods."""
+    driver.preparer.prepare("default", "held", UID)
+    path = Path(dirs["state"], "dra-dra.devinject.io.checkpoint.json")
+    old = json.loads(path.read_text())
+    del old["claims"][UID]["pods"]
+    path.write_text(json.dumps(old))
+    ledger_path = Path(dirs["state"], "ledger.json")
+    ledger = json.loads(ledger_path.read_text())
+    del ledger["allocations"][BOOKING]["pods"]
+    ledger_path.write_text(json.dumps(ledger))
+    asked: list[str] = []
+    real = driver.preparer.get_claim
+    driver.preparer.get_claim = lambda namespace, name: asked.append(name) or real(namespace, name)  # type: ignore[method-assign]
+    assert driver.preparer.rebook() == 0
+    assert Ledger(dirs["state"]).snapshot()["allocations"][BOOKING]["pods"] == [POD]
+    assert driver.preparer.prepared()[UID]["pods"] == [POD]
+    assert driver.preparer.rebook() == 0
+    assert asked == ["held"]  # once: the checkpoint has them now

@@ -334,11 +334,16 @@ class Preparer:
         with self.lock:
             claims = self.checkpoint.load()
             refused = 0
+            learned = False
             for uid, entry in claims.items():
                 booked = tuple(Claim(str(n), tuple(nodes), tuple(shared))
                                for n, nodes, shared in entry.get("ledger") or [])  # type: ignore[attr-defined]
                 if not booked:
                     continue
+                if "pods" not in entry:  # checkpointed before claims recorded their pods: asked once
+                    now = self._reserved_pods(uid, entry)
+                    if now is not None:
+                        entry["pods"], learned = list(now), True
                 pods: tuple[str, ...] = tuple(entry.get("pods") or ())  # type: ignore[arg-type]
                 try:
                     try:
@@ -350,10 +355,17 @@ class Preparer:
                         self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=now)
                         entry["pods"] = list(now)
                         self.checkpoint.save(claims)
-                except (LedgerError, CheckpointError) as err:
+                except LedgerError as err:
                     refused += 1
                     log.warning("claim %s/%s (%s): its devices are not in the ledger: %s", entry.get("namespace"),
                                 entry.get("name"), uid, err.message)
+                except CheckpointError as err:  # booked; what it learned of its pods is kept another round
+                    log.warning("claim %s/%s (%s): %s", entry.get("namespace"), entry.get("name"), uid, err.message)
+            if learned:
+                try:
+                    self.checkpoint.save(claims)
+                except CheckpointError as err:
+                    log.warning("%s", err.message)
             return refused
 
     def _reserved_pods(self, uid: str, entry: dict[str, object]) -> tuple[str, ...] | None:
