@@ -90,10 +90,13 @@ def test_the_pod_of_a_kubelet_container_is_read_from_its_cgroup(text: str, uid: 
     # two pods at once: no pod
     f"4:devices:/kubepods/besteffort/pod{POD}/{CTR}\n3:memory:/kubepods/besteffort/pod{OTHER_POD}/{CTR}\n",
     "", "garbage\n",
+    # read from a cgroup namespace of the reader's own (a pod on cgroup v2): relative, so no pod
+    v2(f"/../../kubepods-besteffort-pod{POD.replace('-', '_')}.slice/cri-containerd-{CTR}.scope"),
+    v2(f"/../../../kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{POD.replace('-', '_')}.slice"),
 ], ids=["v1-root", "v2-system-service", "v2-user-session", "v2-user-delegated-kubepods", "v1-kubelet-in-docker",
         "v2-kubepods-slice-below-root", "qos-level", "kubepods-root", "systemd-qos-level", "short-uid", "upper-uid",
         "podx", "unknown-qos", "systemd-unescaped", "systemd-qos-mismatch", "systemd-scope", "two-pods",
-        "empty", "garbage"])
+        "empty", "garbage", "other-cgroupns-sibling", "other-cgroupns-root"])
 def test_anything_else_is_no_pod(text: str) -> None:
     assert podcgroup.parse_pod_uid(text) is None
 
