@@ -1,7 +1,7 @@
 """`devinject dra-driver` on the real control plane (../shared/kube/cluster-up.sh with CONTAINERD=bundled:
 containerd 1.7 applies CDI), run on the host with the admin kubeconfig as the cluster's README says, over the
 4-switch HGX tree (tests/fixtures/topologies/hgx-h100-4sw.yaml: two GPUs and a NIC under each of four host
-bridges) built with real char nodes.
+bridges) built with real char nodes, and two IMEX channels (real nodes, their region in /proc/devices).
 
 Through the API and the real scheduler: the slices published and read back; a claim for 2 GPUs with
 `matchAttribute: resource.kubernetes.io/pcieRoot` gets two GPUs under one root and the pod sees exactly their
@@ -29,6 +29,7 @@ import pytest
 
 from tests.e2e.conftest import REPO
 from tests.e2e.kube import KUBE, need, until
+from tests.fixtures.build_hosts import DYN
 from tests.fixtures.pcie_hosts import build_topology_host
 
 pytestmark = pytest.mark.live
@@ -41,6 +42,7 @@ DRIVER = "dra.devinject.io"
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 SLEEPER = ["sh", "-c", 'trap "exit 0" TERM; sleep 3600 & wait']
 ROOT = "resource.kubernetes.io/pcieRoot"
+IMEX_MAJOR = DYN["nvidia-caps-imex-channels"]
 
 
 class Cluster:
@@ -108,7 +110,11 @@ def cluster() -> Iterator[Cluster]:
     need(os.geteuid() == 0, "needs root")
     need((KUBE / "cluster-up.sh").exists(), f"{KUBE}/cluster-up.sh")
     shutil.rmtree(HOST.parent, ignore_errors=True)
-    build_topology_host("hgx-h100-4sw", HOST, real_nodes=True)
+    host = build_topology_host("hgx-h100-4sw", HOST, real_nodes=True)
+    host.region(IMEX_MAJOR, "nvidia-caps-imex-channels")  # two IMEX channels too, as test_kubelet_live's host
+    for channel in (0, 1):
+        host.node(f"nvidia-caps-imex-channels/channel{channel}", IMEX_MAJOR, channel)
+    host.finish(ldconfig=False)  # /proc/devices with their region
     for directory in (HOST.parent, HOST):
         directory.chmod(0o755)
     cluster = Cluster()
@@ -123,7 +129,8 @@ def cluster() -> Iterator[Cluster]:
                          "spec": {"selectors": [{"cel": {"expression":
                                   f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].kind == "{kind}"'}}]}}
                         for name, kind in (("gpu.devinject.io", "nvidia.com/gpu"),
-                                           ("nic.devinject.io", "nvidia.com/rdma"))])
+                                           ("nic.devinject.io", "nvidia.com/rdma"),
+                                           ("imex.devinject.io", "nvidia.com/imex-channel"))])
         cluster.start_driver()
         yield cluster
     finally:
@@ -164,10 +171,14 @@ def published(cluster: Cluster) -> dict[str, dict[str, Any]]:
 def test_slices_are_published_and_read_back(cluster: Cluster) -> None:
     slices = cluster.slices()
     pools = {s["spec"]["pool"]["name"] for s in slices}
-    assert pools == {f"{cluster.node}-nvidia-com-gpu", f"{cluster.node}-nvidia-com-rdma"}
+    assert pools == {f"{cluster.node}-nvidia-com-gpu", f"{cluster.node}-nvidia-com-rdma",
+                     f"{cluster.node}-nvidia-com-imex-channel"}
     assert all(s["spec"]["nodeName"] == cluster.node for s in slices)
     devices = published(cluster)
-    assert len([n for n in devices if n.startswith("gpu-")]) == 8 and len(devices) == 12
+    assert len([n for n in devices if n.startswith("gpu-")]) == 8 and len(devices) == 14
+    assert devices["channel-1"]["attributes"] == {
+        "kind": {"string": "nvidia.com/imex-channel"}, "vendor": {"string": "NVIDIA"}, "type": {"string": "channel"},
+        "id": {"int": 1}, "partition": {"string": "whole"}}
     gpu = devices["gpu-0000-18-00-0"]["attributes"]
     assert gpu[ROOT] == {"string": "pci0000:15"}
     assert gpu["resource.kubernetes.io/pciBusID"] == {"string": "0000:18:00.0"}
@@ -402,6 +413,7 @@ def test_a_mig_instance_and_its_whole_gpu_are_never_both_allocated(cluster: Clus
     try:
         cluster.apply(*[{"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
                          "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{MIG_DRIVER}" && '
+                                                 f'device.attributes["{MIG_DRIVER}"].kind == "nvidia.com/gpu" && '
                                                  f'device.attributes["{MIG_DRIVER}"].partition == "{part}"'}}]}}
                         for name, part in (("whole.mig.devinject.io", "whole"), ("mig.mig.devinject.io", "mig"))])
         until(lambda: cluster.json("resourceslices", "--field-selector", f"spec.driver={MIG_DRIVER}")["items"],
@@ -457,6 +469,43 @@ def test_opaque_config_is_a_clear_error_in_the_pods_events_and_nothing_is_left(c
         assert not [p for p in CDI.glob(f"{DRIVER}-*.json")], "a claim spec was left behind"
     finally:
         cluster.delete_pod("opaque")
+
+
+def test_a_channel_claim_gives_the_pod_exactly_that_channel(cluster: Cluster) -> None:
+    """A claim for one IMEX channel: the pod runs with that channel's node alone, reachable through its device
+    cgroup (no driver on the channels' major: ENXIO, not EPERM), the channel booked for the claim; the pod gone,
+    its spec goes; a channel whose node is removed leaves the slice, and comes back with it."""
+    from devinject.nodestate.ledger import Ledger
+
+    claim_pod(cluster, "imex", [("channel", "imex.devinject.io", 1)], match=False)
+    try:
+        until(lambda: cluster.running("imex"), 120, "pod imex Running")
+        claim = cluster.claim_of("imex")
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert result["pool"] == f"{cluster.node}-nvidia-com-imex-channel" and result["device"].startswith("channel-")
+        number = int(result["device"].removeprefix("channel-"))
+        uid = claim["metadata"]["uid"]
+        (device,) = json.loads((CDI / f"{DRIVER}-{uid}.json").read_text())["devices"]
+        assert [(n["path"], n["major"], n["minor"]) for n in device["containerEdits"]["deviceNodes"]] == \
+            [(f"/dev/nvidia-caps-imex-channels/channel{number}", IMEX_MAJOR, number)]
+        listed = cluster.kubectl("exec", "imex", "--", "ls", "/dev/nvidia-caps-imex-channels")
+        assert listed.split() == [f"channel{number}"], listed
+        path = f"/dev/nvidia-caps-imex-channels/channel{number}"
+        opened = cluster.kubectl("exec", "imex", "--", "sh", "-c", f"cat {path} 2>&1; true")
+        assert f"can't open '{path}': No such device or address" in opened, opened
+        allocations = Ledger(str(STATE)).snapshot()["allocations"]
+        assert f"c {IMEX_MAJOR}:{number}" in allocations[f"dra-claim:{DRIVER}:{uid}"]["exclusive"], allocations
+    finally:
+        cluster.delete_pod("imex")
+    until(lambda: not (CDI / f"{DRIVER}-{uid}.json").exists(), 60, "the claim's spec removed (unprepared)")
+    node = HOST / "dev/nvidia-caps-imex-channels/channel1"
+    node.unlink()
+    try:
+        until(lambda: "channel-1" not in published(cluster), 30, "channel-1 out of the slice, its node gone")
+        assert "channel-0" in published(cluster)
+    finally:
+        os.mknod(node, 0o020666, os.makedev(IMEX_MAJOR, 1))
+    until(lambda: "channel-1" in published(cluster), 30, "channel-1 back in the slice")
 
 
 def test_a_fault_leaves_the_slice_and_shows_in_the_pods_resource_health(cluster: Cluster) -> None:

@@ -139,7 +139,7 @@ def driver(request: pytest.FixtureRequest, cluster: Cluster) -> Driver:
                       "keeps its prepared claims in memory only (no checkpoint): restarted, it answers the kubelet's "
                       "NodeUnprepareResources for a claim it no longer knows with success and removes nothing")
     gpu = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].kind == "nvidia.com/gpu"'
-    return Driver("devinject", DRIVER, "gpu.devinject.io", gpu, 8, 12, f"{DRIVER} takes no opaque configuration",
+    return Driver("devinject", DRIVER, "gpu.devinject.io", gpu, 8, 14, f"{DRIVER} takes no opaque configuration",
                   lambda: restart(DRIVER, cluster.stop_driver, cluster.start_driver))
 
 
