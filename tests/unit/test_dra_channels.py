@@ -142,3 +142,20 @@ def test_a_channel_watch_took_out_leaves_the_slice(driver: DraDriver, api: FakeA
     driver.refresh()
     assert sorted(devices_of(api.slices)) == ["channel-0"]
     assert health_of(driver)[(POOL, "channel-1")] == (False, "taken out by the node's health checks")
+
+
+def test_a_channel_node_with_other_numbers_leaves_the_slice(driver: DraDriver, api: FakeApi, host: Path) -> None:
+    """A real char node in channel 1's place with another device's numbers (1:3, /dev/null's): not the channel."""
+    if os.geteuid() != 0:
+        pytest.fail("needs root (mknod)")
+    node = host / "dev/nvidia-caps-imex-channels/channel1"
+    node.unlink()
+    os.mknod(node, 0o020666, os.makedev(1, 3))
+    driver.refresh()
+    assert sorted(devices_of(api.slices)) == ["channel-0"]
+    assert health_of(driver)[(POOL, "channel-1")] == (
+        False, "/dev/nvidia-caps-imex-channels/channel1: is c 1:3, not c 233:1")
+    node.unlink()
+    os.mknod(node, 0o020666, os.makedev(233, 1))  # its own numbers: back
+    driver.refresh()
+    assert sorted(devices_of(api.slices)) == ["channel-0", "channel-1"]
