@@ -508,6 +508,26 @@ def test_a_channel_claim_gives_the_pod_exactly_that_channel(cluster: Cluster) ->
     until(lambda: "channel-1" in published(cluster), 30, "channel-1 back in the slice")
 
 
+def test_the_shipped_channel_class_serves_an_unchanged_imex_channel_pod(cluster: Cluster) -> None:
+    """deploy/kubernetes/dra/deviceclasses.yaml as shipped: a pod asking `limits: {nvidia.com/imex-channel: 1}`
+    (the device plugin's resource, no device plugin on the node) gets one channel through its class."""
+    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "imex-extended"},
+                   "spec": {"terminationGracePeriodSeconds": 1, "containers": [
+                       {"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never", "command": SLEEPER,
+                        "resources": {"limits": {"nvidia.com/imex-channel": "1"}}}]}})
+    try:
+        until(lambda: cluster.running("imex-extended"), 120, "pod imex-extended Running")
+        claim_name = cluster.pod("imex-extended")["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+        (result,) = cluster.json("resourceclaim", claim_name)["status"]["allocation"]["devices"]["results"]
+        assert result["driver"] == DRIVER and result["device"].startswith("channel-"), result
+        listed = cluster.kubectl("exec", "imex-extended", "--", "ls", "/dev/nvidia-caps-imex-channels")
+        assert listed.split() == [result["device"].replace("-", "")], listed
+    finally:
+        cluster.delete_pod("imex-extended")
+        cluster.kubectl("delete", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
+
+
 def test_a_fault_leaves_the_slice_and_shows_in_the_pods_resource_health(cluster: Cluster) -> None:
     """The node agent's verdict (health.json in the state dir, as `watch` writes it) for a GPU a pod holds:
     the device leaves the slice, and the kubelet's NodeWatchResources stream puts it Unhealthy in the pod's
