@@ -360,25 +360,33 @@ def test_driver_rss(cluster: Cluster) -> None:
     record("driver_rss_mib", round(rss / 1024, 1))
 
 
+SHIPPED_CLASSES = str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml")
+
+
+def extended_pod(cluster: Cluster, name: str, resource: str) -> dict[str, Any]:
+    """The shipped DeviceClasses applied and a pod asking only `limits: {<resource>: 1}` (no claim of its own,
+    no device plugin on the node), Running: the one allocation result of its extended-resource claim."""
+    cluster.kubectl("apply", "-f", SHIPPED_CLASSES)
+    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                   "spec": {"terminationGracePeriodSeconds": 1, "containers": [
+                       {"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never", "command": SLEEPER,
+                        "resources": {"limits": {resource: "1"}}}]}})
+    until(lambda: cluster.running(name), 120, f"pod {name} Running")
+    claim_name = cluster.pod(name)["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    (result,) = cluster.json("resourceclaim", claim_name)["status"]["allocation"]["devices"]["results"]
+    return result  # type: ignore[no-any-return]
+
+
 def test_the_shipped_device_classes_serve_an_unchanged_extended_resource_pod(cluster: Cluster) -> None:
     """deploy/kubernetes/dra/deviceclasses.yaml applied as shipped; a pod asking `limits: {nvidia.com/gpu: 1}`
     (no claim of its own, no device plugin on the node) is given one whole GPU by DRA."""
-    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
-    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "extended"},
-                   "spec": {"terminationGracePeriodSeconds": 1, "containers": [
-                       {"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never", "command": SLEEPER,
-                        "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}})
     try:
-        until(lambda: cluster.running("extended"), 120, "pod extended Running")
-        status = cluster.pod("extended")["status"]
-        claim_name = status["extendedResourceClaimStatus"]["resourceClaimName"]
-        claim = cluster.json("resourceclaim", claim_name)
-        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        result = extended_pod(cluster, "extended", "nvidia.com/gpu")
         assert result["driver"] == DRIVER and result["device"].startswith("gpu-")
         assert len(devices_seen(cluster, "extended")) == 1
     finally:
         cluster.delete_pod("extended")
-        cluster.kubectl("delete", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
+        cluster.kubectl("delete", "-f", SHIPPED_CLASSES)
 
 
 MIG_DRIVER = "mig.devinject.io"
@@ -511,21 +519,14 @@ def test_a_channel_claim_gives_the_pod_exactly_that_channel(cluster: Cluster) ->
 def test_the_shipped_channel_class_serves_an_unchanged_imex_channel_pod(cluster: Cluster) -> None:
     """deploy/kubernetes/dra/deviceclasses.yaml as shipped: a pod asking `limits: {nvidia.com/imex-channel: 1}`
     (the device plugin's resource, no device plugin on the node) gets one channel through its class."""
-    cluster.kubectl("apply", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
-    cluster.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "imex-extended"},
-                   "spec": {"terminationGracePeriodSeconds": 1, "containers": [
-                       {"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never", "command": SLEEPER,
-                        "resources": {"limits": {"nvidia.com/imex-channel": "1"}}}]}})
     try:
-        until(lambda: cluster.running("imex-extended"), 120, "pod imex-extended Running")
-        claim_name = cluster.pod("imex-extended")["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
-        (result,) = cluster.json("resourceclaim", claim_name)["status"]["allocation"]["devices"]["results"]
+        result = extended_pod(cluster, "imex-extended", "nvidia.com/imex-channel")
         assert result["driver"] == DRIVER and result["device"].startswith("channel-"), result
         listed = cluster.kubectl("exec", "imex-extended", "--", "ls", "/dev/nvidia-caps-imex-channels")
         assert listed.split() == [result["device"].replace("-", "")], listed
     finally:
         cluster.delete_pod("imex-extended")
-        cluster.kubectl("delete", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
+        cluster.kubectl("delete", "-f", SHIPPED_CLASSES)
 
 
 def test_a_fault_leaves_the_slice_and_shows_in_the_pods_resource_health(cluster: Cluster) -> None:
