@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Bundle, container_name
+from tests.e2e.conftest import Bundle, container_name, terminate
 
 pytestmark = pytest.mark.live
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
@@ -35,8 +35,8 @@ def server(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
         yield process, path
     finally:
         running = process.poll() is None
-        process.terminate()
-        process.wait(10)
+        terminate(process, timeout=10)  # SIGKILL after the bound: never left running (its workers follow it)
+        assert not running or process.returncode == 0, f"the server did not stop on SIGTERM: {process.returncode}"
         assert not (running and path.exists())  # on SIGTERM the server removes its socket
         if path.parent.exists():
             for leftover in path.parent.iterdir():
