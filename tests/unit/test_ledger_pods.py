@@ -62,9 +62,15 @@ SYSTEMD_BURSTABLE = (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstab
     (v2(f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{STATIC_POD}.slice"), STATIC_POD),
     # a container writing below its own cgroup (delegation, cgroupns) cannot name another pod
     (v2(f"/kubepods/besteffort/pod{POD}/{CTR}/kubepods/besteffort/pod{OTHER_POD}/x"), POD),
+    # a process in the pod's own cgroup, no container's (both drivers, Guaranteed: no QoS level)
+    (v2(f"/kubepods/pod{POD}"), POD),
+    (v2(f"/kubepods.slice/kubepods-pod{POD.replace('-', '_')}.slice"), POD),
+    # a cgroup name may hold a colon: the line's third field is the rest of it
+    (v2(f"/kubepods/besteffort/pod{POD}/ctr:with:colons"), POD),
 ], ids=["v1-cgroupfs-besteffort", "v1-cgroupfs-burstable", "v1-cgroupfs-guaranteed", "v1-pod-cgroup",
         "v1-systemd-burstable", "v1-systemd-guaranteed", "v2-cgroupfs", "v2-systemd-besteffort",
-        "v2-systemd-guaranteed-crio", "v2-static-pod", "v2-systemd-static-pod", "v2-nested-below-a-pod"])
+        "v2-systemd-guaranteed-crio", "v2-static-pod", "v2-systemd-static-pod", "v2-nested-below-a-pod",
+        "v2-cgroupfs-pod-level", "v2-systemd-pod-level", "colon-in-a-name"])
 def test_the_pod_of_a_kubelet_container_is_read_from_its_cgroup(text: str, uid: str) -> None:
     assert podcgroup.parse_pod_uid(text) == uid
 
@@ -227,8 +233,14 @@ def test_a_broken_claims_copy_is_left_out_of_a_rebuild(tmp_path: Path, content: 
     (tmp_path / "ledger-claims.json").write_bytes(content)
     (tmp_path / "ledger.json").write_text('{"allocations": {"c1": {"exclus')
     assert CLAIM not in Ledger(str(tmp_path)).snapshot()["allocations"]
-    kinds = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert "claims-unreadable" in kinds and "ledger-rebuilt" in kinds
+    logged = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    (unreadable,) = [e for e in logged if e["event"] == "claims-unreadable"]
+    assert unreadable["path"] == str(tmp_path / "ledger-claims.json")
+    if content.startswith(b'{"'):  # JSON, but no claims' bookings
+        assert unreadable["reason"] == "not the claims' bookings"
+    else:  # the parser's own words
+        assert "not the claims' bookings" not in unreadable["reason"] and unreadable["reason"]
+    assert "ledger-rebuilt" in [e["event"] for e in logged]
 
 
 def test_the_claims_copy_follows_the_claims(tmp_path: Path) -> None:
@@ -256,3 +268,42 @@ def test_the_pods_of_a_shared_claim_share_its_devices(tmp_path: Path) -> None:
         assert ledger.book("theirs", theirs.pid, GPU, POLICY).new
         with pytest.raises(LedgerError, match=f"device {NODE} is held by container"):
             ledger.book("stranger", stranger.pid, GPU, POLICY)
+
+
+def fake_process(proc: Path, pid: int, cgroup: bytes) -> None:
+    """/proc/<pid> as the ledger reads it: `stat` (its start time, field 22) and `cgroup`."""
+    (proc / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "stat").write_text(f"{pid} (sleep) S " + " ".join(["0"] * 18) + " 4242 0 0\n")
+    (proc / str(pid) / "cgroup").write_bytes(cgroup)
+
+
+def test_a_booking_reads_its_pod_from_the_proc_it_is_given(tmp_path: Path) -> None:
+    """No root and no cgroup needed: the ledger's `proc` is a tree. The pod is read from that tree's
+    /proc/<pid>/cgroup (a line that is not UTF-8 is read past, not a crash), and it lets the container past
+    its pod's claim; another pod's is refused."""
+    proc = tmp_path / "proc"
+    fake_process(proc, 1, b"0::/init.scope\n")
+    fake_process(proc, 4100, b"5:name=\xff\xfe:/x\n0::/kubepods/besteffort/pod" + POD.encode() + b"/c1\n")
+    fake_process(proc, 4200, b"0::/kubepods/besteffort/pod" + OTHER_POD.encode() + b"/c2\n")
+    ledger = Ledger(str(tmp_path / "state"), proc=str(proc))
+    ledger.book(CLAIM, 1, GPU, POLICY, for_pods=(POD,))
+    assert ledger.book("mine", 4100, GPU, POLICY).new
+    with pytest.raises(LedgerError, match=f"device {NODE} is held by container {CLAIM}"):
+        ledger.book("theirs", 4200, GPU, POLICY)
+    assert json.loads((tmp_path / "state" / "ledger.json").read_text())["allocations"]["mine"]["pod"] == POD
+
+
+def test_two_containers_of_a_pod_share_what_its_claim_holds_not_what_it_shares(tmp_path: Path) -> None:
+    """A claim on a MIG instance holds the instance and shares the parent GPU's node with its siblings: two
+    containers of its pod both taking the whole parent exclusively still clash."""
+    proc = tmp_path / "proc"
+    fake_process(proc, 1, b"0::/init.scope\n")
+    for pid, name in ((4100, "c1"), (4101, "c2")):
+        fake_process(proc, pid, b"0::/kubepods/besteffort/pod" + POD.encode() + b"/" + name.encode() + b"\n")
+    ledger = Ledger(str(tmp_path / "state"), proc=str(proc))
+    ledger.book(CLAIM, 1, (Claim("vendor.com/gpu=0:1", ("c 508:1", "c 195:0"), ("c 195:0",)),), POLICY,
+                for_pods=(POD,))
+    whole = (Claim("vendor.com/gpu=0", ("c 195:0",)),)
+    assert ledger.book("c1-whole", 4100, whole, POLICY).new
+    with pytest.raises(LedgerError, match="device c 195:0 is held by container c1-whole"):
+        ledger.book("c2-whole", 4101, whole, POLICY)

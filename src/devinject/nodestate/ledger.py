@@ -439,7 +439,7 @@ class Ledger:
                     clash -= shared_kind
                 for reserved in our_claims:  # two containers of a claim's pods, on the devices it holds for both
                     if entry.get("pod") in reserved["pods"]:
-                        clash -= set(reserved["exclusive"] + reserved.get("shared", []))
+                        clash -= set(reserved["exclusive"])  # not what it shares with others (a MIG parent)
                 if clash:
                     state = entry.get("state", "active")
                     raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "
