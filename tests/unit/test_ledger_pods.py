@@ -307,3 +307,24 @@ def test_two_containers_of_a_pod_share_what_its_claim_holds_not_what_it_shares(t
     assert ledger.book("c1-whole", 4100, whole, POLICY).new
     with pytest.raises(LedgerError, match="device c 195:0 is held by container c1-whole"):
         ledger.book("c2-whole", 4101, whole, POLICY)
+
+
+def test_a_stale_claims_copy_is_made_good_by_the_next_write(tmp_path: Path) -> None:
+    """The copy once failed to follow the ledger (a full /run): it held a claim the driver had released. A
+    copy compared with what the ledger held before stayed stale, and a rebuild then brought the released
+    claim back, a booking nobody would ever release. Compared with the file, the next write mends it."""
+    proc = tmp_path / "proc"
+    fake_process(proc, 1, b"0::/init.scope\n")
+    fake_process(proc, 4100, b"0::/system.slice/x.service\n")
+    ledger = Ledger(str(tmp_path / "state"), proc=str(proc))
+    ledger.book(CLAIM, 1, GPU, POLICY, for_pods=(POD,))
+    copy = tmp_path / "state" / "ledger-claims.json"
+    stale = copy.read_bytes()
+    ledger.release(CLAIM)
+    ledger.sweep()
+    assert json.loads(copy.read_text()) == {}
+    copy.write_bytes(stale)  # as if that write had failed
+    ledger.book("c1", 4100, (Claim("vendor.com/gpu=1", ("c 195:9",)),), POLICY)
+    assert json.loads(copy.read_text()) == {}
+    (tmp_path / "state" / "ledger.json").write_text('{"allocations": {"c1": {"exclus')
+    assert CLAIM not in ledger.snapshot()["allocations"]

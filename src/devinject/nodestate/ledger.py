@@ -149,14 +149,12 @@ class _Locked:
                               error=LedgerError)
         self.data: dict[str, Any] = {}
         self.before = ""
-        self.before_claims = ""
 
     def __enter__(self) -> dict[str, Any]:
         self.lock.__enter__()
         try:
             self.data = self.ledger._read()
             self.before = jsonlite.dumps(self.data, sort_keys=True)
-            self.before_claims = jsonlite.dumps(claim_bookings(self.data), sort_keys=True)
         except BaseException:
             self.lock.__exit__()  # whatever went wrong, never leave the node's ledger locked
             raise
@@ -165,10 +163,8 @@ class _Locked:
     def __exit__(self, kind: object, *rest: object) -> None:
         try:
             if kind is None and jsonlite.dumps(self.data, sort_keys=True) != self.before:
-                claims = claim_bookings(self.data)
-                if jsonlite.dumps(claims, sort_keys=True) != self.before_claims:
-                    self.ledger._write_claims(claims)  # first: a claim is never in the ledger alone
                 self.ledger._write(self.data)
+                self.ledger._sync_claims(self.data)
         finally:
             self.lock.__exit__()
 
@@ -253,6 +249,7 @@ class Ledger:
             raise LedgerError(f"{self.path}: broken ledger ({reason}) and cannot keep it aside: "
                               f"{err.strerror}") from None
         self._write(rebuilt)  # over the broken file, in one rename
+        self._sync_claims(rebuilt)
         self.event("ledger-rebuilt", reason=reason, moved_to=aside, bookings=len(allocations))
         return rebuilt
 
@@ -285,10 +282,25 @@ class Ledger:
             return {}
         return claims
 
-    def _write_claims(self, claims: dict[str, Any]) -> None:
+    def _sync_claims(self, data: dict[str, Any]) -> None:
+        """CLAIMS_FILE made to hold the ledger's claims' bookings, after the ledger is written: compared with the
+        file itself, not with what the ledger held before, so a write that failed once (the ledger then says
+        one thing and the copy another) is made good by the next, and a released claim never comes back from
+        a stale copy in a rebuild. Nothing is written on a node without claims."""
+        claims = claim_bookings(data)
         path = os.path.join(self.state_dir, CLAIMS_FILE)
+        wanted = jsonlite.dumps(claims, sort_keys=True).encode()
         try:
-            jsonlite.replace_file(path, claims, sort_keys=True)
+            with open(path, "rb") as handle:
+                if handle.read() == wanted:
+                    return
+        except FileNotFoundError:
+            if not claims:
+                return
+        except OSError:
+            pass
+        try:
+            atomicfile.replace(path, wanted)
         except OSError as err:
             raise LedgerError(f"{path}: cannot write the claims' bookings: {err.strerror}") from None
 
