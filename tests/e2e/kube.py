@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -37,3 +39,26 @@ def until(condition: Callable[[], T | None], timeout: float, what: str, every: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(every)
+
+
+class KubeClient:
+    """kubectl against the cluster `cluster-up.sh` keeps in `kube_dir`, with the environment its scripts read
+    (KUBE_DIR, CONTAINERD, KUBECONFIG)."""
+
+    def __init__(self, kube_dir: Path, containerd: str) -> None:
+        self.kube_dir = kube_dir
+        self.env = {**os.environ, "KUBE_DIR": str(kube_dir), "CONTAINERD": containerd,
+                    "KUBECONFIG": str(kube_dir / "admin.kubeconfig")}
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
+        done = subprocess.run([str(self.kube_dir / "bin" / "kubectl"), *args], capture_output=True, text=True,
+                              env=self.env, input=input, timeout=timeout)
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
+        return done.stdout
+
+    def json(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def apply(self, *manifests: dict[str, Any]) -> None:
+        self.kubectl("apply", "-f", "-", input="\n".join(json.dumps(m) for m in manifests))

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import REPO
-from tests.e2e.kube import KUBE, need, until
+from tests.e2e.kube import KUBE, KubeClient, need, until
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
 
 pytestmark = pytest.mark.live
@@ -55,24 +55,13 @@ def run(command: list[str], timeout: float, **kwargs: Any) -> subprocess.Complet
                           **kwargs)
 
 
-class Cluster:
+class Cluster(KubeClient):
     def __init__(self, mode: str) -> None:
+        super().__init__(KUBE_DIR, mode)
         self.mode = mode
-        self.env = {**os.environ, "KUBE_DIR": str(KUBE_DIR), "CONTAINERD": mode,
-                    "KUBECONFIG": str(KUBE_DIR / "admin.kubeconfig")}
         self.figures: dict[str, float] = {}
         self.node = ""
         self.gpus: dict[str, tuple[str, int, int]] = {}  # PCI address -> its node: path, major, minor
-
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
-        done = subprocess.run([str(KUBE_DIR / "bin" / "kubectl"), *args], capture_output=True, text=True,
-                              env=self.env, input=input, timeout=timeout)
-        if check and done.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
-        return done.stdout
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self.kubectl("get", *args, "-o", "json"))
 
     def status(self) -> dict[str, Any]:
         return self.json("node", self.node)["status"]  # type: ignore[no-any-return]
@@ -100,9 +89,6 @@ class Cluster:
             return None
 
         return until(stamp, timeout, f"the kubelet to count {healthy} healthy {GPU}", every=0.5)
-
-    def apply(self, manifest: dict[str, Any]) -> None:
-        self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
 
     def exec(self, pod: str, script: str, namespace: str = "default", container: str | None = None) -> str:
         return self.kubectl("-n", namespace, "exec", pod, *(["-c", container] if container else []), "--",
@@ -389,6 +375,27 @@ def assert_still_running(cluster: Cluster, deployment: dict[str, Any]) -> None:
     assert devices_seen(cluster, pod["metadata"]["name"]) == nodes_of(cluster, allocated)
 
 
+def serves_again(cluster: Cluster, deployment: dict[str, Any], started: float, figure: str, what: str, app: str,
+                 check_devices: bool) -> None:
+    """After the agent pod was replaced (at `started`): it registers again (timed as `figure`), counts all 8
+    GPUs, the running pod keeps its own, and a new one-GPU pod `app` gets one no other pod holds (and sees
+    exactly its nodes, `check_devices`)."""
+    registered = cluster.logged(f"{GPU}: registered with the kubelet", started, 60)
+    record(cluster, figure, round(registered - started, 2))
+    cluster.await_allocatable(8, 60, what)
+    assert_still_running(cluster, deployment)
+    cluster.apply(deployment_manifest(app, 1))
+    try:
+        pod = running_pod(cluster, app)
+        mine = cluster.allocated(pod["metadata"]["uid"])
+        theirs = cluster.allocated(deployment["metadata"]["uid"])
+        assert len(mine) == 1 and not set(mine) & set(theirs), (mine, theirs)
+        if check_devices:
+            assert devices_seen(cluster, pod["metadata"]["name"]) == nodes_of(cluster, mine)
+    finally:
+        cluster.kubectl("delete", "deployment", app, "--wait=false", check=False)
+
+
 def test_a_deleted_agent_pod_comes_back_registers_again_and_no_gpu_is_given_twice(
         cluster: Cluster, deployment: dict[str, Any]) -> None:
     old = cluster.agent()
@@ -398,20 +405,8 @@ def test_a_deleted_agent_pod_comes_back_registers_again_and_no_gpu_is_given_twic
     until(lambda: (p := cluster.agent()) and p["metadata"]["uid"] != old["metadata"]["uid"] and p, 180,
                 "a new agent pod, Ready")
     record(cluster, "agent_pod_deleted_to_ready_s", round(time.time() - started, 2))
-
-    registered = cluster.logged(f"{GPU}: registered with the kubelet", started, 60)
-    record(cluster, "agent_pod_deleted_to_registered_s", round(registered - started, 2))
-    cluster.await_allocatable(8, 60, "after the agent's restart")
-    assert_still_running(cluster, deployment)
-    cluster.apply(deployment_manifest("gpu-one", 1))
-    try:
-        pod = running_pod(cluster, "gpu-one")
-        mine = cluster.allocated(pod["metadata"]["uid"])
-        theirs = cluster.allocated(deployment["metadata"]["uid"])
-        assert len(mine) == 1 and not set(mine) & set(theirs), (mine, theirs)
-        assert devices_seen(cluster, pod["metadata"]["name"]) == nodes_of(cluster, mine)
-    finally:
-        cluster.kubectl("delete", "deployment", "gpu-one", "--wait=false", check=False)
+    serves_again(cluster, deployment, started, "agent_pod_deleted_to_registered_s", "after the agent's restart",
+                 "gpu-one", check_devices=True)
 
 
 def test_a_rolling_update_to_a_new_image_tag_keeps_running_pods_and_their_gpus(
@@ -435,17 +430,8 @@ def test_a_rolling_update_to_a_new_image_tag_keeps_running_pods_and_their_gpus(
                   "the updated agent pod, Ready")
     assert {c["image"] for c in agent["spec"]["containers"] + agent["spec"]["initContainers"]} == {updated}
     record(cluster, "rolling_update_to_ready_s", round(time.time() - started, 2))
-    registered = cluster.logged(f"{GPU}: registered with the kubelet", started, 60)
-    record(cluster, "rolling_update_to_registered_s", round(registered - started, 2))
-    cluster.await_allocatable(8, 60, "after the rolling update")
-    assert_still_running(cluster, deployment)
-    cluster.apply(deployment_manifest("gpu-after-update", 1))
-    try:
-        pod = running_pod(cluster, "gpu-after-update")
-        mine = cluster.allocated(pod["metadata"]["uid"])
-        assert len(mine) == 1 and not set(mine) & set(cluster.allocated(deployment["metadata"]["uid"]))
-    finally:
-        cluster.kubectl("delete", "deployment", "gpu-after-update", "--wait=false", check=False)
+    serves_again(cluster, deployment, started, "rolling_update_to_registered_s", "after the rolling update",
+                 "gpu-after-update", check_devices=False)
 
 
 def test_a_driver_unbind_leaves_allocatable_and_a_rebind_comes_back(

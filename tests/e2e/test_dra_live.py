@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import REPO
-from tests.e2e.kube import KUBE, need, until
+from tests.e2e.kube import KUBE, KubeClient, need, until
 from tests.fixtures.build_hosts import DYN
 from tests.fixtures.pcie_hosts import build_topology_host
 
@@ -45,26 +45,12 @@ ROOT = "resource.kubernetes.io/pcieRoot"
 IMEX_MAJOR = DYN["nvidia-caps-imex-channels"]
 
 
-class Cluster:
+class Cluster(KubeClient):
     def __init__(self) -> None:
-        self.env = {**os.environ, "KUBE_DIR": str(KUBE_DIR), "CONTAINERD": "bundled",
-                    "KUBECONFIG": str(KUBE_DIR / "admin.kubeconfig")}
+        super().__init__(KUBE_DIR, "bundled")
         self.node = ""
         self.driver: subprocess.Popen[bytes] | None = None
         self.log = KUBE_DIR / "logs" / "devinject-dra-driver.log"
-
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
-        done = subprocess.run([str(KUBE_DIR / "bin" / "kubectl"), *args], capture_output=True, text=True,
-                              env=self.env, input=input, timeout=timeout)
-        if check and done.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
-        return done.stdout
-
-    def json(self, *args: str) -> Any:
-        return json.loads(self.kubectl("get", *args, "-o", "json"))
-
-    def apply(self, *manifests: dict[str, Any]) -> None:
-        self.kubectl("apply", "-f", "-", input="\n".join(json.dumps(m) for m in manifests))
 
     def start_driver(self) -> None:
         handle = open(self.log, "ab")  # noqa: SIM115 - the driver's own log, kept for the report

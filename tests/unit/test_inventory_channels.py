@@ -36,6 +36,18 @@ def held_channel(host_copy) -> Path:  # type: ignore[no-untyped-def]
     return root
 
 
+def channel_watcher(root: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """`watch` over the channels of `root`, its state in tmp_path/state, once rescanned."""
+    from devinject.agent.watch import Watcher, WatchOptions
+    from devinject.specs.generate import GenerateOptions
+
+    gen = GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", kinds=(KIND,))
+    watcher = Watcher(WatchOptions(generate=gen, output_dir=tmp_path / "cdi", state_dir=str(tmp_path / "state"),
+                                   threshold=1, uevents=False))
+    watcher.rescan()
+    return watcher
+
+
 def test_list_shows_each_channel_with_its_node_and_no_pci_address() -> None:
     rows = {r.name: r for r in Node(str(DGX)).inventory()}
     assert [n for n in rows if n.startswith(KIND)] == [f"{KIND}=0", f"{KIND}=1"]
@@ -110,16 +122,11 @@ def test_a_channels_events_have_no_pci_address(host_copy, tmp_path: Path,  # typ
     with pci_address null, as docs/json.md's schema says, and a GPU's event with its address."""
     from jsonschema import Draft202012Validator
 
-    from devinject.agent.watch import Watcher, WatchOptions
-    from devinject.specs.generate import GenerateOptions
     from tests.unit.test_json_schemas import schemas
 
     root = host_copy("dgx-a100-mig")
     state = tmp_path / "state"
-    gen = GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", kinds=(KIND,))
-    watcher = Watcher(WatchOptions(generate=gen, output_dir=tmp_path / "cdi", state_dir=str(state), threshold=1,
-                                   uevents=False))
-    watcher.rescan()
+    watcher = channel_watcher(root, tmp_path)
     (root / "dev/nvidia-caps-imex-channels/channel1").unlink()
     with caplog.at_level(logging.INFO, logger="devinject.agent.watch"):
         assert watcher.check()  # taken out at once: a node that is gone is a fact
@@ -153,16 +160,11 @@ def test_create_dev_char_links_covers_the_channels(host_copy) -> None:  # type: 
 def test_put_back_takes_a_channel(host_copy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """`devinject put-back nvidia.com/imex-channel=1` (a name `list` shows) is a request the agent takes: it
     said 'no such device'. A channel has no AER totals to accept."""
-    from devinject.agent.watch import Watcher, WatchOptions
     from devinject.nodestate import events
-    from devinject.specs.generate import GenerateOptions
 
     root = host_copy("dgx-a100-mig")
     state = tmp_path / "state"
-    gen = GenerateOptions(root=str(root), hook_path="/usr/bin/devinject", kinds=(KIND,))
-    watcher = Watcher(WatchOptions(generate=gen, output_dir=tmp_path / "cdi", state_dir=str(state), threshold=1,
-                                   uevents=False))
-    watcher.rescan()
+    watcher = channel_watcher(root, tmp_path)
     node = root / "dev/nvidia-caps-imex-channels/channel1"
     node.unlink()
     watcher.check()
