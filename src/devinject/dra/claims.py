@@ -340,7 +340,8 @@ class Preparer:
                                for n, nodes, shared in entry.get("ledger") or [])  # type: ignore[attr-defined]
                 if not booked:
                     continue
-                if "pods" not in entry:  # checkpointed before claims recorded their pods: asked once
+                asked = "pods" not in entry  # checkpointed before claims recorded their pods: asked once
+                if asked:
                     now = self._reserved_pods(uid, entry)
                     if now is not None:
                         entry["pods"], learned = list(now), True
@@ -349,7 +350,7 @@ class Preparer:
                     try:
                         self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods)
                     except LedgerError:
-                        now = self._reserved_pods(uid, entry)
+                        now = None if asked else self._reserved_pods(uid, entry)  # asked this round already
                         if now is None or set(now) <= set(pods):
                             raise
                         self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=now)
