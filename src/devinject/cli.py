@@ -157,8 +157,12 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
     opts = GenerateOptions(kinds=kinds, strategies=strategies, version_cap=version_cap, hook_path=hook_path,
                            nvml=nvml, bundles=bundles, driver_root=driver_root)
     specs = node.specs(opts)
-    if not specs:
-        log.warning("no devices found under %s; nothing written", root)
+    missing = _missing_kinds(kinds, {spec.kind for spec in specs})
+    if not specs or missing:
+        why = node.why_no_devices(missing or kinds)
+        if missing:  # a kind asked for and not there: the admin's expectation failed
+            raise DevinjectError(f"{why}; nothing written")
+        note(f"{why}; nothing written")
         return
     if output == "-":
         texts = [render(spec, fmt) for spec in specs]
@@ -226,10 +230,11 @@ def topo(root: str, fmt: str, as_json: bool, output: str | None, profile_dirs: t
     """How close the devices are in the PCIe tree and across NUMA nodes (as `nvidia-smi topo -m`, any vendor)."""
     from devinject.discovery.topology import render_dot
 
-    result = _node(root=root, profile_dirs=profile_dirs).topology()
+    node = _node(root=root, profile_dirs=profile_dirs)
+    result = node.topology()
     fmt = "json" if as_json else fmt
     if not result.labels and fmt != "json":  # the JSON of no devices is the empty topology (docs/json.md)
-        note("no devices found")
+        note(node.why_no_devices())
         return
     if fmt == "json":
         text = json.dumps(result.to_json(), indent=2) + "\n"
@@ -248,6 +253,11 @@ def topo(root: str, fmt: str, as_json: bool, output: str | None, profile_dirs: t
         replace(output, text.encode(), 0o644)
     except OSError as err:
         raise DevinjectError(f"--output {output}: cannot write: {err.strerror}") from None
+
+
+def _missing_kinds(asked: tuple[str, ...], found: set[str]) -> tuple[str, ...]:
+    """The kinds of `--kind` a command found nothing of."""
+    return tuple(kind for kind in dict.fromkeys(asked) if kind not in found)
 
 
 def _graphviz_svg(dot_text: str) -> str:
@@ -272,18 +282,25 @@ def _graphviz_svg(dot_text: str) -> str:
 @cli.command("list")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--kind", "kinds", multiple=True, metavar="KIND",
+              help="Only devices of KIND, e.g. nvidia.com/gpu (repeatable; exit 1 when one has none).")
 @profile_dir_option
 @state_dir_option
 @kernel_log_option
-def list_devices(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_dir: str, kernel_log: str) -> None:
+def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs: tuple[str, ...], state_dir: str,
+                 kernel_log: str) -> None:
     """Show every discovered device, its health and which container holds it."""
     node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
-    rows = node.inventory()
+    rows = [r for r in node.inventory() if not kinds or r.kind in kinds]
+    missing = _missing_kinds(kinds, {r.kind for r in rows})
     if as_json:
         click.echo(json.dumps([r.to_json() for r in rows], indent=2))
+    if missing:
+        raise DevinjectError(node.why_no_devices(missing))
+    if as_json:
         return
     if not rows:
-        note("no devices found")
+        note(node.why_no_devices())
         return
     header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "PAIRED WITH", "NODES")
     table = [header] + [
@@ -447,7 +464,7 @@ def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: 
         for v in verdicts:
             click.echo(f"{v.key:40} {v.health:10} {'; '.join(v.reasons)}".rstrip())
         if not verdicts:
-            note("no devices found")
+            note(node.why_no_devices())
     sys.exit(0 if all(v.healthy for v in verdicts) else 1)
 
 

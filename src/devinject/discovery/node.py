@@ -118,3 +118,9 @@ class Node:
         """The channels `device` names: its CDI name (`nvidia.com/imex-channel=0`, which is also its key) or
         that name without the kind (`0`: every family's channel of that number)."""
         return [c for c in self.channels() if device in (c.key, c.name)]
+
+    def why_no_devices(self, kinds: tuple[str, ...] = ()) -> str:
+        """One line on what this node has instead of devices (of `kinds`): discovery/absence.py."""
+        from devinject.discovery.absence import why_no_devices
+
+        return why_no_devices(self, kinds)
