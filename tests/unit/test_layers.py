@@ -23,6 +23,7 @@ MAY_IMPORT = {
     "agent": {"core", "discovery", "nodestate", "specs"},
     "kubelet": {"core", "discovery", "nodestate", "specs", "agent"},
     "dra": {"core", "discovery", "nodestate", "specs", "agent"},
+    "runtimes": {"core"},
 }
 # Scripts a runtime runs by path, at the top like the commands although they sit in a package: the hook
 # launcher's path is in every hooks.d file and runc config `install-hook` wrote, so it stays where it is.

@@ -8,43 +8,41 @@ at (the root's PCI bus) and what was found there instead.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
-from devinject.discovery.discover import family_of
-from devinject.discovery.profiles import select_profile
+from devinject.discovery.discover import FoundDevice, family_of
+from devinject.discovery.host import Host
+from devinject.discovery.profiles import Profile, select_profile
 from devinject.discovery.sysfs import PCI_DEVICES, scan_pci
-
-if TYPE_CHECKING:
-    from devinject.discovery.node import Node
 
 
 def _counted(counts: Counter[str]) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
 
 
-def why_no_devices(node: Node, kinds: tuple[str, ...] = ()) -> str:
-    """What `node` (or, with `kinds`, its devices of those kinds) has instead of devices: one line, no
-    trailing period. Call it when the node offered nothing (of `kinds`)."""
+def why_no_devices(host: Host, profiles: list[Profile], devices: list[FoundDevice], root: str,
+                   kinds: tuple[str, ...] = ()) -> str:
+    """What the host under `root` (or, with `kinds`, its devices of those kinds) has instead of devices: one
+    line, no trailing period. Call it when the node offered nothing (of `kinds`)."""
     wanted = set(kinds)
     asked = f"no {', '.join(sorted(wanted))} devices" if wanted else "no devices"
-    where = node.host.real(PCI_DEVICES)
-    if not node.host.is_dir(PCI_DEVICES):
+    where = host.real(PCI_DEVICES)
+    if not host.is_dir(PCI_DEVICES):
         return (f"{asked}: {where} does not exist, so this is not a host's root "
-                f"(--root {node.root}: a host's /, or a fixture such as tests/fixtures/hosts/hgx-h100)")
-    functions = scan_pci(node.host)
-    offered = Counter(d.profile.kind for d in node.devices())
+                f"(--root {root}: a host's /, or a fixture such as tests/fixtures/hosts/hgx-h100)")
+    functions = scan_pci(host)
+    offered = Counter(d.profile.kind for d in devices)
     unbound: Counter[str] = Counter()
     no_nodes: Counter[str] = Counter()
-    offered_addresses = {f.address for d in node.devices() for f in d.functions}
+    offered_addresses = {f.address for d in devices for f in d.functions}
     for pci in functions:
-        profile = select_profile(node.profiles, pci)
+        profile = select_profile(profiles, pci)
         if profile is None:
-            family = family_of(node.profiles, pci)
+            family = family_of(profiles, pci)
             if family is not None and (not wanted or family.kind in wanted):
                 unbound[family.kind] += 1
         elif pci.address not in offered_addresses and (not wanted or profile.kind in wanted):
             no_nodes[profile.kind] += 1
-    known = {p.kind for p in node.profiles}
+    known = {p.kind for p in profiles}
     problems = []
     if unbound:
         problems.append(f"functions of {_counted(unbound)} with no driver bound (or a foreign one)")

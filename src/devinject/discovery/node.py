@@ -123,4 +123,4 @@ class Node:
         """One line on what this node has instead of devices (of `kinds`): discovery/absence.py."""
         from devinject.discovery.absence import why_no_devices
 
-        return why_no_devices(self, kinds)
+        return why_no_devices(self.host, self.profiles, self.devices(), self.root, kinds)
