@@ -800,3 +800,34 @@ def runtime_configure(runtime_name: str, config: str | None, spec_dirs: tuple[st
         note(line)
     for line in plan.notes:
         note(line)
+
+
+@cli.command()
+@click.argument("device", required=False)
+@root_option
+@click.option("--spec-dir", "spec_dirs", multiple=True, metavar="DIRECTORY",
+              help=f"A CDI spec directory to look in (repeatable) [default: {STATIC_SPEC_DIR}, {DYNAMIC_SPEC_DIR}].")
+@click.option("--runtime", "runtime_name", default=None,
+              type=click.Choice(["containerd", "crio", "docker", "podman", "runc"]),
+              help="The runtime that starts the containers [default: the one whose configuration is on the node].")
+@state_dir_option
+@profile_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_name: str | None, state_dir: str,
+           profile_dirs: tuple[str, ...], as_json: bool) -> None:
+    """Walk each device's chain to a container (pci, driver, nodes, libraries, spec, runtime, ledger, health,
+    kubelet) and name the first broken link and its fix; exit 0 only when every link holds.
+
+    DEVICE: an index or CDI name (nvidia.com/gpu=0), a UUID, a PCI address or kind=PCI address."""
+    from devinject.core.paths import DEFAULT_SPEC_DIRS
+    from devinject.doctor import DoctorOptions, diagnose, render
+
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    found = diagnose(node, device, DoctorOptions(spec_dirs=spec_dirs or DEFAULT_SPEC_DIRS, runtime=runtime_name))
+    if as_json:
+        click.echo(json.dumps([d.to_json() for d in found], indent=2))
+    elif found:
+        click.echo(render(found), nl=False)
+    if not found:  # nothing to walk is the first link broken
+        note(node.why_no_devices(), error=True)
+    sys.exit(0 if found and all(d.ok for d in found) else 1)

@@ -21,7 +21,7 @@ from jsonschema import Draft202012Validator
 from tests.conftest import HOST_NAMES, HOSTS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "json.md"
-COMMANDS = ("list", "health", "topo", "who", "events", "validate")
+COMMANDS = ("list", "health", "topo", "who", "events", "validate", "doctor")
 HELD = "workstation-held"  # a copy whose iGPU node has /dev/null's numbers, held open, booked in the ledger
 EMPTY = "empty-root"  # a root with nothing in it at all
 NUMA_UNKNOWN = "numa-unknown"  # a topology host whose functions' numa_node is -1
@@ -106,6 +106,8 @@ def outputs(root: Path, state: Path, tmp_path: Path) -> dict[str, Any]:
         "who": held,
         "events": cli("events", "--state-dir", str(state), "--json"),
         "validate": cli("validate", "--json", str(specs), ok=(0, 1)),
+        "doctor": cli("doctor", "--root", str(root), "--state-dir", str(state), "--spec-dir", str(specs), "--json",
+                      ok=(1,)),  # fixture nodes are regular files: the nodes link is broken on every host
     }
 
 
@@ -134,7 +136,7 @@ def test_every_commands_json_on_every_host_is_what_docs_json_says(command: str,
 def test_an_empty_host_prints_empty_json_not_nothing(every_output: dict[str, dict[str, Any]]) -> None:
     empty = every_output[EMPTY]
     assert empty["topo"] == {"devices": {}, "matrix": {}, "pairs": []}
-    assert [empty[c] for c in ("list", "health", "who", "events", "validate")] == [[], [], [], [], []]
+    assert [empty[c] for c in ("list", "health", "who", "events", "validate", "doctor")] == [[], [], [], [], [], []]
 
 
 def test_the_outputs_hold_what_the_schemas_check(every_output: dict[str, dict[str, Any]]) -> None:
@@ -158,6 +160,8 @@ def test_the_outputs_hold_what_the_schemas_check(every_output: dict[str, dict[st
     assert None in {d["numa_node"] for d in unknown["list"]}
     assert None in {d["numa_node"] for d in unknown["topo"]["devices"].values()}
     assert any(p["severity"] == "error" and p["file"].endswith("broken.yaml") for p in hgx["validate"])
+    assert [(c["link"], c["ok"]) for c in hgx["doctor"][0]["checks"]][:4] == [
+        ("pci", True), ("driver", True), ("nodes", False), ("libraries", None)]
     dgx = every_output["dgx-a100-mig"]  # IMEX channels: devices with no PCI function, pci_address null
     channels = [(d["name"], d["pci_address"], d["functions"]) for d in dgx["list"] if d["kind"] == IMEX]
     assert channels == [(f"{IMEX}=0", None, []), (f"{IMEX}=1", None, [])]

@@ -1,0 +1,406 @@
+"""`devinject doctor`: the chain a device goes through to reach a container, link by link, and the first one
+that is broken with its fix.
+
+The links, in order (each one needs the ones before it):
+- `pci`: the function is in sysfs;
+- `driver`: bound to the family's driver, its module loaded;
+- `nodes`: its char nodes exist with the numbers the driver gave them;
+- `libraries`: the driver's user-space files are found, of one version, the running module's;
+- `spec`: a CDI spec in the spec dirs names it, is trusted and valid, matches discovery now, and its hooks run
+  on this node;
+- `runtime`: the runtime applies CDI from that spec's directory (or, for one that cannot, the hook is
+  installed); pod annotations passed through to the OCI spec are flagged;
+- `ledger`: free, or who holds it;
+- `health`: the verdict and its reasons;
+- `kubelet` (on a Kubernetes node): the device plugin registered for its kind, or the DRA driver registered.
+
+Every check reads files under the node's root and asks no server; a link after a broken one is reported as
+not checked (`ok` null). A module of the top (docs/architecture.md): it reads every layer's answers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from devinject.core.errors import DevinjectError, SpecError
+from devinject.core.identity import device_key
+from devinject.core.paths import DEFAULT_SPEC_DIRS
+
+if TYPE_CHECKING:
+    from devinject.api import Node
+    from devinject.core.model import Device, Spec
+    from devinject.discovery.discover import FoundDevice
+    from devinject.discovery.profiles import Profile
+    from devinject.discovery.sysfs import PciDevice
+
+LINKS = ("pci", "driver", "nodes", "libraries", "spec", "runtime", "ledger", "health", "kubelet")
+KUBELET_DIR = "/var/lib/kubelet"
+DRA_DRIVER = "dra.devinject.io"
+_SO_VERSION = re.compile(r"\.so\.(\d+\.\d+(?:\.\d+)*)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    link: str
+    ok: bool | None  # None: not checked, a link before it is broken
+    detail: str
+    fix: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"link": self.link, "ok": self.ok, "detail": self.detail, "fix": self.fix}
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    name: str
+    kind: str
+    pci_address: str | None
+    checks: tuple[Check, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is True for c in self.checks)
+
+    @property
+    def broken(self) -> Check | None:
+        return next((c for c in self.checks if c.ok is False), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, "ok": self.ok,
+                "checks": [c.to_json() for c in self.checks]}
+
+
+@dataclass(frozen=True, slots=True)
+class DoctorOptions:
+    spec_dirs: tuple[str, ...] = DEFAULT_SPEC_DIRS
+    runtime: str | None = None  # None: the runtimes whose config is on the node
+    kubelet_dir: str = KUBELET_DIR
+    hooks_dir: str | None = None
+
+
+class _Broken(Exception):
+    """A link that does not hold: its detail and fix."""
+
+    def __init__(self, detail: str, fix: str | None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.fix = fix
+
+
+@dataclass
+class _Subject:
+    """One device as the doctor walks it: discovered, or a function of a known family discovery did not offer."""
+
+    name: str
+    profile: Profile
+    pci: PciDevice
+    found: FoundDevice | None
+    names: tuple[str, ...] = ()
+    facts: dict[str, Any] = field(default_factory=dict)  # what a link learnt that a later one reads
+
+
+def _subjects(node: Node) -> list[_Subject]:
+    from devinject.agent.health import unbound_functions
+    from devinject.discovery.discover import family_of
+    from devinject.discovery.profiles import select_profile
+    from devinject.discovery.sysfs import scan_pci
+
+    subjects = [_Subject(str(node.names(f)[0]), f.profile, f.pci, f,
+                         tuple(str(n) for n in node.names(f, ("index", "uuid", "pci")))) for f in node.devices()]
+    offered = {fn.address for f in node.devices() for fn in f.functions}
+    functions = scan_pci(node.host)
+    family: dict[str, list[str]] = {}  # kind -> its functions' addresses, bound or not: what indexes count
+    for pci in functions:
+        profile = select_profile(node.profiles, pci) or family_of(node.profiles, pci)
+        if profile is not None:
+            family.setdefault(profile.kind, []).append(pci.address)
+
+    def missing(profile: Profile, pci: PciDevice) -> _Subject:
+        key = device_key(profile.kind, pci.address)
+        index = family[profile.kind].index(pci.address) if profile.group_by == "function" else None
+        names = (key,) if index is None else (key, f"{profile.kind}={index}")
+        return _Subject(key, profile, pci, None, names)
+
+    for profile, pci in unbound_functions(node.host, node.profiles):
+        subjects.append(missing(profile, pci))
+    for pci in functions:
+        chosen = select_profile(node.profiles, pci)
+        if chosen is not None and pci.address not in offered and chosen.group_by == "function":
+            subjects.append(missing(chosen, pci))
+    return sorted(subjects, key=lambda s: (s.profile.kind, s.pci.address))
+
+
+def diagnose(node: Node, device: str | None = None, options: DoctorOptions = DoctorOptions()) -> list[Diagnosis]:
+    """The chain of every device of the node (or of those `device` names: an index or CDI name, a UUID, a key
+    `kind=PCI address`, a PCI address), in kind then address order."""
+    subjects = _subjects(node)
+    if device is not None:
+        found = {id(f) for f in node.find(device)}
+        chosen = [s for s in subjects if (s.found is not None and id(s.found) in found)
+                  or (s.found is None and device in (*s.names, s.pci.address))]
+        if not chosen:
+            names = ", ".join(s.name for s in subjects) or "none"
+            raise DevinjectError(f"no device {device!r} on this node (devices: {names})")
+        subjects = chosen
+    context = _Context(node, options)
+    return [context.walk(s) for s in subjects]
+
+
+class _Context:
+    """What every device's walk shares: the node's inventory, health, generated specs and spec files, read once."""
+
+    def __init__(self, node: Node, options: DoctorOptions) -> None:
+        self.node = node
+        self.options = options
+        self._specs: dict[str, Spec] | None = None
+        self._files: list[tuple[str, Spec | None, str | None]] | None = None
+        self._health: dict[str, Any] | None = None
+        self._inventory: dict[str, Any] | None = None
+
+    def walk(self, subject: _Subject) -> Diagnosis:
+        links = [("pci", self.pci), ("driver", self.driver), ("nodes", self.nodes), ("libraries", self.libraries),
+                 ("spec", self.spec), ("runtime", self.runtime), ("ledger", self.ledger), ("health", self.health)]
+        if self.node.host.is_dir(self.options.kubelet_dir):
+            links.append(("kubelet", self.kubelet))
+        checks: list[Check] = []
+        broken: str | None = None
+        for link, check in links:
+            if broken is not None:
+                checks.append(Check(link, None, f"not checked: the {broken} link is broken"))
+                continue
+            try:
+                detail, fix = check(subject)
+            except _Broken as err:
+                checks.append(Check(link, False, err.detail, err.fix))
+                broken = link
+                continue
+            checks.append(Check(link, True, detail, fix))
+        return Diagnosis(subject.name, subject.profile.kind, subject.pci.address, tuple(checks))
+
+    # ---- links ----------------------------------------------------------------------------------------------
+
+    def pci(self, s: _Subject) -> tuple[str, str | None]:
+        path = f"/sys/bus/pci/devices/{s.pci.address}"
+        if not self.node.host.is_dir(path):
+            raise _Broken(f"{self.node.host.real(path)} is gone", "check the card is seated; rescan: echo 1 > "
+                          "/sys/bus/pci/rescan")
+        model = s.profile.model(s.pci) or "unknown model"
+        return (f"{s.pci.address} {model} ({s.pci.vendor:04x}:{s.pci.device:04x}), NUMA node "
+                f"{s.pci.numa_node if s.pci.numa_node >= 0 else 'unknown'}", None)
+
+    def driver(self, s: _Subject) -> tuple[str, str | None]:
+        expected = "/".join(s.profile.drivers) or "any driver"
+        module = s.profile.driver_module
+        load = f"modprobe {module}; " if module else ""
+        bind = s.profile.drivers[0] if s.profile.drivers else "DRIVER"
+        if s.pci.driver is None:
+            raise _Broken(f"no driver bound (expected {expected})",
+                          f"{load}echo {s.pci.address} > /sys/bus/pci/drivers/{bind}/bind")
+        if s.profile.drivers and s.pci.driver not in s.profile.drivers:
+            raise _Broken(f"bound to {s.pci.driver}, not {expected}",
+                          f"echo {s.pci.address} > /sys/bus/pci/devices/{s.pci.address}/driver/unbind; "
+                          f"{load}echo {s.pci.address} > /sys/bus/pci/drivers/{bind}/bind")
+        if module and not self.node.host.is_dir(f"/sys/module/{module}"):
+            raise _Broken(f"bound to {s.pci.driver}, but module {module} is not loaded", f"modprobe {module}")
+        return f"bound to {s.pci.driver}" + (f" (module {module})" if module else ""), None
+
+    def nodes(self, s: _Subject) -> tuple[str, str | None]:
+        if s.found is None:
+            raise _Broken(f"no device nodes found for {s.pci.address} (the profile's rules matched none)",
+                          "the driver makes them: reload it, or udevadm trigger; for NVIDIA nvidia-modprobe -c "
+                          "<minor>, then devinject create-dev-char-links")
+        shown = []
+        for dev in s.found.nodes:
+            st = self.node.host.lstat(dev.path)
+            real = self.node.host.real(dev.path)
+            if st is None:
+                raise _Broken(f"{real} is missing", "the driver makes it: reload it, or udevadm trigger "
+                              f"(mknod {dev.path} c {dev.major} {dev.minor} by hand)")
+            import stat as stat_module
+
+            if not stat_module.S_ISCHR(st.st_mode):
+                raise _Broken(f"{real} is not a char device", f"rm it and let the driver make it (mknod "
+                              f"{dev.path} c {dev.major} {dev.minor})")
+            numbers = (os.major(st.st_rdev), os.minor(st.st_rdev))
+            if numbers != (dev.major, dev.minor):
+                raise _Broken(f"{real} is {numbers[0]}:{numbers[1]}, the driver's is {dev.major}:{dev.minor}",
+                              f"rm {dev.path}; mknod {dev.path} c {dev.major} {dev.minor}")
+            shown.append(f"{dev.path} {dev.major}:{dev.minor} {stat_module.S_IMODE(st.st_mode):04o}")
+        return ", ".join(shown), None
+
+    def _generated(self) -> dict[str, Spec]:
+        if self._specs is None:
+            from devinject.specs.generate import GenerateOptions
+
+            specs = self.node.specs(GenerateOptions(strategies=("index", "uuid", "pci"),
+                                                    hook_path="/usr/bin/devinject"))
+            self._specs = {spec.kind: spec for spec in specs}
+        return self._specs
+
+    def libraries(self, s: _Subject) -> tuple[str, str | None]:
+        declared = bool(s.profile.libraries or s.profile.driver_libraries)
+        spec = self._generated().get(s.profile.kind)
+        mounts = [m.host_path for m in spec.edits.mounts] if spec is not None else []
+        libraries = [p for p in mounts if ".so" in os.path.basename(p)]
+        if not declared:
+            return "none needed (the family's profile lists no user-space files)", None
+        if not libraries:
+            raise _Broken("no user-space driver library found (ld.so.cache and the library dirs under the root)",
+                          "install the driver's user-space package, then run ldconfig")
+        versions = sorted({m.group(1) for p in libraries if (m := _SO_VERSION.search(p)) and m.group(1).count(".")})
+        from devinject.specs.generate import driver_version
+
+        running = driver_version(self.node.host, s.profile, [])
+        if len(versions) > 1:
+            raise _Broken(f"libraries of {len(versions)} driver versions: {', '.join(versions)}",
+                          "remove the old driver's libraries (the package manager's leftovers), then ldconfig")
+        if running and versions and versions[0] != running:
+            raise _Broken(f"libraries are {versions[0]}, the running module is {running}",
+                          "reboot into the installed driver, or install the user-space files of the running one")
+        return f"{len(libraries)} files" + (f", version {versions[0]}" if versions else ""), None
+
+    def _spec_files(self) -> list[tuple[str, Spec | None, str | None]]:
+        """(file, its spec or None, its problem) for every spec file of the spec dirs."""
+        if self._files is None:
+            from devinject.core.spec import list_spec_files, load_text, read_spec_text, spec_dir_problem
+
+            self._files = []
+            for directory in self.options.spec_dirs:
+                if not os.path.isdir(directory):
+                    continue
+                problem = spec_dir_problem(directory)
+                if problem:
+                    self._files.append((directory, None, problem))
+                    continue
+                for path in list_spec_files(directory):
+                    try:
+                        self._files.append((path, load_text(read_spec_text(path), path), None))
+                    except SpecError as err:
+                        self._files.append((path, None, err.message))
+        return self._files
+
+    def spec(self, s: _Subject) -> tuple[str, str | None]:
+        dirs = ", ".join(self.options.spec_dirs)
+        generate = "devinject generate (or run the agent: devinject watch / device-plugin)"
+        named: list[tuple[str, Device]] = []
+        for path, spec, problem in self._spec_files():
+            if spec is None:
+                if problem and (os.path.isdir(path) or s.profile.kind.replace("/", "-") in os.path.basename(path)):
+                    raise _Broken(problem, f"devinject validate {path}; then {generate}")
+                continue
+            if spec.kind != s.profile.kind:
+                continue
+            named += [(path, d) for d in spec.devices if f"{spec.kind}={d.name}" in s.names]
+        if not named:
+            raise _Broken(f"no spec in {dirs} names {s.name}", generate)
+        last_dir = os.path.dirname(named[-1][0])  # the last directory wins, as CDI reads them
+        named = [n for n in named if os.path.dirname(n[0]) == last_dir]
+        path, device = min(named, key=lambda n: s.names.index(f"{s.profile.kind}={n[1].name}"))
+        s.facts["spec_path"] = path
+        now = self._generated().get(s.profile.kind)
+        fresh = next((d for d in now.devices if d.name == device.name), None) if now is not None else None
+        if fresh is not None:
+            had = {(n.path, n.major, n.minor) for n in device.edits.device_nodes}
+            has = {(n.path, n.major, n.minor) for n in fresh.edits.device_nodes}
+            if had != has:
+                raise _Broken(f"{path}: stale: {device.name}'s nodes are not the ones discovered now "
+                              f"({', '.join(sorted(p for p, _, _ in has ^ had))})", generate)
+        spec = next(sp for p, sp, _ in self._spec_files() if p == path and sp is not None)
+        for hook in (*spec.edits.hooks, *device.edits.hooks):
+            if not os.access(hook.path, os.X_OK) and not os.access(self.node.host.real(hook.path), os.X_OK):
+                raise _Broken(f"{path}: its {hook.hook_name} hook {hook.path} cannot run on this node",
+                              f"{generate} with --hook-path of a devinject here (or --node-hook)")
+        return f"{path} names {s.profile.kind}={device.name}, fresh, hooks runnable", None
+
+    def runtime(self, s: _Subject) -> tuple[str, str | None]:
+        from devinject.runtimes.status import runtime_status
+
+        status = runtime_status(self.node.root, self.options.runtime, hooks_dir=self.options.hooks_dir)
+        spec_dir = os.path.dirname(s.facts.get("spec_path", "")) or None
+        if not status.applies:
+            raise _Broken(status.detail, status.fix)
+        if spec_dir is not None and status.spec_dirs is not None and not any(
+                os.path.realpath(spec_dir) == os.path.realpath(d) for d in status.spec_dirs):
+            raise _Broken(f"{status.detail}, but reads {', '.join(status.spec_dirs)}, not {spec_dir}",
+                          f"devinject runtime configure --runtime {status.runtime} --spec-dir {spec_dir}")
+        if status.warning:
+            return f"{status.detail}; warning: {status.warning}", status.warning_fix
+        return status.detail, None
+
+    def _rows(self) -> dict[str, Any]:
+        if self._inventory is None:
+            self._inventory = {device_key(r.kind, r.pci_address): r for r in self.node.inventory()
+                               if r.pci_address is not None}
+        return self._inventory
+
+    def ledger(self, s: _Subject) -> tuple[str, str | None]:
+        key = device_key(s.profile.kind, s.pci.address)
+        try:
+            row = self._rows().get(key)
+        except DevinjectError as err:
+            raise _Broken(f"the ledger cannot be read: {err.message}",
+                          "devinject list -v -v; a corrupt ledger is rebuilt by the next hook or agent") from None
+        if row is None or not row.holders:
+            return f"free ({s.profile.sharing})", None
+        held = ", ".join(f"{h.container or '?'} (pid {h.pid}, {h.state})" for h in row.holders)
+        return f"held by {held} ({s.profile.sharing}); devinject who {s.name}", None
+
+    def health(self, s: _Subject) -> tuple[str, str | None]:
+        if self._health is None:
+            self._health = {v.key: v for v in self.node.health()}
+        verdict = self._health.get(device_key(s.profile.kind, s.pci.address))
+        if verdict is None:
+            return "not checked", None
+        reasons = "; ".join(verdict.reasons)
+        if verdict.health == "unhealthy":
+            raise _Broken(f"unhealthy: {reasons}", f"once it is fixed (a reset, a reseat): devinject put-back "
+                          f"{s.name}; its history: devinject events {s.pci.address}")
+        return verdict.health + (f": {reasons}" if reasons else ""), None
+
+    def kubelet(self, s: _Subject) -> tuple[str, str | None]:
+        base = self.options.kubelet_dir
+        # the device plugin's endpoint for the kind's resource (kubelet/agent.py's endpoint_for)
+        plugin = f"{base}/device-plugins/devinject-{s.profile.kind.replace('/', '-')}.sock"
+        dra = f"{base}/plugins_registry/{DRA_DRIVER}-reg.sock"
+        for path, what in ((plugin, "device plugin"), (dra, "DRA driver")):
+            real = self.node.host.real(path)
+            if os.path.lexists(real):
+                if not _answers(real):
+                    raise _Broken(f"{real}: the {what}'s socket is there but nothing answers on it",
+                                  "kubectl -n devinject-system get pods -o wide; kubectl logs ds/devinject")
+                slices = (f"; its slices: kubectl get resourceslices --field-selector spec.driver={DRA_DRIVER}"
+                          if what == "DRA driver" else "")
+                return f"the {what} is registered ({real}){slices}", None
+        raise _Broken(f"no devinject plugin registered with the kubelet for {s.profile.kind} (neither {plugin} "
+                      f"nor {dra})", "kubectl apply -k deploy/kubernetes (or deploy/kubernetes/dra), then see that "
+                      "its DaemonSet selects this node (docs/deploy.md)")
+
+
+def _answers(path: str) -> bool:
+    """Something listens on the unix socket at `path` (a connect within a second)."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(1.0)
+    try:
+        client.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        client.close()
+
+
+def render(diagnoses: list[Diagnosis]) -> str:
+    """One line per link of each device, the fix under a broken one."""
+    lines = []
+    mark = {True: "ok  ", False: "FAIL", None: "-   "}
+    for d in diagnoses:
+        lines.append(d.name)
+        for c in d.checks:
+            lines.append(f"  {mark[c.ok]} {c.link:9} {c.detail}")
+            if c.fix and c.ok is not None:
+                lines.append(f"       {'':9} fix: {c.fix}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,124 @@
+"""Whether a node's container runtime applies CDI, from which spec dirs, read from its configuration under a
+root (what `devinject doctor`'s runtime link says). Only files are read; the runtime's binary is asked its
+version (bounded) only for the machine's own root."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from devinject.core.paths import DEFAULT_SPEC_DIRS
+from devinject.runtimes.config import (
+    DEFAULT_CONFIG,
+    NO_CDI_FIX,
+    _major_minor,
+    annotations_passed_through,
+    binary_version,
+    containerd_config,
+    containerd_cri,
+    parse_json,
+    parse_toml,
+    read_text,
+)
+
+HOOKS_DIR = "/etc/containers/oci/hooks.d"  # hooksd.py's default: the hooks.d files install-hook writes
+HOOK_FILE = "10-devinject.json"
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeStatus:
+    runtime: str
+    applies: bool  # applies CDI itself, or the hook is installed for it
+    detail: str
+    fix: str | None = None
+    spec_dirs: tuple[str, ...] | None = None  # None: the runtime reads no spec dirs (the hook does)
+    warning: str | None = None
+    warning_fix: str | None = None
+
+
+def _in(root: str, path: str) -> str:
+    return os.path.join(root, path.lstrip("/")) if root != "/" else path
+
+
+def _toml_files(root: str, main: str, drop_in_dir: str, suffix: str) -> dict[str, Any]:
+    """A TOML config and its drop-ins (sorted, later wins key by key), as CRI-O and podman read them."""
+    from devinject.runtimes.config import _merge
+
+    data: dict[str, Any] = {}
+    for path in [_in(root, main), *sorted(glob.glob(os.path.join(_in(root, drop_in_dir), "*" + suffix)))]:
+        text = read_text(path)
+        if text is not None:
+            data = _merge(data, parse_toml(text, path))
+    return data
+
+
+def detect(root: str) -> list[str]:
+    """The runtimes whose configuration (or, for podman, binary) is on the node, containerd first."""
+    found = [name for name, path in DEFAULT_CONFIG.items() if os.path.exists(_in(root, path))]
+    if "podman" not in found and os.path.exists(_in(root, "/usr/bin/podman")):
+        found.append("podman")
+    return found
+
+
+def runtime_status(root: str, runtime: str | None = None, *, hooks_dir: str | None = None) -> RuntimeStatus:
+    """The runtime's (or, None, the first found's) CDI status on the node under `root`."""
+    names = [runtime] if runtime else detect(root)
+    if not names:
+        return RuntimeStatus("none", False, f"no container runtime's configuration under {root} "
+                             f"({', '.join(DEFAULT_CONFIG.values())})", "give --runtime, or "
+                             "devinject runtime configure --runtime containerd|crio|docker|podman")
+    return _status(root, names[0], hooks_dir or HOOKS_DIR)
+
+
+def _hook_installed(root: str, hooks_dir: str) -> bool:
+    return os.path.exists(os.path.join(_in(root, hooks_dir), HOOK_FILE))
+
+
+def _status(root: str, name: str, hooks_dir: str) -> RuntimeStatus:
+    if name == "runc":
+        if _hook_installed(root, hooks_dir):
+            return RuntimeStatus("runc", True, f"runc applies no CDI; the devinject hook is installed "
+                                 f"({hooks_dir}/{HOOK_FILE}); runc itself runs it only from a bundle's config.json")
+        return RuntimeStatus("runc", False, "runc applies no CDI and the devinject hook is not installed",
+                             "devinject install-hook --runc-snippet (into each bundle's config.json)")
+    if name == "containerd":
+        return _containerd(root)
+    config = _in(root, DEFAULT_CONFIG[name])
+    if name == "crio":
+        data = _toml_files(root, DEFAULT_CONFIG["crio"], "/etc/crio/crio.conf.d", ".conf")
+        dirs = data.get("crio", {}).get("runtime", {}).get("cdi_spec_dirs") or list(DEFAULT_SPEC_DIRS)
+        return RuntimeStatus("crio", True, f"CRI-O applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
+    if name == "podman":
+        data = _toml_files(root, DEFAULT_CONFIG["podman"], "/etc/containers/containers.conf.d", ".conf")
+        dirs = data.get("engine", {}).get("cdi_spec_dirs") or list(DEFAULT_SPEC_DIRS)
+        return RuntimeStatus("podman", True, f"podman applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
+    text = read_text(config)
+    data = parse_json(text, config) if text is not None else {}
+    features = data.get("features") if isinstance(data.get("features"), dict) else {}
+    if features.get("cdi") is not True:  # type: ignore[union-attr]
+        return RuntimeStatus("docker", _hook_installed(root, hooks_dir),
+                             f"{config}: features.cdi is not on", "devinject runtime configure --runtime docker")
+    dirs = data.get("cdi-spec-dirs") or list(DEFAULT_SPEC_DIRS)
+    return RuntimeStatus("docker", True, f"docker applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
+
+
+def _containerd(root: str) -> RuntimeStatus:
+    main = _in(root, DEFAULT_CONFIG["containerd"])
+    data, files = containerd_config(main)
+    version = "2" if data.get("version") == 3 else (binary_version("containerd") if root == "/" else None)
+    if version is not None and _major_minor(version) < (1, 7):
+        return RuntimeStatus("containerd", False, f"containerd {version} applies no CDI", NO_CDI_FIX)
+    enabled, dirs = containerd_cri(data)
+    read = ", ".join(files) or f"{main} (absent: defaults)"
+    if not enabled:
+        return RuntimeStatus("containerd", False, f"containerd{' ' + version if version else ''}: enable_cdi is "
+                             f"off ({read})", "devinject runtime configure --runtime containerd, then "
+                             "systemctl restart containerd")
+    passed = annotations_passed_through(data)
+    warning = (f"pod annotations reach the OCI spec ({'; '.join(passed)}): a pod's own cdi.k8s.io/* annotation "
+               "is a device request the hook honours" if passed else None)
+    return RuntimeStatus("containerd", True, f"containerd{' ' + version if version else ''} applies CDI from "
+                         f"{', '.join(dirs)} ({read})", spec_dirs=tuple(dirs), warning=warning,
+                         warning_fix="drop cdi.k8s.io/* from the runtimes' pod_annotations" if passed else None)

@@ -1,0 +1,195 @@
+"""`devinject doctor` on a fixture host made live (real char nodes, a spec generated into a trusted dir, a
+runtime config that applies CDI from it): every link holds; then each link is broken in turn and the doctor
+names that link, with its fix, and checks nothing after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from devinject.api import Node
+from devinject.doctor import DoctorOptions, diagnose
+from tests.conftest import HOSTS
+from tests.e2e.conftest import require
+
+DEVINJECT = str(Path(sys.executable).parent / "devinject")
+GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
+NAME = "nvidia.com/gpu=0"
+CONTAINERD = """version = 2
+[plugins."io.containerd.grpc.v1.cri"]
+  enable_cdi = true
+  cdi_spec_dirs = ["{cdi}"]
+"""
+
+
+class Live:
+    def __init__(self, base: Path) -> None:
+        self.root = base / "host"
+        self.cdi = base / "cdi"
+        self.state = base / "state"
+        shutil.copytree(HOSTS / "hgx-h100", self.root, symlinks=True)
+        for found in Node(str(self.root)).devices():
+            for node in found.nodes:
+                path = self.root / node.path.lstrip("/")
+                path.unlink(missing_ok=True)
+                assert node.major is not None and node.minor is not None
+                os.mknod(path, 0o020666, os.makedev(node.major, node.minor))
+                os.chmod(path, 0o666)
+        self.cdi.mkdir(mode=0o755)
+        self.generate()
+        self.containerd(CONTAINERD.format(cdi=self.cdi))
+
+    def generate(self, hook_path: str = DEVINJECT) -> None:
+        subprocess.run([DEVINJECT, "generate", "--root", str(self.root), "--output-dir", str(self.cdi),
+                        "--hook-path", hook_path], check=True, capture_output=True, timeout=60)
+
+    def containerd(self, text: str) -> None:
+        config = self.root / "etc/containerd/config.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(text)
+
+    def diagnose(self, device: str | None = NAME, **options: object) -> list:
+        node = Node(str(self.root), state_dir=str(self.state))
+        return diagnose(node, device, DoctorOptions(spec_dirs=(str(self.cdi),), **options))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def live() -> Iterator[Live]:
+    require(os.geteuid() == 0, "needs root (mknod)")
+    base = Path(tempfile.mkdtemp(prefix="doc", dir="/tmp"))  # short: a unix socket's path fits in 108 bytes
+    try:
+        yield Live(base)
+    finally:
+        shutil.rmtree(base)
+
+
+def _links(found: list) -> list[tuple[str, bool | None]]:
+    return [(c.link, c.ok) for c in found[0].checks]
+
+
+def test_every_link_holds_on_a_live_host(live: Live):
+    found = live.diagnose()
+    assert [d.name for d in found] == [NAME]
+    assert _links(found) == [(link, True) for link in
+                             ("pci", "driver", "nodes", "libraries", "spec", "runtime", "ledger", "health")]
+    assert found[0].ok
+    checks = {c.link: c for c in found[0].checks}
+    assert "version 550.54.14" in checks["libraries"].detail
+    assert f"{live.cdi}/nvidia.com-gpu.yaml names nvidia.com/gpu=0" in checks["spec"].detail
+    assert checks["ledger"].detail.startswith("free")
+
+
+def _write(path: Path, text: str) -> None:
+    path.unlink(missing_ok=True)
+    path.write_text(text)
+
+
+def _remake(path: Path, minor: int) -> None:
+    path.unlink()
+    os.mknod(path, 0o020666, os.makedev(195, minor))
+
+
+BREAKS: list[tuple[str, Callable[[Live], None], str, str]] = [
+    ("driver", lambda h: (h.root / GPU / "driver").unlink(), "no driver bound (expected nvidia)",
+     "/sys/bus/pci/drivers/nvidia/bind"),
+    ("driver", lambda h: shutil.rmtree(h.root / "sys/module/nvidia"), "module nvidia is not loaded",
+     "modprobe nvidia"),
+    ("nodes", lambda h: (h.root / "dev/nvidia2").unlink(), "dev/nvidia2 is missing", "mknod /dev/nvidia2 c 195 2"),
+    ("nodes", lambda h: _remake(h.root / "dev/nvidia2", 7), "is 195:7, the driver's is 195:2", "mknod"),
+    ("libraries", lambda h: _write(h.root / "proc/driver/nvidia/version",
+                                   "NVRM version: NVIDIA UNIX x86_64 Kernel Module  560.35.03  Tue\n"),
+     "libraries are 550.54.14, the running module is 560.35.03", "reboot"),
+    ("spec", lambda h: (h.cdi / "nvidia.com-gpu.yaml").unlink(), "names nvidia.com/gpu=0", "devinject generate"),
+    ("spec", lambda h: os.chmod(h.cdi / "nvidia.com-gpu.yaml", 0o666), "writable by group or others",
+     "devinject validate"),
+    ("spec", lambda h: h.generate("/nonexistent/devinject"), "hook /nonexistent/devinject cannot run on this node",
+     "--hook-path"),
+    ("spec", lambda h: _write(h.cdi / "nvidia.com-gpu.yaml", (h.cdi / "nvidia.com-gpu.yaml").read_text()
+                              .replace("minor: 2\n", "minor: 12\n", 1)), "stale", "devinject generate"),
+    ("runtime", lambda h: h.containerd('version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  enable_cdi = false\n'),
+     "enable_cdi is off", "devinject runtime configure --runtime containerd"),
+    ("runtime", lambda h: h.containerd(CONTAINERD.format(cdi="/etc/cdi")), "not " + "{cdi}",
+     "--spec-dir {cdi}"),
+    ("health", lambda h: _write(h.root / GPU / "enable", "0\n"), "unhealthy: ", "devinject put-back nvidia.com/gpu=0"),
+]
+
+
+@pytest.mark.parametrize(("link", "breaks", "detail", "fix"), BREAKS,
+                         ids=[f"{b[0]}-{i}" for i, b in enumerate(BREAKS)])
+def test_each_broken_link_is_named_with_its_fix(live: Live, link: str, breaks: Callable[[Live], None], detail: str,
+                                                fix: str):
+    breaks(live)
+    found = live.diagnose()
+    assert len(found) == 1 and not found[0].ok
+    broken = found[0].broken
+    assert broken is not None and broken.link == link, [(c.link, c.ok, c.detail) for c in found[0].checks]
+    assert detail.format(cdi=live.cdi) in broken.detail and fix.format(cdi=live.cdi) in (broken.fix or "")
+    after = [c for c in found[0].checks][[c.link for c in found[0].checks].index(link) + 1:]
+    assert all(c.ok is None for c in after)
+
+
+def test_a_function_that_is_gone_is_no_device_and_the_candidates_are_named(live: Live):
+    (live.root / "sys/bus/pci/devices/0000:18:00.0").unlink()  # the bus link, as a removed function leaves it
+    from devinject.core.errors import DevinjectError
+
+    with pytest.raises(DevinjectError, match=r"no device '0000:18:00.0' on this node \(devices: nvidia.com/gpu=0, "):
+        live.diagnose("0000:18:00.0")
+
+
+def test_pod_annotations_passed_through_are_flagged_not_failed(live: Live):
+    live.containerd(CONTAINERD.format(cdi=live.cdi) + '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+                    '  pod_annotations = ["cdi.k8s.io/*"]\n')
+    runtime = next(c for c in live.diagnose()[0].checks if c.link == "runtime")
+    assert runtime.ok is True and "warning: pod annotations reach the OCI spec (runc: cdi.k8s.io/*)" in runtime.detail
+    assert runtime.fix and "pod_annotations" in runtime.fix
+
+
+def test_the_ledger_names_who_holds_it(live: Live):
+    from devinject.nodestate.ledger import Claim, Ledger
+
+    live.state.mkdir(mode=0o755)
+    Ledger(str(live.state)).book("ctr-1", os.getpid(), (Claim(NAME, ("c 195:2",)),), {"nvidia.com/gpu": "exclusive"})
+    ledger = next(c for c in live.diagnose()[0].checks if c.link == "ledger")
+    assert ledger.ok is True and f"held by ctr-1 (pid {os.getpid()}, active)" in ledger.detail
+
+
+def test_the_kubelet_link_on_a_kubernetes_node(live: Live):
+    plugins = live.root / "var/lib/kubelet/device-plugins"
+    plugins.mkdir(parents=True)
+    kubelet = next(c for c in live.diagnose()[0].checks if c.link == "kubelet")
+    assert kubelet.ok is False and "no devinject plugin registered" in kubelet.detail
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        path = plugins / "devinject-nvidia.com-gpu.sock"
+        server.bind(str(path))
+        server.listen(1)
+        kubelet = next(c for c in live.diagnose()[0].checks if c.link == "kubelet")
+        assert kubelet.ok is True and "the device plugin is registered" in kubelet.detail
+    finally:
+        server.close()
+    kubelet = next(c for c in live.diagnose()[0].checks if c.link == "kubelet")
+    assert kubelet.ok is False and "nothing answers" in kubelet.detail
+
+
+def test_the_command_prints_one_line_per_link_and_json(live: Live):
+    base = [DEVINJECT, "doctor", "--root", str(live.root), "--spec-dir", str(live.cdi), "--state-dir",
+            str(live.state)]
+    done = subprocess.run([*base, NAME], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == NAME and len(done.stdout.splitlines()) == 9
+    (live.root / GPU / "driver").unlink()
+    done = subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    rows = {d["name"]: d for d in json.loads(done.stdout)}
+    assert rows["nvidia.com/gpu=0000:18:00.0"]["checks"][1]["link"] == "driver"
+    assert rows["nvidia.com/gpu=0000:18:00.0"]["checks"][1]["ok"] is False
+    assert rows["nvidia.com/gpu=1"]["ok"] is True and len(rows) == 16
