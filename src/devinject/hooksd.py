@@ -92,7 +92,7 @@ def server_unit(command: list[str], server: str) -> str:
     exec_start = " ".join([_unit_word(command[0], program=True), *(_unit_word(word) for word in words)])
     return f"""[Unit]
 Description=devinject: serve the OCI hook from a resident process (faster container starts)
-Documentation=file:///usr/share/doc/devinject/hook.md
+# What it does: docs/hook.md in devinject's source (nothing installs the docs on the node)
 # Optional: without it the hook runs in-process. Restart it after upgrading devinject.
 Before=containerd.service crio.service docker.service
 
