@@ -16,7 +16,7 @@ import click
 
 from devinject import __version__
 from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
-from devinject.core.errors import DevinjectError
+from devinject.core.errors import DevinjectError, UsageError
 from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR, HOOK_SOCKET, STATIC_SPEC_DIR
 
 if TYPE_CHECKING:
@@ -37,11 +37,11 @@ root_option = click.option(
     help="Read the host under this directory (the host's / mounted in a pod, a driver root, a fixture host).",
 )
 driver_root_option = click.option(
-    "--driver-root", default=None, type=click.Path(),
+    "--driver-root", default=None, type=click.Path(), metavar="DIRECTORY",
     help="Where the driver's files are, as the host names it (a driver installed in a container, e.g. "
          "/run/nvidia/driver): libraries, binaries and firmware come from there, device nodes from the host.")
 target_root_option = click.option(
-    "--target-root", default=None, type=click.Path(),
+    "--target-root", default=None, type=click.Path(), metavar="DIRECTORY",
     help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "
          "instead of under --host-root.")
 
@@ -50,8 +50,9 @@ profile_dir_option = click.option(
     help="Extra directory of device profiles (besides <root>/etc/devinject/profiles.d; repeatable).")
 node_hook_option = click.option(
     "--node-hook", default=None, metavar="DIRECTORY",
-    help="The node hook bundle at DIRECTORY (a host path; see install-node-hook) runs the specs' CDI hooks: "
-         "nothing is written unless it is installed, this devinject's and runs. Instead of --hook-path.")
+    help="Run the specs' CDI hooks from the node hook bundle installed in DIRECTORY (a host path; see "
+         "install-node-hook). No spec is written until that bundle is there, is this devinject's and runs. "
+         "Use it instead of --hook-path.")
 
 
 def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_root: str | None) -> str | None:
@@ -60,7 +61,7 @@ def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_r
     if node_hook is None:
         return hook_path
     if hook_path is not None:
-        raise DevinjectError("--node-hook and --hook-path: give one (--node-hook DIR sets the hook path)")
+        raise UsageError("--node-hook and --hook-path: give one (--node-hook DIR sets the hook path)")
     from devinject.agent.nodehook import hook_path as bundle_hook_path
     from devinject.agent.nodehook import in_root, node_hook_ready
 
@@ -127,8 +128,9 @@ def cli(verbose: int, quiet: bool) -> None:
 @cli.command()
 @root_option
 @click.option("--output-dir", default=STATIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
-              help="Write one <vendor>-<class> spec per kind here.")
-@click.option("--output", "output", default=None, help="Write to this file instead ('-' for stdout).")
+              metavar="DIRECTORY", help="Write one <vendor>-<class> spec per kind here.")
+@click.option("-o", "--output", "output", default=None, metavar="FILE",
+              help="Write to this file instead ('-' for stdout).")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True,
               help="The spec files' format.")
 @click.option("--device-name-strategy", "strategies", multiple=True,
@@ -136,8 +138,9 @@ def cli(verbose: int, quiet: bool) -> None:
               help="Names to give each device (repeatable). Default: index and uuid, or index and pci.")
 @click.option("--cdi-version", "version_cap", default=DEFAULT_VERSION_CAP, show_default=True,
               type=click.Choice(KNOWN_VERSIONS), help="Highest CDI version to emit (podman 4, containerd 1.7: 0.5.0).")
-@click.option("--kind", "kinds", multiple=True, help="Only this kind, e.g. nvidia.com/gpu (repeatable).")
-@click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks.")
+@click.option("--kind", "kinds", multiple=True, metavar="KIND",
+              help="Only this kind, e.g. nvidia.com/gpu (repeatable; exit 1 when one has no devices).")
+@click.option("--hook-path", default=None, metavar="PATH", help="Absolute path of devinject for the spec's CDI hooks.")
 @profile_dir_option
 @click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
 @bundles_option
@@ -174,7 +177,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
     if output is not None:
         if len(specs) != 1:
             kinds_found = ", ".join(s.kind for s in specs)
-            raise DevinjectError(f"--output {output}: {len(specs)} kinds found ({kinds_found}); "
+            raise UsageError(f"--output {output}: {len(specs)} kinds found ({kinds_found}); "
                                  "a spec file holds one kind", hint="use --kind or --output-dir")
         write_atomic(Path(output), render(specs[0], fmt))
         note(f"wrote {output} ({specs[0].kind}, {len(specs[0].devices)} names)")
@@ -191,7 +194,8 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
 @click.option("--json", "as_json", is_flag=True,
               help="Print the problems as a JSON list of {file, field, message, severity} (no ok lines).")
 def validate(paths: tuple[str, ...], max_version: str | None, as_json: bool) -> None:
-    """Check CDI spec files (default: the CDI spec directories)."""
+    """Check CDI spec files: PATHS (files or directories), or else the CDI spec directories /etc/cdi and
+    /var/run/cdi."""
     from devinject.core.paths import DEFAULT_SPEC_DIRS
     from devinject.specs.validate import check_paths
 
@@ -213,9 +217,9 @@ def validate(paths: tuple[str, ...], max_version: str | None, as_json: bool) -> 
         note("no spec files found")
 
 
-state_dir_option = click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True,
+state_dir_option = click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, metavar="DIRECTORY",
                                 help="devinject's node state: ledger, health, events.")
-kernel_log_option = click.option("--kernel-log", default=DEFAULT_KERNEL_LOG, show_default=True,
+kernel_log_option = click.option("--kernel-log", default=DEFAULT_KERNEL_LOG, show_default=True, metavar="FILE",
                                  help="Kernel log (under --root) scanned for NVIDIA Xid events.")
 
 
@@ -224,7 +228,8 @@ kernel_log_option = click.option("--kernel-log", default=DEFAULT_KERNEL_LOG, sho
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "dot", "svg"]), default="text", show_default=True,
               help="text: the matrix and GPU-NIC pairs; dot: the PCIe tree for Graphviz; svg: rendered by `dot`.")
 @click.option("--json", "as_json", is_flag=True, help="Same as --format json.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write to FILE, not stdout.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Write to FILE, not stdout.")
 @profile_dir_option
 def topo(root: str, fmt: str, as_json: bool, output: str | None, profile_dirs: tuple[str, ...]) -> None:
     """How close the devices are in the PCIe tree and across NUMA nodes (as `nvidia-smi topo -m`, any vendor)."""
@@ -291,7 +296,7 @@ def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs:
                  kernel_log: str) -> None:
     """Show every discovered device, its health and which container holds it."""
     node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
-    rows = [r for r in node.inventory() if not kinds or r.kind in kinds]
+    rows = sorted((r for r in node.inventory() if not kinds or r.kind in kinds), key=_device_order)
     missing = _missing_kinds(kinds, {r.kind for r in rows})
     if as_json:
         click.echo(json.dumps([r.to_json() for r in rows], indent=2))
@@ -309,9 +314,26 @@ def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs:
          ",".join(name for name, _ in r.paired_with) or "-", " ".join(path for path, _, _ in r.nodes))
         for r in rows
     ]
+    partitions = {(f.profile.kind, f.address): f.partitions for f in node.devices()}
+    at = 1
+    for r in rows:  # a GPU split into MIG instances (an AMD GPU into partitions) is offered as those
+        parts = partitions.get((r.kind, r.pci_address or ""), ())
+        at += 1
+        for part in parts:
+            table.insert(at, (f"  {r.kind}={part.name}", "-", f"{part.kind.upper()} {part.key}", "-", "-", "-", "-",
+                              "-", " ".join(n.path for n in part.nodes)))
+            at += 1
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+
+
+def _device_order(record: Any) -> tuple[str, str, tuple[int | str, ...]]:
+    """How list and health order devices: by kind, then PCI address (a channel, which has none, by number)."""
+    import re
+
+    name = tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", record.name))
+    return record.kind, record.pci_address or "", name
 
 
 def run(args: list[str]) -> int:
@@ -361,8 +383,9 @@ _lean_command("cdi-hook", "The specs' hooks: create-symlinks, update-ldcache.",
 
 
 @cli.command("install-hook")
-@click.option("--hooks-dir", default=None, help="hooks.d directory [default: /etc/containers/oci/hooks.d].")
-@click.option("--executable", default=None,
+@click.option("--hooks-dir", default=None, metavar="DIRECTORY",
+              help="An existing hooks.d directory [default: /etc/containers/oci/hooks.d, made when missing].")
+@click.option("--executable", default=None, metavar="FILE",
               help="Absolute path of the devinject program to run [default: this installation's interpreter on "
                    "its fast hook launcher].")
 @click.option("--env-requests", is_flag=True,
@@ -375,7 +398,8 @@ _lean_command("cdi-hook", "The specs' hooks: create-symlinks, update-ldcache.",
 @click.option("--runc-snippet", is_flag=True, help="Print the runc config.json hooks snippet instead.")
 @click.option("--server-unit", is_flag=True,
               help="Also write the systemd unit of the hook server on that socket, run by this installation.")
-@click.option("--unit-dir", default=None, help="Where --server-unit writes it [default: /etc/systemd/system].")
+@click.option("--unit-dir", default=None, metavar="DIRECTORY",
+              help="Where --server-unit writes it [default: /etc/systemd/system].")
 def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, poststop: bool,
                  server_socket: str | None, runc_snippet: bool, server_unit: bool, unit_dir: str | None) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
@@ -395,12 +419,16 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
 
     command = hook_command(executable and os.path.abspath(executable))
     if not os.access(command[0], os.X_OK):
-        raise DevinjectError(f"--executable {command[0]}: not an executable file")
+        raise UsageError(f"--executable {command[0]}: not an executable file")
     server = os.path.abspath(server_socket) if server_socket else DEFAULT_SOCKET
     if runc_snippet:
         click.echo(render(runc_hooks(command, poststop=poststop, server=server)), nl=False)
     else:
         directory = Path(hooks_dir or DEFAULT_HOOKS_DIR)
+        if hooks_dir is not None and not directory.is_dir() and not directory.absolute().parent.is_dir():
+            # a typo'd path no runtime reads: only its last component is made, as `mkdir` would
+            raise UsageError(f"--hooks-dir {hooks_dir}: no such directory as {directory.absolute().parent} (the "
+                             "runtime reads hooks from a directory it is configured with: create that one first)")
         try:
             directory.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -457,12 +485,13 @@ def install_node_hook(root: str, directory: str, check: bool, force: bool) -> No
 def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: str, probe_timeout: float) -> None:
     """Check every device once; exit 0 only when all are healthy."""
     node = _node(root=root, profile_dirs=profile_dirs, kernel_log=kernel_log)
-    verdicts = node.health(timeout=probe_timeout)
+    verdicts = sorted(node.health(timeout=probe_timeout), key=_device_order)
     if as_json:
         click.echo(json.dumps([v.to_json() for v in verdicts], indent=2))
     else:
-        for v in verdicts:
-            click.echo(f"{v.key:40} {v.health:10} {'; '.join(v.reasons)}".rstrip())
+        width = max((len(v.name) for v in verdicts), default=0)
+        for v in verdicts:  # named and ordered as `list` names and orders them
+            click.echo(f"{v.name:{width}}  {v.pci_address or '-':12}  {v.health:9}  {'; '.join(v.reasons)}".rstrip())
         if not verdicts:
             note(node.why_no_devices())
     sys.exit(0 if all(v.healthy for v in verdicts) else 1)
@@ -473,7 +502,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
     for option in reversed((
         root_option,
         click.option("--output-dir", default=DYNAMIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
-                     help=f"Dynamic spec dir (wins over {STATIC_SPEC_DIR})."),
+                     metavar="DIRECTORY", help=f"Dynamic spec dir (wins over {STATIC_SPEC_DIR})."),
         state_dir_option,
         click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True,
                      help="The spec files' format."),
@@ -487,8 +516,9 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
                      help="Seconds between full rediscoveries (uevents trigger one at once)."),
         click.option("--test-timings", is_flag=True, hidden=True, help="Lift the interval ranges (tests, benchmarks)."),
         kernel_log_option,
-        click.option("--hook-path", default=None, help="Absolute path of devinject for the spec's CDI hooks."),
-        click.option("--kind", "kinds", multiple=True, help="Only this kind (repeatable)."),
+        click.option("--hook-path", default=None, metavar="PATH",
+                     help="Absolute path of devinject for the spec's CDI hooks."),
+        click.option("--kind", "kinds", multiple=True, metavar="KIND", help="Only this kind (repeatable)."),
         click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents."),
         bundles_option,
         target_root_option,
@@ -515,11 +545,11 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
     trusted_dir(state_dir)  # health verdicts and events the hook trusts: refused when others could write there
     if not test_timings:
         if not 5 <= interval <= 60:
-            raise DevinjectError(f"--interval {interval:g}: must be between 5 and 60 seconds")
+            raise UsageError(f"--interval {interval:g}: must be between 5 and 60 seconds")
         if not 1 <= recheck <= 2:
-            raise DevinjectError(f"--recheck {recheck:g}: must be between 1 and 2 seconds")
+            raise UsageError(f"--recheck {recheck:g}: must be between 1 and 2 seconds")
     if min(interval, recheck, rescan) <= 0:
-        raise DevinjectError("--interval, --recheck and --rescan must be positive")
+        raise UsageError("--interval, --recheck and --rescan must be positive")
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
                           target_root=target_root, driver_root=driver_root, profile_dirs=profile_dirs)
@@ -548,26 +578,8 @@ def watch(**options: Any) -> None:
     Watcher(opts, node=node).run(_stop_on_signals())
 
 
-class ConfigFileError(DevinjectError):
+class ConfigFileError(UsageError):
     """A --config file that cannot be used: a usage error (exit 2, as click's), said in one line."""
-
-    exit_code = 2
-
-
-def _yaml_problem(path: str, err: Exception) -> str:
-    """`FILE:LINE:COL: problem (context from LINE:COL)` from PyYAML's marks (0-based), in one line."""
-    from yaml import MarkedYAMLError
-    from yaml.reader import ReaderError
-
-    if isinstance(err, ReaderError):  # not text in its encoding: a byte offset, no line
-        return f"{path}: byte {err.position}: {err.reason}"
-    if not isinstance(err, MarkedYAMLError) or err.problem_mark is None or not err.problem:
-        return f"{path}: {' '.join(str(err).split())}"
-    mark, where = err.problem_mark, err.context_mark
-    text = f"{path}:{mark.line + 1}:{mark.column + 1}: {err.problem}"
-    if err.context and where is not None:
-        text += f" ({err.context} from {where.line + 1}:{where.column + 1})"
-    return text
 
 
 def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) -> str | None:
@@ -583,7 +595,9 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
     except OSError as err:
         raise ConfigFileError(f"{path}: {err.strerror or err}") from None
     except yaml.YAMLError as err:
-        raise ConfigFileError(_yaml_problem(path, err)) from None
+        from devinject.discovery.profiles import yaml_problem
+
+        raise ConfigFileError(yaml_problem(path, err)) from None
     if not isinstance(data, dict):
         raise ConfigFileError(f"{path}: expected a mapping of option names to values")
     known = {p.name: p for p in ctx.command.params if isinstance(p, click.Option) and p.name}
@@ -607,13 +621,14 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
               help="YAML file of option values (e.g. the DaemonSet's ConfigMap); flags given win over it.")
 @watch_options
 @click.option("--plugin-dir", default="/var/lib/kubelet/device-plugins", show_default=True,
-              type=click.Path(file_okay=False), help="The kubelet's device-plugins directory (kubelet.sock).")
+              type=click.Path(file_okay=False), metavar="DIRECTORY",
+              help="The kubelet's device-plugins directory (kubelet.sock).")
 @click.option("--resource-name", "resource_names", multiple=True, metavar="KIND=NAME",
               help="Serve KIND as resource NAME (repeatable; default: the kind, e.g. nvidia.com/gpu).")
 @click.option("--allocate", type=click.Choice(["both", "cdi"]), default="both", show_default=True,
               help="cdi: answer with CDI device names only; both: also devices, mounts and env for runtimes "
                    "without CDI.")
-@click.option("--metrics-address", default="127.0.0.1:9400", show_default=True,
+@click.option("--metrics-address", default="127.0.0.1:9400", show_default=True, metavar="HOST:PORT",
               help="HOST:PORT for /metrics, /healthz and /readyz (the DaemonSet: the node's address; "
                    "'' to turn them off).")
 def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: str, metrics_address: str,
@@ -625,12 +640,12 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
     for item in resource_names:
         kind, sep, name = item.partition("=")
         if not sep or not kind or not name or "/" not in name:
-            raise DevinjectError(f"--resource-name {item!r}: expected KIND=vendor.com/name")
+            raise UsageError(f"--resource-name {item!r}: expected KIND=vendor.com/name")
         names[kind] = name
     if metrics_address:
         _, sep, port = metrics_address.rpartition(":")
         if not sep or not port.isdigit():
-            raise DevinjectError(f"--metrics-address {metrics_address!r}: expected HOST:PORT")
+            raise UsageError(f"--metrics-address {metrics_address!r}: expected HOST:PORT")
     watch, node = _watch_options(**options)
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
                          metrics_address=metrics_address or None)
@@ -644,18 +659,23 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @target_root_option
 @driver_root_option
 @node_hook_option
-@click.option("--hook-path", default=None, help="Absolute path of devinject for the claim specs' CDI hooks.")
-@click.option("--kind", "kinds", multiple=True, help="Only this kind (repeatable).")
-@click.option("--node-name", envvar="NODE_NAME", required=True, help="This node's name (env NODE_NAME).")
-@click.option("--driver-name", default="dra.devinject.io", show_default=True, help="The DRA driver name.")
-@click.option("--kubeconfig", default=None, type=click.Path(exists=True, dir_okay=False),
+@click.option("--hook-path", default=None, metavar="PATH",
+              help="Absolute path of devinject for the claim specs' CDI hooks.")
+@click.option("--kind", "kinds", multiple=True, metavar="KIND", help="Only this kind (repeatable).")
+@click.option("--node-name", envvar="NODE_NAME", required=True, metavar="NAME",
+              help="This node's name (env NODE_NAME).")
+@click.option("--driver-name", default="dra.devinject.io", show_default=True, metavar="NAME",
+              help="The DRA driver name.")
+@click.option("--kubeconfig", default=None, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
               help="Kubeconfig for the API server (default: the pod's service account).")
 @click.option("--plugin-dir", default="/var/lib/kubelet/plugins", show_default=True, type=click.Path(file_okay=False),
+              metavar="DIRECTORY",
               help="The kubelet's plugins directory (the DRA socket goes in <driver-name>/dra.sock).")
 @click.option("--registry-dir", default="/var/lib/kubelet/plugins_registry", show_default=True,
-              type=click.Path(file_okay=False), help="The kubelet's plugin registration directory.")
+              type=click.Path(file_okay=False), metavar="DIRECTORY",
+              help="The kubelet's plugin registration directory.")
 @click.option("--cdi-dir", default=DYNAMIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
-              help="Where the claim-scoped CDI specs go.")
+              metavar="DIRECTORY", help="Where the claim-scoped CDI specs go.")
 @click.option("--rescan", default=30.0, show_default=True, type=click.FloatRange(0.05, 3600),
               help="Seconds between rediscoveries (and slice updates).")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
@@ -669,9 +689,11 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     from devinject.dra.publisher import SlicePublisher, api_client
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
+    if kubeconfig is not None:
+        _check_kubeconfig(kubeconfig)
     problem = vendor_problem(driver_name)
     if problem or driver_name != driver_name.lower():
-        raise DevinjectError(f"--driver-name {driver_name!r}: {problem or 'must be lower case'} (a DNS subdomain)")
+        raise UsageError(f"--driver-name {driver_name!r}: {problem or 'must be lower case'} (a DNS subdomain)")
     _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
     trusted_dir(state_dir)
     make_dirs(cdi_dir)
@@ -684,6 +706,24 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name)).run(_stop_on_signals())
 
 
+def _check_kubeconfig(path: str) -> None:
+    """--kubeconfig FILE is a kubeconfig (a mapping with clusters, contexts and users lists), said in one line
+    before the API client reads it."""
+    import yaml
+
+    from devinject.discovery.profiles import yaml_problem
+
+    try:
+        with open(path, "rb") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as err:
+        raise UsageError(f"--kubeconfig {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise UsageError(f"--kubeconfig {yaml_problem(path, err)}") from None
+    if not isinstance(data, dict) or not all(isinstance(data.get(key), list) for key in ("clusters", "users")):
+        raise UsageError(f"--kubeconfig {path}: not a kubeconfig (expected a mapping with clusters and users lists)")
+
+
 @cli.command("events")
 @click.argument("device", required=False)
 @state_dir_option
@@ -694,7 +734,9 @@ def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([e.to_json() for e in found], indent=2))
         return
-    if not found:
+    if not found and not os.path.isdir(state_dir):
+        note(f"no events: {state_dir} does not exist (no agent or hook has run with this --state-dir)")
+    elif not found:
         note("no events")
     for index, event in enumerate(found):
         if index == 0 or found[index - 1].name != event.name:

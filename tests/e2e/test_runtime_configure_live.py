@@ -58,13 +58,15 @@ def test_from_its_default_config_only_cdi_changes_and_revert_restores_it(contain
     default = subprocess.run([str(containerd_17), "config", "default"], capture_output=True, text=True, timeout=60)
     config.write_text(default.stdout)
     before = dump(containerd_17, config)
-    done = configure(config, "--spec-dir", "/etc/cdi", "--spec-dir", "/var/run/cdi")
-    assert done.returncode == 0, done.stderr  # the binary on PATH is Debian's 1.6: the version is the config's
+    # the containerd on PATH may be another (Debian's 1.6): the bundled one is named by its version
+    done = configure(config, "--runtime-version", "1.7", "--spec-dir", "/etc/cdi", "--spec-dir", "/var/run/cdi")
+    assert done.returncode == 0, done.stderr
     after = dump(containerd_17, config)
     assert changed(before, after) == ["    enable_cdi = true"]
     assert '    cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]' in after
-    assert configure(config).returncode == 0 and dump(containerd_17, config) == after  # idempotent
-    assert configure(config, "--revert").returncode == 0
+    assert configure(config, "--runtime-version", "1.7").returncode == 0
+    assert dump(containerd_17, config) == after  # idempotent
+    assert configure(config, "--runtime-version", "1.7", "--revert").returncode == 0
     assert config.read_text() == default.stdout and dump(containerd_17, config) == before
 
 

@@ -247,7 +247,7 @@ def test_device_plugin_config_file_gives_defaults_flags_win_and_unknown_names_fa
     done = run("device-plugin", "--config", str(tmp_path / "absent.yaml"))
     assert done.returncode == 2 and "absent.yaml" in done.stderr
     done = run("device-plugin", "--resource-name", "gpu", "--root", str(tmp_path))
-    assert done.returncode == 1 and "--resource-name 'gpu'" in done.stderr
+    assert done.returncode == 2 and "--resource-name 'gpu'" in done.stderr  # a usage error
 
 
 def test_device_plugin_metrics_port_taken_is_one_line(tmp_path):

@@ -53,7 +53,7 @@ def test_quiet_means_errors_only_on_every_command(tmp_path):
         done = run("-q", *args)
         assert done.returncode == 0 and done.stderr == "", (args, done.stderr)
     done = run("-q", "generate", "--root", "/nonexistent/root", "--output", "-")
-    assert done.returncode == 1 and done.stderr.startswith("devinject: error: --root")  # errors stay
+    assert done.returncode == 2 and done.stderr.startswith("devinject: error: --root")  # errors stay (usage: 2)
 
 
 def test_one_place_decides_what_reaches_stderr():

@@ -269,7 +269,8 @@ def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple
     matches = node.find(device)
     channels = node.find_channels(device)  # no readings to accept: its node is there again or not
     if len(matches) + len(channels) != 1:
-        raise DevinjectError(f"{device}: no such device under {node.root}" if not (matches or channels) else
+        raise DevinjectError(f"{device}: no such device under {node.root}{_candidates(node, device)}"
+                             if not (matches or channels) else
                              f"{device}: names {len(matches) + len(channels)} devices; give one's key "
                              "(kind=PCI address, a channel's kind=N)")
     if channels:
@@ -285,3 +286,21 @@ def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple
     except OSError as err:
         raise DevinjectError(f"{state_dir}: cannot record the put-back request: {err.strerror}") from None
     return key, accepted
+
+
+def _candidates(node: Node, device: str) -> str:
+    """`; did you mean ...` (the closest names), or `; devices: ...` (all of them, the first ten)."""
+    import difflib
+
+    from devinject.core.identity import device_key
+
+    names = [str(node.names(found)[0]) for found in node.devices()]
+    names += [device_key(found.profile.kind, found.address) for found in node.devices()]
+    names += [channel.key for channel in node.channels()]
+    close = difflib.get_close_matches(device, names, n=3, cutoff=0.6)
+    if close:
+        return f"; did you mean {' or '.join(close)}?"
+    shown = sorted(set(names), key=names.index)
+    if not shown:
+        return "; it has no devices"
+    return f"; devices: {', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''}"

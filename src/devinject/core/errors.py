@@ -21,6 +21,13 @@ class ConfigError(DevinjectError):
     """Bad flags, profiles or configuration files."""
 
 
+class UsageError(ConfigError):
+    """A flag's value that cannot be used (a wrong path, a value out of range): the command line's mistake,
+    exit 2 as click's own usage errors; a failure at run time is exit 1."""
+
+    exit_code = 2
+
+
 class DiscoveryError(DevinjectError):
     """The host could not be read the way discovery needs."""
 

@@ -447,13 +447,30 @@ def parse_profile(data: object, source: str) -> Profile:
     )
 
 
+def yaml_problem(path: str, err: Exception) -> str:
+    """`FILE:LINE:COL: problem (context from LINE:COL)` from PyYAML's marks (0-based), in one line: how every
+    YAML file devinject reads (profiles, --config) says where it is wrong."""
+    from yaml import MarkedYAMLError
+    from yaml.reader import ReaderError
+
+    if isinstance(err, ReaderError):  # not text in its encoding: a byte offset, no line
+        return f"{path}: byte {err.position}: {err.reason}"
+    if not isinstance(err, MarkedYAMLError) or err.problem_mark is None or not err.problem:
+        return f"{path}: {' '.join(str(err).split())}"
+    mark, where = err.problem_mark, err.context_mark
+    text = f"{path}:{mark.line + 1}:{mark.column + 1}: {err.problem}"
+    if err.context and where is not None:
+        text += f" ({err.context} from {where.line + 1}:{where.column + 1})"
+    return text
+
+
 def _load_yaml(text: str, source: str) -> object:
     import yaml
 
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(err).split())}") from None
+        raise ConfigError(yaml_problem(source, err)) from None
 
 
 def builtin_profiles() -> list[Profile]:

@@ -2,7 +2,7 @@
 
 A typo'd `--root` must not read as a node without devices (a health probe would call it healthy), a
 `--profile-dir` that is not there must not be skipped, and a `--state-dir` that is a file must not be ignored.
-Each problem is one ConfigError naming the option and the path. What is merely absent by default is fine: the
+Each problem is one UsageError (exit 2) naming the option and the path. What is merely absent by default is fine: the
 root's own profiles.d, a state directory not yet made (it must be creatable), the default kernel log. What is
 there but may not be read is an error wherever it is, default or not: reading it as absent is the silent lie
 this module exists to stop.
@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 
-from devinject.core.errors import ConfigError
+from devinject.core.errors import UsageError
 
 
 def _why(err: OSError) -> str:
@@ -35,12 +35,12 @@ def _directory(option: str, path: str, *, absent_ok: bool = False) -> None:
         return
     except OSError as err:
         if not (absent_ok and err.errno in (errno.ENOENT, errno.ENOTDIR) and not os.path.lexists(path)):
-            raise ConfigError(f"{option} {path}: {_why(err)}") from None
+            raise UsageError(f"{option} {path}: {_why(err)}") from None
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ConfigError(f"{option} {path}: cannot be created: {parent} is not a directory")
+        raise UsageError(f"{option} {path}: cannot be created: {parent} is not a directory")
 
 
 def _kernel_log(path: str, root: str, *, explicit: bool) -> None:
@@ -57,17 +57,17 @@ def _kernel_log(path: str, root: str, *, explicit: bool) -> None:
         if err.errno in (errno.ENOENT, errno.ENOTDIR) and not explicit:
             return
         why = "no such file" if err.errno in (errno.ENOENT, errno.ENOTDIR) else _why(err)
-        raise ConfigError(f"--kernel-log {path}: {why}{where}") from None
+        raise UsageError(f"--kernel-log {path}: {why}{where}") from None
     try:
         if stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise ConfigError(f"--kernel-log {path}: is a directory{where}")
+            raise UsageError(f"--kernel-log {path}: is a directory{where}")
     finally:
         os.close(fd)
 
 
 def check_roots(*, root: str | None = None, profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
                 kernel_log: str | None = None, kernel_log_explicit: bool = False) -> None:
-    """Raise ConfigError, in one line naming the option and path, for the first root that is wrong."""
+    """Raise UsageError, in one line naming the option and path, for the first root that is wrong."""
     if root is not None:
         _directory("--root", root)
     for directory in profile_dirs:

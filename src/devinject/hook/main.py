@@ -35,6 +35,21 @@ USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--l
                       [--server SOCKET | --no-server]
                       [--stage prestart|createRuntime|poststop] < state.json
        devinject cdi-hook create-symlinks|update-ldcache ... < state.json   (devinject cdi-hook --help)"""
+FLAGS = f"""The OCI hook: reads the container's state on stdin and gives it the CDI devices it asks for (its
+cdi.k8s.io/* annotations; env requests only when turned on). Runtimes run it; `devinject install-hook` installs it.
+
+  --spec-dir DIR          CDI spec directory (repeatable; later wins) [default: {', '.join(DEFAULT_SPEC_DIRS)}]
+  --profile-dir DIR       extra device profiles: sharing modes, vendor request variables (repeatable)
+  --log-file FILE         one JSON line per invocation [default: {DEFAULT_LOG}]
+  --state-dir DIR         the ledger, spec cache and SONAME memo [default: {DEFAULT_STATE_DIR}]
+  --config FILE           JSON defaults for these flags [default: {CONFIG_FILE}]
+  --env-requests          also honour DEVINJECT_DEVICES, NVIDIA_VISIBLE_DEVICES, ... (set by the image and the
+                          pod user: off by default); --no-env-requests turns it off over --config
+  --no-ledger             do not book devices in the node's ledger (two containers may get one device)
+  --dry-run               resolve and plan, print what would be done as JSON on stdout, change nothing
+  --server SOCKET         hand the invocation to the hook server there; --no-server runs it in-process
+  --stage STAGE           prestart, createRuntime or poststop [default: the state's status tells]
+  -h, --help              this text (docs/hook.md says more)"""
 
 
 class HookOptions:
@@ -135,7 +150,7 @@ def parse_hook_args(args: list[str]) -> HookOptions:
         elif arg == "--dry-run":
             overrides["dry_run"] = True
         elif arg in ("-h", "--help"):
-            print(USAGE)
+            print(USAGE + "\n\n" + FLAGS)
             raise SystemExit(0)
         else:
             raise HookError(f"unknown argument {arg!r}\n{USAGE}")
