@@ -520,6 +520,9 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
                      help="Absolute path of devinject for the spec's CDI hooks."),
         click.option("--kind", "kinds", multiple=True, metavar="KIND", help="Only this kind (repeatable)."),
         click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents."),
+        click.option("--nfd-features-dir", default=None, metavar="DIRECTORY",
+                     help="Write the node's labels for Node Feature Discovery there (its features.d, e.g. "
+                          "/etc/kubernetes/node-feature-discovery/features.d), as the devices change."),
         bundles_option,
         target_root_option,
         driver_root_option,
@@ -534,7 +537,8 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
                    threshold: int, rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
                    target_root: str | None, driver_root: str | None, node_hook: str | None = None,
-                   profile_dirs: tuple[str, ...] = ()) -> tuple[WatchOptions, Node]:
+                   profile_dirs: tuple[str, ...] = (), nfd_features_dir: str | None = None,
+                   ) -> tuple[WatchOptions, Node]:
     """The loop's options, and the node it watches (its roots checked once, here)."""
     from devinject.agent.watch import WatchOptions
     from devinject.core.trusteddir import trusted_dir
@@ -556,7 +560,7 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
     gen.check()
     return WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
                         recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log,
-                        uevents=uevents), node
+                        uevents=uevents, nfd_features_dir=nfd_features_dir), node
 
 
 def _stop_on_signals() -> threading.Event:
@@ -873,3 +877,28 @@ def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_na
     if not found:  # nothing to walk is the first link broken
         note(node.why_no_devices(), error=True)
     sys.exit(0 if found and all(d.ok for d in found) else 1)
+
+
+@cli.command()
+@root_option
+@profile_dir_option
+@click.option("--write", "directory", default=None, metavar="DIRECTORY",
+              help="Write the feature file into DIRECTORY (NFD's features.d) instead of printing it.")
+def labels(root: str, profile_dirs: tuple[str, ...], directory: str | None) -> None:
+    """The node's labels for Node Feature Discovery's local source: per kind its count, product, driver
+    version, partitions and NUMA nodes, under devinject.io/ (watch and device-plugin write them with
+    --nfd-features-dir)."""
+    from devinject.agent.nfd import FEATURE_FILE, features, write_features
+
+    node = _node(root=root, profile_dirs=profile_dirs)
+    lines = features(node.host, node.devices())
+    if directory is None:
+        click.echo("\n".join(lines))
+        return
+    if not os.path.isdir(directory):
+        raise UsageError(f"--write {directory}: no such directory")
+    try:
+        written = write_features(directory, lines)
+    except OSError as err:
+        raise DevinjectError(f"{directory}: cannot write the feature file: {err.strerror}") from None
+    note(f"{'wrote' if written else 'unchanged:'} {os.path.join(directory, FEATURE_FILE)}")

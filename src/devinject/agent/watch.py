@@ -93,6 +93,7 @@ class WatchOptions:
     kernel_log: str = DEFAULT_KERNEL_LOG
     probe_timeout: float = 2.0
     uevents: bool = True
+    nfd_features_dir: str | None = None  # write NFD's feature file there (agent/nfd.py)
 
 
 @dataclass
@@ -356,12 +357,26 @@ class Watcher:
         self.written_kinds = kinds
         self.specs = specs
         self._write_health()
+        self._write_features()
         from devinject.specs.generation import current
 
         self.generation = current(self.opts.output_dir)
         for listener in self.listeners:
             listener(self)
         return self.generation
+
+    def _write_features(self) -> None:
+        """The node's labels for NFD (agent/nfd.py), devices taken out not counted; a failed write is logged,
+        the specs already written stand."""
+        if not self.opts.nfd_features_dir:
+            return
+        from devinject.agent.nfd import features, write_features
+
+        try:
+            if write_features(self.opts.nfd_features_dir, features(self.host, self.found, out=self.unhealthy())):
+                log.info("wrote the node's labels for NFD in %s", self.opts.nfd_features_dir)
+        except OSError as err:
+            log.warning("%s: cannot write NFD's feature file: %s", self.opts.nfd_features_dir, err.strerror)
 
     def _write_health(self) -> None:
         unhealthy_nodes = sorted({n for k, t in self.tracks.items() if t.published == UNHEALTHY and t.last

@@ -1,0 +1,123 @@
+"""Node labels for Node Feature Discovery: the feature file follows NFD's local-source format (one
+`name[=value]` per line, `#` comments, names under a namespace and values within Kubernetes' label rules), is
+written atomically (a dot-file, which nfd-worker skips, renamed into place) and only when it changed, by the
+`watch` loop too with taken-out devices not counted; the shipped NodeFeatureRule matches every shipped
+profile's PCI vendor and classes."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+from click.testing import CliRunner
+
+from devinject.agent.nfd import FEATURE_FILE, features, label_part, write_features
+from devinject.agent.watch import Watcher
+from devinject.cli import cli
+from devinject.discovery.host import Host
+from devinject.discovery.node import Node
+from devinject.discovery.profiles import load_profiles
+from tests.conftest import HOST_NAMES, HOSTS
+from tests.unit.test_watch import GPU, options
+
+RULE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "nfd" / "nodefeaturerule.yaml"
+# NFD local source: `<name>[=<value>]`; a label name is an optional DNS-subdomain prefix and a name segment
+SEGMENT = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+LINE = re.compile(rf"^(?P<prefix>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)/(?P<name>{SEGMENT})(=(?P<value>({SEGMENT})?))?$")
+
+
+def parse(text: str) -> dict[str, str]:
+    """A feature file as nfd-worker reads it, strictly: comments skipped, every other line a valid label."""
+    labels = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        match = LINE.match(line)
+        assert match, f"not a label NFD accepts: {line!r}"
+        assert len(match["prefix"]) <= 253 and len(match["name"]) <= 63
+        labels[f"{match['prefix']}/{match['name']}"] = match["value"] if match["value"] is not None else "true"
+    return labels
+
+
+def test_every_fixture_hosts_feature_file_is_valid_nfd_input():
+    for name in HOST_NAMES:
+        node = Node(str(HOSTS / name))
+        labels = parse("\n".join(features(node.host, node.devices())))
+        assert all(key.startswith("devinject.io/") for key in labels), name
+        assert ("devinject.io/accelerators" in labels) == bool(node.devices()), name
+
+
+def test_the_hgx_labels():
+    node = Node(str(HOSTS / "hgx-h100"))
+    labels = parse("\n".join(features(node.host, node.devices())))
+    assert labels == {
+        "devinject.io/accelerators": "true",
+        "devinject.io/nvidia.com-gpu.count": "8", "devinject.io/nvidia.com-gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "devinject.io/nvidia.com-gpu.driver": "550.54.14",
+        "devinject.io/nvidia.com-gpu.numa0": "4", "devinject.io/nvidia.com-gpu.numa1": "4",
+        "devinject.io/nvidia.com-rdma.count": "8", "devinject.io/nvidia.com-rdma.product": "ConnectX-7",
+        "devinject.io/nvidia.com-rdma.numa0": "4", "devinject.io/nvidia.com-rdma.numa1": "4",
+    }
+    mig = Node(str(HOSTS / "dgx-a100-mig"))
+    assert parse("\n".join(features(mig.host, mig.devices())))["devinject.io/nvidia.com-gpu.partitions"] == "2"
+
+
+def test_label_parts_are_cut_to_the_rules():
+    assert label_part("AMD Instinct MI300X (CPX)") == "AMD-Instinct-MI300X-CPX"
+    assert len(label_part("x" * 100)) == 63 and label_part("-a.") == "a"
+
+
+def test_written_atomically_and_only_when_changed(tmp_path: Path):
+    assert write_features(str(tmp_path), ["a.io/x=1"])
+    assert (tmp_path / FEATURE_FILE).read_text() == "a.io/x=1\n"
+    mtime = os.stat(tmp_path / FEATURE_FILE).st_mtime_ns
+    assert not write_features(str(tmp_path), ["a.io/x=1"]) and os.stat(tmp_path / FEATURE_FILE).st_mtime_ns == mtime
+    assert os.listdir(tmp_path) == [FEATURE_FILE]  # no temp file left, none but dot-files ever beside it
+
+
+def test_the_watch_loop_writes_them_and_drops_a_taken_out_gpu(host_copy, tmp_path: Path):
+    root = host_copy("hgx-h100")
+    nfd = tmp_path / "features.d"
+    nfd.mkdir()
+    opts = replace(options(root, tmp_path), nfd_features_dir=str(nfd))
+    watcher = Watcher(opts)
+    watcher.rescan()
+    watcher.check()
+    watcher.write()
+    assert parse((nfd / FEATURE_FILE).read_text())["devinject.io/nvidia.com-gpu.count"] == "8"
+    (root / GPU / "enable").write_text("0\n")
+    for _ in range(opts.threshold):
+        watcher.check()
+    watcher.write()
+    assert parse((nfd / FEATURE_FILE).read_text())["devinject.io/nvidia.com-gpu.count"] == "7"
+
+
+def test_labels_command_prints_and_writes(tmp_path: Path):
+    done = CliRunner().invoke(cli, ["labels", "--root", str(HOSTS / "gaudi2")])
+    assert done.exit_code == 0 and "devinject.io/habana.ai-gaudi.count=8" in done.output
+    done = CliRunner().invoke(cli, ["labels", "--root", str(HOSTS / "gaudi2"), "--write", str(tmp_path)])
+    assert done.exit_code == 0 and parse((tmp_path / FEATURE_FILE).read_text())
+    done = CliRunner().invoke(cli, ["labels", "--root", str(HOSTS / "gaudi2"), "--write", str(tmp_path / "no")])
+    assert done.exit_code == 2
+
+
+def test_the_node_feature_rule_matches_every_shipped_profile():
+    rule = yaml.safe_load(RULE.read_text())
+    assert rule["apiVersion"] == "nfd.k8s-sigs.io/v1alpha1" and rule["kind"] == "NodeFeatureRule"
+    (only,) = rule["spec"]["rules"]
+    assert only["labels"] == {"devinject.io/accelerators": "true"}
+    matched = set()
+    for entry in only["matchAny"]:
+        (feature,) = entry["matchFeatures"]
+        assert feature["feature"] == "pci.device"
+        expressions = feature["matchExpressions"]
+        assert set(expressions) <= {"vendor", "class"}
+        vendors = tuple(expressions["vendor"]["value"])
+        classes = tuple(expressions.get("class", {}).get("value", ()))
+        matched.add((vendors, classes))
+    shipped = {(tuple(f"{v:04x}" for v in p.vendors), p.class_prefixes) for p in load_profiles(Host("/tmp"))
+               if p.vendors}
+    assert matched == shipped
