@@ -170,7 +170,8 @@ def test_put_back_command(agent):
     wrong = subprocess.run([DEVINJECT, "put-back", "--root", str(root), "--state-dir", opts.state_dir,
                             "nvidia.com/gpu=77"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and wrong.stderr.strip().splitlines() == [
-        f"devinject: error: nvidia.com/gpu=77: no such device under {root}"]
+        f"devinject: error: nvidia.com/gpu=77: no such device under {root}; did you mean nvidia.com/gpu=7 or "
+        "nvidia.com/gpu=6 or nvidia.com/gpu=5?"]  # the closest names, for a typo
 
 
 def replace_function(root: Path, gpu: str = GPU) -> None:
