@@ -1,0 +1,66 @@
+"""What doctor's runtime link reads of each runtime's configuration under a root: CDI applied or not, from which
+spec dirs, pod annotations passed through; a config `runtime configure` wrote reads as CDI on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from devinject.cli import cli
+from devinject.runtimes.status import detect, runtime_status
+
+
+def _write(root: Path, path: str, text: str) -> None:
+    target = root / path.lstrip("/")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+
+
+def test_no_runtime_found_is_broken_with_a_fix(tmp_path: Path):
+    status = runtime_status(str(tmp_path))
+    assert not status.applies and "no container runtime's configuration" in status.detail and status.fix
+
+
+def test_containerd_off_then_configured_on(tmp_path: Path):
+    _write(tmp_path, "/etc/containerd/config.toml", 'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n'
+           '  sandbox_image = "pause"\n')
+    assert detect(str(tmp_path)) == ["containerd"]
+    status = runtime_status(str(tmp_path))
+    assert not status.applies and "enable_cdi is off" in status.detail
+    assert status.fix and "runtime configure --runtime containerd" in status.fix
+    config = tmp_path / "etc/containerd/config.toml"
+    done = CliRunner().invoke(cli, ["runtime", "configure", "--runtime", "containerd", "--config", str(config),
+                                    "--runtime-version", "1.7", "--spec-dir", "/var/run/cdi"])
+    assert done.exit_code == 0, done.output
+    status = runtime_status(str(tmp_path))
+    assert status.applies and status.spec_dirs == ("/var/run/cdi",) and status.warning is None
+
+
+def test_containerd_2_reads_cdi_on_by_default(tmp_path: Path):
+    _write(tmp_path, "/etc/containerd/config.toml", "version = 3\n")
+    status = runtime_status(str(tmp_path), "containerd")
+    assert status.applies and status.spec_dirs == ("/etc/cdi", "/var/run/cdi")
+
+
+def test_crio_and_podman_read_their_drop_ins(tmp_path: Path):
+    _write(tmp_path, "/etc/crio/crio.conf", "[crio.runtime]\n")
+    _write(tmp_path, "/etc/crio/crio.conf.d/99-devinject.conf", '[crio.runtime]\ncdi_spec_dirs = ["/x"]\n')
+    assert runtime_status(str(tmp_path), "crio").spec_dirs == ("/x",)
+    _write(tmp_path, "/etc/containers/containers.conf", "[engine]\n")
+    assert runtime_status(str(tmp_path), "podman").spec_dirs == ("/etc/cdi", "/var/run/cdi")
+
+
+def test_docker_needs_features_cdi(tmp_path: Path):
+    _write(tmp_path, "/etc/docker/daemon.json", '{"log-driver": "journald"}')
+    status = runtime_status(str(tmp_path), "docker")
+    assert not status.applies and "features.cdi is not on" in status.detail
+    _write(tmp_path, "/etc/docker/daemon.json", '{"features": {"cdi": true}}')
+    assert runtime_status(str(tmp_path), "docker").applies
+
+
+def test_runc_needs_the_hook(tmp_path: Path):
+    status = runtime_status(str(tmp_path), "runc")
+    assert not status.applies and status.fix and "install-hook --runc-snippet" in status.fix
+    _write(tmp_path, "/etc/containers/oci/hooks.d/10-devinject.json", "{}")
+    assert runtime_status(str(tmp_path), "runc").applies
