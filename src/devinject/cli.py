@@ -412,6 +412,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         SERVER_UNIT,
         hook_command,
         hooks_d_entry,
+        pod_annotation_passthrough,
         render,
         runc_hooks,
     )
@@ -437,6 +438,8 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop,
                                                   server=server)))
         note(f"wrote {target}")
+    for line in pod_annotation_passthrough():
+        note(f"warning: {line}")
     if server_unit:
         unit = Path(unit_dir or DEFAULT_UNIT_DIR) / SERVER_UNIT
         try:

@@ -143,6 +143,24 @@ def test_allocate_answers_cdi_names_and_a_fallback_from_the_same_spec(node) -> N
     assert 'devinject_allocate_refusals_total{resource="nvidia.com/gpu"} 1.0' in text
 
 
+def test_allocate_grants_each_container_its_devices_for_the_hook(node, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The hook serves a pod's container only what the plugin granted it: a token in its env naming a record in
+    the state dir, which the first pod presenting it binds (nodestate/grants.py)."""
+    from devinject.nodestate.grants import grant_env_key, redeem
+
+    kubelet, _ = node
+    stub = kubelet.plugins["nvidia.com/gpu"].stub
+    response = stub.Allocate(api.AllocateRequest(container_requests=[
+        api.ContainerAllocateRequest(devices_ids=["0000:18:00.0"]),
+        api.ContainerAllocateRequest(devices_ids=["0000:db:00.0"])]), timeout=5)
+    tokens = [dict(c.envs)[grant_env_key("nvidia.com/gpu")] for c in response.container_responses]
+    assert len(set(tokens)) == 2
+    state = str(tmp_path / "state")
+    assert redeem(state, [tokens[0]], "pod-a") == (["nvidia.com/gpu=0"], [])
+    assert redeem(state, [tokens[1]], "pod-b") == (["nvidia.com/gpu=7"], [])
+    assert redeem(state, [tokens[0]], "pod-b")[0] == []  # bound to pod-a
+
+
 def test_hook_latency_comes_from_the_hooks_log(node) -> None:  # type: ignore[no-untyped-def]
     import json
 

@@ -322,7 +322,7 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
 
             record["released"] = Ledger(opts.state_dir).release(state.id)  # its lock checks the dir
         return record
-    from devinject.hook.request import requested_devices
+    from devinject.hook.request import pod_request, requested_devices
 
     bundle = load_bundle(state)
     vendor_env = None
@@ -332,6 +332,17 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
         vendor_env = request_variables(opts.state_dir, profile_dirs=opts.profile_dirs)  # checks the dir
     request = requested_devices({**bundle.annotations, **state.annotations}, bundle.env,
                                 allow_env=opts.env_requests, vendor_env=vendor_env)
+    pod = None
+    if state.pid > 0:
+        from devinject.nodestate.podcgroup import pod_of
+
+        pod = pod_of(state.pid)
+    if pod is not None:  # a pod user writes its annotations and env: only the node's agents' word counts
+        _trusted_state_dir(opts)
+        request, untrusted = pod_request(request, bundle.env, pod, opts.state_dir)
+        record["pod"] = pod
+        if untrusted:
+            record["untrusted"] = untrusted
     record["devices"] = list(request.names)
     if not request.names:
         record["result"] = "nothing requested"
@@ -442,5 +453,6 @@ def main(argv: list[str]) -> int:
         return 2
     finally:
         record["duration_ms"] = round((time.monotonic() - started) * 1000, 2)
-        if record.get("devices") or record.get("error") or record.get("released") not in (None, "not allocated"):
+        if (record.get("devices") or record.get("error") or record.get("untrusted")
+                or record.get("released") not in (None, "not allocated")):
             _log(opts, record)

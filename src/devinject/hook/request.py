@@ -75,3 +75,25 @@ def requested_devices(annotations: dict[str, str], env: tuple[str, ...], *, allo
     if len(unique) > MAX_REQUESTED:
         raise HookError(f"{len(unique)} devices requested; at most {MAX_REQUESTED}")
     return Request(unique, "+".join(dict.fromkeys(sources)))
+
+
+def pod_request(requested: Request, env: tuple[str, ...], pod: str, state_dir: str) -> tuple[Request, list[str]]:
+    """What a container of Kubernetes pod `pod` gets: annotations and env are the pod user's to write
+    (containerd's `pod_annotations`, a pod spec's env), so only what the node's agents handed out for the pod
+    counts (nodestate/grants.py): the device plugin's grants the container presents, and the devices of DRA
+    claims booked for the pod when the container names them. (the request, what was ignored and why)."""
+    from devinject.nodestate.grants import claimed_for_pod, redeem, tokens_in
+
+    tokens = tokens_in(env)
+    granted, refused = redeem(state_dir, tokens, pod) if tokens else ([], [])
+    claimed = set(claimed_for_pod(state_dir, pod)) if requested.names else set()
+    names = list(dict.fromkeys(granted))
+    from_claims = [n for n in requested.names if n in claimed and n not in names]
+    ignored = [n for n in requested.names if n not in names and n not in claimed]
+    notes = refused + ([f"pod {pod}: {', '.join(ignored)} not granted to this pod by the node's device plugin or "
+                        "DRA driver; ignored"] if ignored else [])
+    sources = (["grant"] if granted else []) + ([requested.source] if from_claims else [])
+    unique = tuple(dict.fromkeys(names + from_claims))
+    if len(unique) > MAX_REQUESTED:
+        raise HookError(f"{len(unique)} devices requested; at most {MAX_REQUESTED}")
+    return Request(unique, "+".join(sources)), notes

@@ -289,7 +289,8 @@ class DevicePluginAgent:
             server = self.servers.get(kind)
             if server is None:
                 service = DevicePluginService(state, fallback=self.opts.fallback, stopping=self.stopping,
-                                              on_allocate=self._allocated, on_stream_end=self._stream_ended)
+                                              on_allocate=self._allocated, on_stream_end=self._stream_ended,
+                                              grant_dir=self.opts.watch.state_dir)
                 server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource))
                 self.servers[kind] = server
             if not server.alive():

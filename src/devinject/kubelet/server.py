@@ -16,6 +16,7 @@ from devinject.core.model import Spec
 from devinject.kubelet.allocation import HEALTHY, UNHEALTHY, AllocationError, PluginDevice, answer, preferred
 from devinject.kubelet.api import v1beta1_pb2 as api
 from devinject.kubelet.api import v1beta1_pb2_grpc as api_grpc
+from devinject.nodestate.grants import GrantError, grant_env_key, prune, write_grant
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,9 @@ def device_message(device: PluginDevice) -> api.Device:
 class DevicePluginService(api_grpc.DevicePluginServicer):
     def __init__(self, state: ResourceState, *, fallback: bool = True, stopping: threading.Event | None = None,
                  on_allocate: Callable[[str, int | None], None] | None = None,
-                 on_stream_end: Callable[[str], None] | None = None) -> None:
+                 on_stream_end: Callable[[str], None] | None = None, grant_dir: str | None = None) -> None:
         self.state = state
+        self.grant_dir = grant_dir  # the state dir grants are written in (nodestate/grants.py); None: none
         self.fallback = fallback
         self.stopping = stopping or threading.Event()
         self.on_allocate = on_allocate
@@ -126,8 +128,11 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
             for container in request.container_requests:
                 given = answer(self.state.resource, spec, devices, list(container.devices_ids),
                                fallback=self.fallback)
+                envs = dict(given.envs)
+                if self.grant_dir is not None:  # the hook's proof, in a pod, that these devices are this container's
+                    envs[grant_env_key(self.state.resource)] = self._grant(given.cdi_devices)
                 responses.append(api.ContainerAllocateResponse(
-                    envs=given.envs, annotations=given.annotations,
+                    envs=envs, annotations=given.annotations,
                     cdi_devices=[api.CDIDevice(name=name) for name in given.cdi_devices],
                     devices=[api.DeviceSpec(container_path=c, host_path=h, permissions=p) for c, h, p in given.devices],
                     mounts=[api.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in given.mounts]))
@@ -142,6 +147,14 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
         if self.on_allocate is not None:
             self.on_allocate(self.state.resource, sum(len(c.devices_ids) for c in request.container_requests))
         return api.AllocateResponse(container_responses=responses)
+
+    def _grant(self, names: tuple[str, ...]) -> str:
+        assert self.grant_dir is not None
+        try:
+            prune(self.grant_dir)
+            return write_grant(self.grant_dir, self.state.resource, names)
+        except GrantError as err:
+            raise AllocationError(err.message) from None
 
     def PreStartContainer(self, request: api.PreStartContainerRequest,
                           context: grpc.ServicerContext) -> api.PreStartContainerResponse:
