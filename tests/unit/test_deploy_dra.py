@@ -123,3 +123,18 @@ def test_the_channel_class_selects_exactly_the_published_channels() -> None:
     devices = [d for s in slices for d in s["spec"].get("devices", [])]
     chosen = [d["name"] for d in devices if all(d["attributes"].get(k) == {"string": v} for k, v in tests.items())]
     assert chosen == ["channel-0", "channel-1"]
+
+
+def test_the_slice_admission_policy_names_the_drivers_service_account() -> None:
+    """A policy matching another name than the driver's would hold nobody to its node, silently."""
+    (policy,) = by_kind("ValidatingAdmissionPolicy")
+    (binding,) = by_kind("ValidatingAdmissionPolicyBinding")
+    (account,) = by_kind("ServiceAccount")
+    (kustomization,) = documents(DRA / "kustomization.yaml")
+    namespace = kustomization["namespace"]
+    assert account["metadata"]["namespace"] == namespace
+    (condition,) = policy["spec"]["matchConditions"]
+    assert condition["expression"] == (f'request.userInfo.username == "system:serviceaccount:{namespace}:'
+                                       f'{account["metadata"]["name"]}"')
+    assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    assert policy["spec"]["failurePolicy"] == "Fail"
