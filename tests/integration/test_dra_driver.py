@@ -207,7 +207,7 @@ def test_a_spec_the_checkpoint_does_not_name_is_removed_at_start(dirs: dict[str,
     """A crash between writing the spec and the checkpoint leaves a spec: the next start removes it."""
     os.makedirs(dirs["cdi"])
     orphan = Path(dirs["cdi"]) / f"{DRIVER}-0b7f8e7c-dead.json"
-    orphan.write_text("{}")
+    orphan.write_text(json.dumps({"cdiVersion": "0.5.0", "kind": f"{DRIVER}/claim", "devices": []}))  # as written
     other = Path(dirs["cdi"]) / "nvidia.com-gpu.yaml"
     other.write_text("{}")
     driver = make_driver(dirs, api)

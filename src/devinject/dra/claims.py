@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -218,7 +219,9 @@ class Preparer:
         return f"{self.driver}/{CLAIM_CLASS}"
 
     def spec_path(self, uid: str) -> str:
-        return os.path.join(self.cdi_dir, f"{self.driver}-{uid}.json")
+        """The one file a claim's spec is and the only one the driver ever removes for it (a path a
+        checkpoint names is never trusted: it is state a corrupt or planted file could make say anything)."""
+        return os.path.join(self.cdi_dir, f"{self.driver}-{checked_uid(uid)}.json")
 
     def booking(self, uid: str) -> str:
         return f"dra-claim:{self.driver}:{uid}"
@@ -226,9 +229,11 @@ class Preparer:
     # --- prepare ----------------------------------------------------------------------------------------
     def prepare(self, namespace: str, name: str, uid: str) -> list[PreparedDevice]:
         with self.lock:
+            path = self.spec_path(uid)  # the uid checked before anything is read or written
+            _checked_name(namespace, name)
             claims = self.checkpoint.load()
             entry = claims.get(uid)
-            if entry is not None and os.path.exists(str(entry["spec"])):
+            if entry is not None and os.path.exists(path):
                 return [_device(d) for d in entry["devices"]]  # type: ignore[attr-defined]
             claim = self.get_claim(namespace, name)
             results = allocated(claim, self.driver, namespace, name, uid)
@@ -242,7 +247,6 @@ class Preparer:
                                        "offers (its ResourceSlices are older than the hardware, or not ours)")
                 offers.append(offer)
             spec, edits = self._spec(inventory.node, uid, offers)
-            path = self.spec_path(uid)
             text = dump(spec, "json")
             from devinject.specs.validate import validate_spec
 
@@ -307,9 +311,9 @@ class Preparer:
     # --- unprepare --------------------------------------------------------------------------------------
     def unprepare(self, uid: str) -> None:
         with self.lock:
+            path = self.spec_path(uid)
             claims = self.checkpoint.load()
             entry = claims.get(uid)
-            path = str(entry["spec"]) if entry is not None else self.spec_path(uid)
             _remove(path)
             try:
                 if self.ledger.release(self.booking(uid)) == "released":
@@ -399,7 +403,7 @@ class Preparer:
                 if not (filename.startswith(prefix) and filename.endswith(".json")):
                     continue
                 uid = filename[len(prefix):-len(".json")]
-                if uid not in claims:
+                if uid not in claims and valid_uid(uid) and self._ours(os.path.join(self.cdi_dir, filename)):
                     _remove(os.path.join(self.cdi_dir, filename))
                     try:
                         self.ledger.release(self.booking(uid))
@@ -409,6 +413,51 @@ class Preparer:
             if removed:
                 log.info("removed %d claim spec(s) no checkpoint names: %s", len(removed), ", ".join(removed))
             return removed
+
+
+    def _ours(self, path: str) -> bool:
+        """Whether `path` is a claim spec this driver wrote: a regular file (never a link followed) whose kind
+        is this driver's. Another driver whose name starts with this one's (`dra.devinject.io-mig`) writes
+        `<its name>-<uid>.json` too, and its claims are not this driver's to remove."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            data = jsonlite.loads(os.read(fd, MAX_CLAIM_SPEC).decode("utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            return False
+        finally:
+            os.close(fd)
+        return isinstance(data, dict) and data.get("kind") == self.kind
+
+
+MAX_CLAIM_SPEC = 16 * 1024 * 1024
+_UID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-")
+_NAME_CHARS = _UID_CHARS | {"."}
+
+
+def valid_uid(uid: str) -> bool:
+    """A claim UID as the API server makes them (a UUID) or any DNS label: lowercase letters, digits and
+    `-`, at most 63, starting and ending alphanumeric: never a `/` or `..` to walk out of the CDI dir with."""
+    return (0 < len(uid) <= 63 and set(uid) <= _UID_CHARS and uid[0] != "-" and uid[-1] != "-")
+
+
+def checked_uid(uid: str) -> str:
+    if not valid_uid(uid):
+        raise PrepareError(f"claim uid {uid[:80]!r} is not a Kubernetes UID; refused")
+    return uid
+
+
+def _checked_name(namespace: str, name: str) -> None:
+    """A namespace (DNS label) and a claim name (DNS subdomain) the kubelet could have sent: anything else
+    would be put in the API server's URL."""
+    if not (0 < len(namespace) <= 63 and set(namespace) <= _UID_CHARS):
+        raise PrepareError(f"claim namespace {namespace[:80]!r} is not a namespace name; refused")
+    if not (0 < len(name) <= 253 and set(name) <= _NAME_CHARS and ".." not in name and name[0] not in ".-"):
+        raise PrepareError(f"claim name {name[:80]!r} is not a resource name; refused")
 
 
 def _device(entry: dict[str, object]) -> PreparedDevice:
