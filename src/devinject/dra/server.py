@@ -32,6 +32,10 @@ PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
 HEALTH_POLL = 1.0
+MAX_HEALTH_STREAMS = 4  # NodeWatchResources streams at once (the kubelet keeps one): each holds a worker
+PREPARE_WORKERS = 8  # what prepares and unprepares always have, however many streams are open
+SOCKET_MODE = 0o600  # the kubelet (root) alone dials the sockets: whoever can may unprepare any claim
+DIR_MODE = 0o750
 MIN_TIME_LEFT = 1.0  # seconds of the kubelet's deadline a claim needs to be attempted
 
 
@@ -103,9 +107,12 @@ class HealthService:
     """`DRAResourceHealth.NodeWatchResources` of one API version (`api`: its generated module; v1beta1 adds a
     message): the complete list, then again on every change."""
 
-    def __init__(self, api: Any, state: HealthState, stopping: threading.Event) -> None:
+    def __init__(self, api: Any, state: HealthState, stopping: threading.Event,
+                 streams: threading.BoundedSemaphore | None = None) -> None:
         self.api, self.state, self.stopping = api, state, stopping
         self.messages = "message" in api.DeviceHealth.DESCRIPTOR.fields_by_name
+        # shared by both API versions' services: streams beyond it are refused, never queued on the workers
+        self.streams = streams if streams is not None else threading.BoundedSemaphore(MAX_HEALTH_STREAMS)
 
     def _message(self, devices: dict[tuple[str, str], tuple[bool, str]]) -> Any:
         api, now = self.api, int(time.time())
@@ -116,13 +123,19 @@ class HealthService:
             for (pool, name), (ok, reason) in sorted(devices.items())])
 
     def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        seen = -1
-        while context.is_active() and not self.stopping.is_set():
-            version, devices = self.state.snapshot()
-            if version != seen:
-                seen = version
-                yield self._message(devices)
-            self.state.wait(seen, HEALTH_POLL)
+        if not self.streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{MAX_HEALTH_STREAMS} NodeWatchResources streams are open already")
+        try:
+            seen = -1
+            while context.is_active() and not self.stopping.is_set():
+                version, devices = self.state.snapshot()
+                if version != seen:
+                    seen = version
+                    yield self._message(devices)
+                self.state.wait(seen, HEALTH_POLL)
+        finally:
+            self.streams.release()
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):
@@ -150,10 +163,14 @@ class RegistrationService(reg_grpc.RegistrationServicer):
 
 
 def serve(path: str, add: Callable[[grpc.Server], None], workers: int = 4) -> grpc.Server:
-    """A gRPC server on the unix socket `path` (an old socket there is replaced)."""
+    """A gRPC server on the unix socket `path` (an old socket there is replaced), mode 0600 whatever the umask,
+    in a directory made 0750 (every one made) or checked as the hook server checks its own: a real directory
+    owned by root (this user) that nobody else can write, so nobody else can put a socket in its place."""
+    from devinject.core.trusteddir import trusted_dir
+
     if len(path.encode()) > MAX_SOCKET_PATH:
         raise DevinjectError(f"{path}: too long for a unix socket ({MAX_SOCKET_PATH} bytes at most)")
-    os.makedirs(os.path.dirname(path), mode=0o750, exist_ok=True)
+    trusted_dir(os.path.dirname(path), DIR_MODE, what="socket directory")
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -162,8 +179,12 @@ def serve(path: str, add: Callable[[grpc.Server], None], workers: int = 4) -> gr
     add(server)
     try:
         server.add_insecure_port(f"unix://{path}")
+        os.chmod(path, SOCKET_MODE)  # bound under the umask; before the server serves anyone
     except RuntimeError:
         raise DevinjectError(f"{path}: cannot listen on this socket") from None
+    except OSError as err:
+        server.stop(None)
+        raise DevinjectError(f"{path}: cannot set the socket's mode: {err.strerror}") from None
     server.start()
     return server
 
@@ -183,14 +204,17 @@ class PluginServers:
         self.servers: list[grpc.Server] = []
 
     def start(self) -> None:
+        streams = threading.BoundedSemaphore(MAX_HEALTH_STREAMS)
+
         def add_dra(server: grpc.Server) -> None:
             dra_grpc.add_DRAPluginServicer_to_server(self.dra_service, server)  # type: ignore[no-untyped-call]
             health_alpha_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
-                HealthService(health_alpha, self.health, self.stopping), server)
+                HealthService(health_alpha, self.health, self.stopping, streams), server)
             health_beta_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
-                HealthService(health_beta, self.health, self.stopping), server)
+                HealthService(health_beta, self.health, self.stopping, streams), server)
 
-        self.servers.append(serve(self.endpoint, add_dra, workers=8))
+        # the streams' workers on top of the prepares': open streams never leave a prepare waiting
+        self.servers.append(serve(self.endpoint, add_dra, workers=PREPARE_WORKERS + MAX_HEALTH_STREAMS))
         self.servers.append(serve(self.registration_path, lambda s: reg_grpc.add_RegistrationServicer_to_server(  # type: ignore[no-untyped-call]
             self.registration, s)))
 
