@@ -156,6 +156,18 @@ def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
     return out
 
 
+def admin_access(claim: dict[str, object], driver: str) -> set[tuple[str, str]]:
+    """(pool, device) of `driver`'s results allocated with `adminAccess: true` (monitoring, in a namespace
+    labelled `resource.kubernetes.io/admin-access`): the scheduler gives such a device to other claims too, so
+    the claim gets access but books nothing, and never keeps a workload from the device."""
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, dict) else None
+    devices = allocation.get("devices") if isinstance(allocation, dict) else None
+    results = devices.get("results") if isinstance(devices, dict) else None
+    return {(str(r.get("pool")), str(r.get("device"))) for r in (results if isinstance(results, list) else ())
+            if isinstance(r, dict) and r.get("driver") == driver and r.get("adminAccess") is True}
+
+
 def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
     """The UIDs of the pods a claim is reserved for (`status.reservedFor[]` entries of core `pods`): the only
     containers whose bookings of its devices are no clash with the claim's (their cgroups name the pod)."""
@@ -256,7 +268,9 @@ class Preparer:
                 replace_file(path, text.encode(), 0o644, sync=True)
             except OSError as err:
                 raise PrepareError(f"{path}: cannot write the claim's CDI spec: {err.strerror}") from None
-            booked = tuple(_ledger_claim(o, e) for o, e in zip(offers, edits, strict=True))
+            admin = admin_access(claim, self.driver)
+            booked = tuple(Claim(f"{o.kind}={o.name}", (), ()) if (o.pool, o.name) in admin else _ledger_claim(o, e)
+                           for o, e in zip(offers, edits, strict=True))
             try:
                 self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods)
             except LedgerError as err:
