@@ -107,14 +107,15 @@ def test_a_prepared_claim_books_and_checkpoints_its_pods(driver: DraDriver, dirs
 def test_the_claim_is_booked_again_over_its_pods_recovered_container(driver: DraDriver, dirs: dict[str, str],
                                                                      v1_device_cgroup: Path) -> None:
     """Prepared; the ledger and the claims' copy lost; the next access rebuilds it and books the pod's running
-    container; the driver's round books the claim again (no refusal), and a process in no pod is refused the
-    GPU by the claim once the pod's container is gone."""
+    container and the claim (from the driver's checkpoint); the driver's round finds it booked (no refusal),
+    and a process in no pod is refused the GPU by the claim once the pod's container is gone."""
     driver.preparer.prepare("default", "held", UID)
     with pod_container(v1_device_cgroup, POD):
         corrupt_ledger(dirs)
-        allocations = Ledger(dirs["state"]).snapshot()["allocations"]  # rebuilt: the claim is not in it
-        assert BOOKING not in allocations
-        assert [e.get("pod") for e in allocations.values() if GPU_NODE in e["exclusive"]] == [POD]
+        allocations = Ledger(dirs["state"]).snapshot()["allocations"]  # rebuilt: the claim from its checkpoint
+        assert allocations[BOOKING]["pods"] == [POD]
+        assert [e.get("pod") for n, e in allocations.items() if n != BOOKING and GPU_NODE in e["exclusive"]] \
+            == [POD]
         assert driver.preparer.rebook() == 0
         assert BOOKING in Ledger(dirs["state"]).snapshot()["allocations"]
     with pytest.raises(LedgerError, match=f"device {GPU_NODE} is held by container {BOOKING}"):
@@ -179,3 +180,28 @@ def test_a_claim_checkpointed_without_pods_learns_them_though_the_ledger_holds_i
     assert driver.preparer.prepared()[UID]["pods"] == [POD]
     assert driver.preparer.rebook() == 0
     assert asked == ["held"]  # once: the checkpoint has them now
+
+
+def test_a_rebuild_with_both_ledger_files_lost_books_the_checkpointed_claim(driver: DraDriver,
+                                                                            dirs: dict[str, str]) -> None:
+    """The claim prepared, its pod not started yet, ledger.json and ledger-claims.json both corrupt: the
+    rebuild saw no claim, and a process in no pod booked the claim's GPU while the claim's spec stayed for the
+    runtime to apply (one GPU, two holders). The rebuild reads the DRA driver's checkpoint too."""
+    driver.preparer.prepare("default", "held", UID)
+    corrupt_ledger(dirs)
+    Path(dirs["state"], "ledger-claims.json").write_text("{broken")
+    with pytest.raises(LedgerError, match=f"device {GPU_NODE} is held by container {BOOKING}"):
+        Ledger(dirs["state"]).book("intruder", os.getpid(), (Claim("nvidia.com/gpu=1", (GPU_NODE,)),))
+    allocations = Ledger(dirs["state"]).snapshot()["allocations"]
+    assert allocations[BOOKING]["pods"] == [POD] and allocations[BOOKING]["exclusive"] == [GPU_NODE]
+    assert driver.preparer.rebook() == 0  # already held as the driver books it
+    driver.preparer.unprepare(UID)
+    assert BOOKING not in Ledger(dirs["state"]).snapshot()["allocations"]
+
+
+def test_an_unreadable_checkpoint_is_said_in_the_rebuild(driver: DraDriver, dirs: dict[str, str]) -> None:
+    driver.preparer.prepare("default", "held", UID)
+    Path(dirs["state"], "dra-dra.devinject.io.checkpoint.json").write_text("{")
+    corrupt_ledger(dirs)
+    Ledger(dirs["state"]).snapshot()
+    assert "checkpoint-unreadable" in Path(dirs["state"], "events.jsonl").read_text()

@@ -27,14 +27,13 @@ from devinject.core.spec import dump
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
 from devinject.dra.slices import Offer
+from devinject.nodestate.claimcheckpoints import CHECKPOINT_VERSION, NODE_PID, booking_id, checkpoint_path
 from devinject.nodestate.ledger import Claim, Ledger
 from devinject.specs.generate import GenerateOptions, build_specs, versioned
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_VERSION = 1
 CLAIM_CLASS = "claim"
-NODE_PID = 1  # a claim is held for the node (pid 1 lives as long as it runs) until it is unprepared
 
 
 class PrepareError(DevinjectError):
@@ -223,7 +222,7 @@ class Preparer:
         self.get_claim = get_claim
         self.generate = generate
         self.ledger = ledger if ledger is not None else Ledger(state_dir)
-        self.checkpoint = Checkpoint(os.path.join(state_dir, f"dra-{driver}.checkpoint.json"))
+        self.checkpoint = Checkpoint(checkpoint_path(state_dir, driver))  # the ledger's rebuild reads it too
         self.lock = threading.Lock()
 
     @property
@@ -236,7 +235,7 @@ class Preparer:
         return os.path.join(self.cdi_dir, f"{self.driver}-{checked_uid(uid)}.json")
 
     def booking(self, uid: str) -> str:
-        return f"dra-claim:{self.driver}:{uid}"
+        return booking_id(self.driver, uid)
 
     # --- prepare ----------------------------------------------------------------------------------------
     def prepare(self, namespace: str, name: str, uid: str) -> list[PreparedDevice]:

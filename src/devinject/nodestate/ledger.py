@@ -242,6 +242,14 @@ class Ledger:
                     "own_pid_ns": has_own_pid_namespace(holding.pid, self.proc)}
                 if holding.pod is not None:
                     entry["pod"] = holding.pod  # its pod's claim (booked again by the driver) is no clash
+        for cid, claim in self._checkpointed_claims(allocations).items():  # the claims' copy lost too
+            held = set(claim["exclusive"]) | set(claim["shared"])
+            clash = [other for other, entry in allocations.items()
+                     if entry.get("recovered") and not same_pod(claim, entry) and held & set(entry["exclusive"])]
+            if clash:  # as the driver's own rebook would be: refused, and said
+                self.event("claim-not-restored", container=cid, held_by=clash[0])
+                continue
+            allocations[cid] = claim
         rebuilt = {"allocations": allocations}
         try:
             atomicfile.replace(aside, raw, 0o600)  # forensics: the bytes as they were
@@ -281,6 +289,37 @@ class Ledger:
             self.event("claims-unreadable", path=path, reason="not the claims' bookings")
             return {}
         return claims
+
+    def _checkpointed_claims(self, kept: dict[str, Any]) -> dict[str, Any]:
+        """The claims the DRA drivers' checkpoints hold that `kept` lacks, booked as the driver books them (for
+        the node, pid 1, for their pods): with the ledger and its claims' copy both lost, a claim prepared for
+        a pod that has not started would otherwise look free, and a process in no pod could take its GPU."""
+        from devinject.nodestate.claimcheckpoints import NODE_PID, checkpointed_bookings
+        from devinject.nodestate.profilefacts import sharing_policy
+
+        bookings, pods, unreadable = checkpointed_bookings(self.state_dir)
+        for name in unreadable:
+            self.event("checkpoint-unreadable", path=os.path.join(self.state_dir, name))
+        missing = {cid: booked for cid, booked in bookings.items() if cid not in kept}
+        started = process_start_time(NODE_PID, self.proc)
+        if not missing or started is None:
+            return {}
+        policy = sharing_policy(self.state_dir, profile_dirs=self.profile_dirs)
+        out: dict[str, Any] = {}
+        now = time.time()
+        for cid, booked in missing.items():
+            exclusive: set[str] = set()
+            shared: set[str] = set()
+            for name, nodes, shared_nodes in booked:
+                if policy.get(name.partition("=")[0], "exclusive") == "shared":
+                    shared.update(nodes)
+                else:
+                    shared.update(shared_nodes)
+                    exclusive.update(n for n in nodes if n not in shared_nodes)
+            out[cid] = {"devices": [b[0] for b in booked], "exclusive": sorted(exclusive), "shared": sorted(shared),
+                        "pid": NODE_PID, "start_time": started, "time": now, "state": "active",
+                        "own_pid_ns": has_own_pid_namespace(NODE_PID, self.proc), "pods": sorted(set(pods[cid]))}
+        return out
 
     def _sync_claims(self, data: dict[str, Any]) -> None:
         """CLAIMS_FILE made to hold the ledger's claims' bookings, after the ledger is written: compared with the
