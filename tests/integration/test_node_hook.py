@@ -197,3 +197,45 @@ def test_install_node_hook_command_prints_the_hook_path_and_generate_names_it(ho
     both = subprocess.run([DEVINJECT, "generate", "--root", str(fake), "--output", "-", "--node-hook", DEFAULT_DIR,
                            "--hook-path", "/usr/bin/devinject"], capture_output=True, text=True, timeout=60)
     assert both.returncode == 1 and "give one" in both.stderr
+
+
+def test_what_killed_installs_left_is_removed_under_the_lock(tmp_path: Path) -> None:
+    """SIGKILLed `install-node-hook --force` runs left `.hook.new-*` stages and scratch containers (44 MiB after a
+    few; an init container at its memory limit would loop and grow them): the next install removes them,
+    whether it rebuilds or keeps the bundle, and follows no link."""
+    root = str(tmp_path)
+    install_node_hook(root, DEFAULT_DIR)
+    parent = _bundle(tmp_path).parent
+    for left in (".hook.new-k1l2m3", ".devinject-node-hook-check-a1b2c3"):
+        (parent / left / "lib").mkdir(parents=True)
+        (parent / left / "lib" / "libbig.so").write_bytes(b"\0" * 4096)
+    outside = tmp_path / "keep"
+    outside.mkdir()
+    (outside / "file").write_text("mine")
+    (parent / ".hook.new-link").symlink_to(outside)
+    kept = install_node_hook(root, DEFAULT_DIR)
+    assert not kept.changed
+    assert sorted(os.listdir(parent)) == [".hook.lock", ".hook.new-link", "hook"]
+    assert (outside / "file").read_text() == "mine"
+
+
+def test_check_refuses_a_bundle_file_of_another_owner(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    install_node_hook(root, DEFAULT_DIR)
+    assert node_hook_ready(root, DEFAULT_DIR, run=False) is None
+    victim = _bundle(tmp_path) / "lib/python3.11/os.py"
+    os.chown(victim, 65534, 65534)  # mode and content unchanged: the stamp's hash still matches
+    assert f"{victim}: owned by uid 65534" in str(node_hook_ready(root, DEFAULT_DIR, run=False))
+
+
+def test_a_directory_above_the_bundle_others_can_write_is_refused(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    install_node_hook(root, DEFAULT_DIR)
+    opt = tmp_path / "opt"
+    opt.chmod(0o775)  # another user of the group could move /opt/devinject aside and put theirs there
+    assert f"{opt}: a directory above the node hook is writable by group or others" in \
+        str(node_hook_ready(root, DEFAULT_DIR, run=False))
+    with pytest.raises(DevinjectError, match="a directory above the node hook is writable"):
+        install_node_hook(root, DEFAULT_DIR, force=True)
+    opt.chmod(0o1777)  # sticky: nobody renames what is root's
+    assert node_hook_ready(root, DEFAULT_DIR, run=False) is None

@@ -386,6 +386,62 @@ def _runs(bundle: str, work_dir: str | None = None) -> str | None:
     return None
 
 
+STAGING_PREFIXES = (".devinject-node-hook-check-",)  # with `.<bundle name>.new-`: what an install leaves when killed
+
+
+def ancestors_problem(host_root: str, directory: str) -> str | None:
+    """Why a directory above the bundle (the host's / down to its parent, as the host names them) lets someone
+    but root swap the bundle root then runs: owned by another user, or writable by group or others (a sticky
+    one, like /tmp, lets nobody rename what is root's). None when every one is root's alone."""
+    from devinject.core.spec import trust_problem
+
+    parts = [p for p in directory.strip("/").split("/") if p][:-1]
+    for depth in range(len(parts) + 1):
+        host_path = "/" + "/".join(parts[:depth])
+        here = in_root(host_root, host_path) if depth else os.path.normpath(host_root)
+        try:
+            problem = trust_problem(os.stat(here), directory=True)
+        except FileNotFoundError:
+            return None  # below here nothing exists yet: install makes it, --check finds no bundle
+        except OSError as err:
+            return f"{here}: {err.strerror}"
+        if problem:
+            return f"{here}: a directory above the node hook is {problem}: another user could replace the bundle"
+    return None
+
+
+def owners_problem(bundle: str) -> str | None:
+    """The first entry of the bundle whose owner is not the bundle's (root's): its owner could change it (a
+    mode in the stamp's hash does not stop a chmod), or that is writable by group or others."""
+    owner = os.lstat(bundle).st_uid
+    for top, dirs, names in os.walk(bundle):
+        for name in dirs + names:
+            path = os.path.join(top, name)
+            st = os.lstat(path)
+            if st.st_uid != owner:
+                return f"{path}: owned by uid {st.st_uid}, not {owner} as the bundle is"
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022:
+                return f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def clean_staging(parent: str, name: str) -> int:
+    """Remove what killed installs left beside the bundle (stages, scratch containers): directories only,
+    never through a link. Only under the install lock: no install is running then."""
+    removed = 0
+    for entry in os.listdir(parent):
+        if not (entry.startswith(f".{name}.new-") or entry.startswith(STAGING_PREFIXES)):
+            continue
+        path = os.path.join(parent, entry)
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path)
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
 def node_hook_ready(host_root: str, directory: str = DEFAULT_DIR, *, run: bool = True) -> str | None:
     """Why the node hook at `directory` (a host path; the host's / is at `host_root` here) cannot serve this
     agent's specs, or None when it can: installed, root's alone, this agent's version and build, unchanged
@@ -403,6 +459,15 @@ def node_hook_ready(host_root: str, directory: str = DEFAULT_DIR, *, run: bool =
         return f"{bundle}: {err.strerror}"
     if problem:
         return f"{bundle}: {problem}"
+    problem = ancestors_problem(host_root, directory)
+    if problem:
+        return problem
+    try:
+        problem = owners_problem(bundle)
+    except OSError as err:
+        return f"{bundle}: unreadable: {err.strerror}"
+    if problem:
+        return problem
     try:
         stamp = json.loads(Path(bundle, STAMP).read_text())
         if not isinstance(stamp, dict):
@@ -447,7 +512,11 @@ def install_node_hook(host_root: str = "/", directory: str = DEFAULT_DIR, *, for
     except OSError as err:
         raise DevinjectError(f"{parent}: cannot create: {err.strerror}") from None
     trusted_dir(parent, what="node hook's parent directory")
+    problem = ancestors_problem(host_root, directory)
+    if problem:
+        raise DevinjectError(problem)
     with exclusive(os.path.join(parent, f".{name}.lock"), timeout=LOCK_TIMEOUT, what="node hook install"):
+        clean_staging(parent, name)
         if os.path.lexists(bundle):
             st = os.lstat(bundle)
             if not stat.S_ISDIR(st.st_mode):
