@@ -55,11 +55,37 @@ node_hook_option = click.option(
          "Use it instead of --hook-path.")
 
 
+def _checked_hook_path(root: str, target_root: str | None, hook_path: str | None) -> str:
+    """The hook path the specs will name (`--hook-path`, else this devinject's), refused in one line when the
+    runtime reading them could not run it, before anything is written: not absolute, or, where this process
+    sees the reader's files (the host itself: `--root /`; or `--target-root`, found under `--root`), missing,
+    not an executable file, or someone else's (it runs as root). Specs for another root keep it as given."""
+    from devinject.specs.generate import default_hook_path
+    from devinject.specs.validate import hook_program_problem
+
+    path = hook_path or default_hook_path()
+    option = "--hook-path" if hook_path else "the default hook path"
+    if not path.startswith("/"):
+        raise DevinjectError(f"{option} {path}: must be an absolute path (the runtime runs it from anywhere); "
+                             "nothing written")
+    local: str | None = None
+    if target_root is None:
+        local = path if os.path.realpath(root) == "/" else None
+    elif path == target_root or path.startswith(target_root.rstrip("/") + "/"):
+        local = os.path.join(root, os.path.relpath(path, target_root))
+    problem = hook_program_problem(path, local) if local is not None else None
+    if problem:
+        raise DevinjectError(f"{option}: {problem}; nothing written",
+                             hint="give --hook-path with a devinject the runtime can run, or --node-hook DIR")
+    return path
+
+
 def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_root: str | None) -> str | None:
     """--node-hook DIR: the hook path of the bundle there, once it is ready (else one line why, exit 1); under
-    the target root, or else the root, as the specs' other host paths."""
+    the target root, or else the root, as the specs' other host paths. Without it, the hook path checked
+    (`_checked_hook_path`)."""
     if node_hook is None:
-        return hook_path
+        return _checked_hook_path(root, target_root, hook_path)
     if hook_path is not None:
         raise UsageError("--node-hook and --hook-path: give one (--node-hook DIR sets the hook path)")
     from devinject.agent.nodehook import hook_path as bundle_hook_path
@@ -167,6 +193,13 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
             raise DevinjectError(f"{why}; nothing written")
         note(f"{why}; nothing written")
         return
+    from devinject.core.spec import spec_dir_problem
+
+    if output != "-":  # a spec dir others could write: the hook and validate refuse every spec in it
+        directory = output_dir if output is None else os.path.dirname(os.path.abspath(output))
+        problem = spec_dir_problem(directory)
+        if problem:
+            raise DevinjectError(f"{problem}; nothing written", hint="write into a directory only root can change")
     if output == "-":
         texts = [render(spec, fmt) for spec in specs]
         if fmt == "json" and len(texts) > 1:

@@ -29,7 +29,7 @@ def edits_for(version: str) -> dict[str, object]:
              "options": ["ro", "nosuid", "nodev", "bind"], **({"type": "bind"} if v >= (0, 4, 0) else {})}
     edits: dict[str, object] = {
         "env": ["VENDOR_VISIBLE=0"], "deviceNodes": [node], "mounts": [mount],
-        "hooks": [{"hookName": "createContainer", "path": "/usr/bin/vendor-hook", "args": ["vendor-hook", "x"],
+        "hooks": [{"hookName": "createContainer", "path": "/bin/sh", "args": ["vendor-hook", "x"],
                    "env": ["A=1"], "timeout": 5}],
     }
     if v >= (0, 7, 0):

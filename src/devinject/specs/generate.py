@@ -81,10 +81,17 @@ class GenerateOptions:
 
 
 def default_hook_path() -> str:
+    """This devinject, by an absolute path: the program run (a relative `.venv/bin/devinject` made absolute),
+    else the console script beside this interpreter, else the one on PATH; `/usr/local/bin/devinject` when
+    none is found (generate then refuses it unless it exists: cli.py `_checked_hook_path`)."""
     argv0 = sys.argv[0]
-    if os.path.isabs(argv0) and os.path.basename(argv0) == "devinject" and os.access(argv0, os.X_OK):
-        return argv0
-    return shutil.which("devinject") or "/usr/local/bin/devinject"
+    if os.path.basename(argv0) == "devinject" and os.sep in argv0 and os.access(argv0, os.X_OK):
+        return os.path.abspath(argv0)
+    beside = os.path.join(os.path.dirname(sys.executable), "devinject")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("devinject")
+    return os.path.abspath(found) if found else "/usr/local/bin/devinject"
 
 
 class Rerooter:

@@ -90,6 +90,49 @@ def compatibility_warning(spec: Spec, max_version: str | None = None) -> str | N
     return None
 
 
+def hook_program_problem(path: str, local: str | None = None) -> str | None:
+    """Why a spec's hook `path` (found here at `local`, default `path`) will not run, or will run what another
+    user chose, as root: not absolute, missing (a runtime applying the spec then fails every container start:
+    `fork/exec PATH: no such file or directory`), not an executable regular file, or someone else's or
+    writable by group or others. None when it will run."""
+    import os
+    import stat
+
+    from devinject.core.spec import trust_problem
+
+    if not path.startswith("/"):
+        return f"must be an absolute path, not {path!r}"
+    here = local or path
+    try:
+        st = os.stat(here)
+    except OSError as err:
+        return f"{path}: {err.strerror.lower() if err.strerror else err} on this host: every container start " \
+               "that applies this spec fails"
+    if not stat.S_ISREG(st.st_mode) or not os.access(here, os.X_OK):
+        return f"{path}: not an executable file: every container start that applies this spec fails"
+    problem = trust_problem(st)
+    if problem:
+        return f"{path}: {problem}: it runs as root for every container that applies this spec"
+    return None
+
+
+def hook_problems(spec: Spec, local: object = None) -> list[str]:
+    """`field: problem` for each hook of `spec` that will not run (hook_program_problem); `local` maps a hook
+    path to where it is found here (None: where it is named)."""
+    where = [("containerEdits", spec.edits)] + [(f"devices[{i}].containerEdits", d.edits)
+                                                 for i, d in enumerate(spec.devices)]
+    out = []
+    seen: dict[str, str | None] = {}
+    for prefix, edits in where:
+        for i, hook in enumerate(edits.hooks):
+            if hook.path not in seen:
+                here = local(hook.path) if callable(local) else None
+                seen[hook.path] = hook_program_problem(hook.path, here)
+            if seen[hook.path] is not None:
+                out.append(f"{prefix}.hooks[{i}].path: {seen[hook.path]}")
+    return out
+
+
 def validate_spec(spec: Spec, *, source: str) -> None:
     """Raise SpecValidationError unless `spec` is valid (generate calls this before any write)."""
     problems = spec_problems(spec)
@@ -136,6 +179,7 @@ def check_paths(paths: Iterable[str], *, max_version: str | None = None) -> Vali
         if file_problems:
             continue
         spec = spec_from_dict(data)
+        problems += [_problem(name, p) for p in hook_problems(spec)]
         note = compatibility_warning(spec, max_version)
         if note:
             problems.append(_problem(name, note, "error" if max_version else "warning"))
