@@ -133,15 +133,22 @@ def _pod_annotation_lists(table: object, where: str = "") -> list[tuple[str, lis
     return found
 
 
-def pod_annotation_passthrough(root: str = "/", configs: tuple[str, ...] = CONTAINERD_CONFIGS) -> list[str]:
+def pod_annotation_passthrough(root: str = "/", configs: tuple[str, ...] | None = None) -> list[str]:
     """One line for each `pod_annotations` list in containerd's config under `root` that passes a pod's own
     `cdi.k8s.io/*` annotations into the OCI config, where they look like the kubelet's: the hook then serves a
     container of a pod only what the node's device plugin and DRA driver granted that pod (docs/hook.md,
     "Trust model"). Empty when none does, or no config is there. For `install-hook` and `doctor`."""
+    import glob
     import tomllib
 
     lines = []
-    for config in configs:
+    queue = list(CONTAINERD_CONFIGS if configs is None else configs)
+    seen: set[str] = set()
+    while queue and len(seen) < 64:
+        config = queue.pop(0)
+        if config in seen:
+            continue
+        seen.add(config)
         path = os.path.join(root, config.lstrip("/"))
         try:
             with open(path, "rb") as handle:
@@ -151,6 +158,12 @@ def pod_annotation_passthrough(root: str = "/", configs: tuple[str, ...] = CONTA
         except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
             lines.append(f"{config}: cannot read containerd's config ({err}); pod annotations not checked")
             continue
+        imports = data.get("imports")
+        for pattern in imports if isinstance(imports, list) else ():  # drop-ins (`conf.d/*.toml`), as containerd
+            if isinstance(pattern, str):
+                pattern = pattern if pattern.startswith("/") else os.path.join(os.path.dirname(config), pattern)
+                found = sorted(glob.glob(os.path.join(root, pattern.lstrip("/"))))
+                queue += ["/" + os.path.relpath(f, root) for f in found]
         for name, patterns in _pod_annotation_lists(data):
             passing = [p for p in patterns if _path_match(p, SAMPLE_CDI_ANNOTATION)]
             if passing:

@@ -104,3 +104,29 @@ def test_install_hook_says_when_containerd_passes_pod_cdi_annotations(tmp_path: 
     assert "runtimes.runc.pod_annotations" in lines[0] and "/etc/containerd/config.toml" in lines[0]
     config.write_text("not toml [")
     assert "cannot read" in pod_annotation_passthrough(str(tmp_path))[0]
+
+
+def test_a_containerd_drop_in_passing_cdi_annotations_is_found(tmp_path: Path) -> None:
+    etc = tmp_path / "etc/containerd"
+    (etc / "conf.d").mkdir(parents=True)
+    (etc / "config.toml").write_text('version = 2\nimports = ["/etc/containerd/conf.d/*.toml"]\n')
+    (etc / "conf.d/99-gpu.toml").write_text(
+        '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\npod_annotations = ["cdi.k8s.io/*"]\n')
+    (lines,) = pod_annotation_passthrough(str(tmp_path))
+    assert lines.startswith("/etc/containerd/conf.d/99-gpu.toml: ")
+
+
+def test_install_hook_warns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from devinject import cli, hooksd
+
+    config = tmp_path / "config.toml"
+    config.write_text('[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+                      'pod_annotations = ["cdi.k8s.io/*"]\n')
+    monkeypatch.setattr(hooksd, "CONTAINERD_CONFIGS", (str(config),))
+    done = CliRunner().invoke(cli.cli, ["install-hook", "--hooks-dir", str(tmp_path / "hooks.d"),
+                                        "--server", str(tmp_path / "no.sock")])
+    assert done.exit_code == 0, done.output
+    assert f"warning: {config}: plugins.io.containerd.grpc.v1.cri.containerd.runtimes.runc.pod_annotations" \
+        in done.output
