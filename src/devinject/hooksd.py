@@ -109,65 +109,25 @@ WantedBy=multi-user.target
 """
 
 
-CONTAINERD_CONFIGS = ("/etc/containerd/config.toml",)
-SAMPLE_CDI_ANNOTATION = "cdi.k8s.io/devinject_nvidia.com_gpu"
 
+def pod_annotation_passthrough(root: str = "/") -> list[str]:
+    """One line when containerd's config under `root` (its imports too) passes a pod's own `cdi.k8s.io/*`
+    annotations into the OCI config, where they look like the kubelet's (runtimes/config.py
+    `annotations_passed_through`, which `doctor` reads too); empty when it does not, or no config is there.
+    The hook ignores them in a pod's containers and serves those only what the node's device plugin and DRA
+    driver granted the pod (docs/hook.md, "Trust model"); `install-hook` says so."""
+    from devinject.core.errors import DevinjectError
+    from devinject.runtimes.config import DEFAULT_CONFIG, annotations_passed_through, containerd_config
 
-def _path_match(pattern: str, key: str) -> bool:
-    """Go's path.Match, as containerd matches `pod_annotations`: `*` and `?` never cross a `/`."""
-    from fnmatch import fnmatchcase
-
-    parts, keys = pattern.split("/"), key.split("/")
-    return len(parts) == len(keys) and all(fnmatchcase(k, p) for p, k in zip(parts, keys, strict=True))
-
-
-def _pod_annotation_lists(table: object, where: str = "") -> list[tuple[str, list[str]]]:
-    found: list[tuple[str, list[str]]] = []
-    if isinstance(table, dict):
-        for key, value in table.items():
-            name = f"{where}.{key}" if where else str(key)
-            if key == "pod_annotations" and isinstance(value, list):
-                found.append((name, [str(v) for v in value]))
-            else:
-                found += _pod_annotation_lists(value, name)
-    return found
-
-
-def pod_annotation_passthrough(root: str = "/", configs: tuple[str, ...] | None = None) -> list[str]:
-    """One line for each `pod_annotations` list in containerd's config under `root` that passes a pod's own
-    `cdi.k8s.io/*` annotations into the OCI config, where they look like the kubelet's: the hook then serves a
-    container of a pod only what the node's device plugin and DRA driver granted that pod (docs/hook.md,
-    "Trust model"). Empty when none does, or no config is there. For `install-hook` and `doctor`."""
-    import glob
-    import tomllib
-
-    lines = []
-    queue = list(CONTAINERD_CONFIGS if configs is None else configs)
-    seen: set[str] = set()
-    while queue and len(seen) < 64:
-        config = queue.pop(0)
-        if config in seen:
-            continue
-        seen.add(config)
-        path = os.path.join(root, config.lstrip("/"))
-        try:
-            with open(path, "rb") as handle:
-                data = tomllib.load(handle)
-        except FileNotFoundError:
-            continue
-        except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            lines.append(f"{config}: cannot read containerd's config ({err}); pod annotations not checked")
-            continue
-        imports = data.get("imports")
-        for pattern in imports if isinstance(imports, list) else ():  # drop-ins (`conf.d/*.toml`), as containerd
-            if isinstance(pattern, str):
-                pattern = pattern if pattern.startswith("/") else os.path.join(os.path.dirname(config), pattern)
-                found = sorted(glob.glob(os.path.join(root, pattern.lstrip("/"))))
-                queue += ["/" + os.path.relpath(f, root) for f in found]
-        for name, patterns in _pod_annotation_lists(data):
-            passing = [p for p in patterns if _path_match(p, SAMPLE_CDI_ANNOTATION)]
-            if passing:
-                lines.append(f"{config}: {name} = {passing} passes pods' own cdi.k8s.io/ annotations to the "
-                             "runtime: the hook ignores them in a pod's container and serves it only what the "
-                             "device plugin and DRA driver granted its pod")
-    return lines
+    config = DEFAULT_CONFIG["containerd"]
+    main = os.path.join(root, config.lstrip("/"))
+    try:
+        data, files = containerd_config(main)
+    except DevinjectError as err:
+        return [f"{err.message}; pod annotations not checked"]
+    passed = annotations_passed_through(data)
+    if not passed:
+        return []
+    return [f"{', '.join(files)}: pod_annotations pass pods' own cdi.k8s.io/ annotations to the runtime "
+            f"({'; '.join(passed)}): the hook ignores them in a pod's containers and serves those only what the "
+            "device plugin and DRA driver granted the pod"]

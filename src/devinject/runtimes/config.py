@@ -180,8 +180,9 @@ def containerd_cri(data: dict[str, Any]) -> tuple[bool, list[str]]:
 
 def annotations_passed_through(data: dict[str, Any]) -> list[str]:
     """The containerd runtimes whose `pod_annotations` let a pod's `cdi.k8s.io/*` annotations through to the OCI
-    spec, where the devinject hook reads them as device requests: a pod user then picks devices the scheduler
-    never gave it. Each as `runtime: pattern`."""
+    spec, where they look like the kubelet's (the devinject hook serves a pod's containers only what the node's
+    agents granted the pod; a hook or runtime trusting annotations would let a pod user pick devices the
+    scheduler never gave it). Each as `runtime: pattern`."""
     section = _table(data, "plugins", CRI_2 if data.get("version") == 3 else CRI_17)
     runtimes = _table(section, "containerd", "runtimes")
     found = []

@@ -118,7 +118,8 @@ def _containerd(root: str) -> RuntimeStatus:
                              "systemctl restart containerd")
     passed = annotations_passed_through(data)
     warning = (f"pod annotations reach the OCI spec ({'; '.join(passed)}): a pod's own cdi.k8s.io/* annotation "
-               "is a device request the hook honours" if passed else None)
+               "looks like the kubelet's there (the devinject hook ignores it in a pod's containers; another hook "
+               "may not)" if passed else None)
     return RuntimeStatus("containerd", True, f"containerd{' ' + version if version else ''} applies CDI from "
                          f"{', '.join(dirs)} ({read})", spec_dirs=tuple(dirs), warning=warning,
                          warning_fix="drop cdi.k8s.io/* from the runtimes' pod_annotations" if passed else None)
