@@ -552,3 +552,42 @@ def test_a_fault_leaves_the_slice_and_shows_in_the_pods_resource_health(cluster:
     finally:
         health_file.unlink(missing_ok=True)
         cluster.delete_pod("health")
+
+
+def test_an_admin_access_claim_never_keeps_the_workload_from_its_gpu(cluster: Cluster) -> None:
+    """A monitoring claim (`adminAccess: true`, in a namespace labelled for it) on the GPU a workload then
+    claims: the scheduler allocates both, and both pods run with the GPU. Before, the admin claim was booked
+    exclusive, and the workload's claim on that GPU was refused `held by` (its pod never started)."""
+    address = sorted(d["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+                     for n, d in published(cluster).items() if n.startswith("gpu-") and "-gi" not in n)[-1]
+    gpu = f'device.attributes["resource.kubernetes.io"].pciBusID == "{address}"'
+    namespace = "devinject-monitoring"
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {
+        "name": namespace, "labels": {"resource.kubernetes.io/admin-access": "true"}}})
+    request = {"name": "dev", "exactly": {"deviceClassName": "gpu.devinject.io", "count": 1, "adminAccess": True,
+                                          "allocationMode": "ExactCount", "selectors": [{"cel": {"expression": gpu}}]}}
+    cluster.apply(
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+         "metadata": {"name": "monitor", "namespace": namespace},
+         "spec": {"spec": {"devices": {"requests": [request]}}}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "monitor", "namespace": namespace},
+         "spec": {"terminationGracePeriodSeconds": 1, "resourceClaims": [
+             {"name": "devices", "resourceClaimTemplateName": "monitor"}],
+             "containers": [{"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never",
+                             "command": SLEEPER, "resources": {"claims": [{"name": "devices"}]}}]}})
+
+    def monitor_running() -> bool:
+        return cluster.json("pod", "monitor", "-n", namespace)["status"].get("phase") == "Running"
+
+    try:
+        until(monitor_running, 120, "the monitoring pod Running")
+    except AssertionError as err:
+        raise AssertionError(f"{err}: {cluster.kubectl('describe', 'pod', '-n', namespace, 'monitor')[-2500:]}") \
+            from None
+    selector_pod(cluster, "watched", "gpu.devinject.io", gpu)
+    until(lambda: cluster.running("watched"), 120, "the workload's pod Running beside the admin claim")
+    seen = devices_seen(cluster, "watched")
+    assert len(seen) == 1, seen
+    assert cluster.kubectl("exec", "-n", namespace, "monitor", "--", "ls", "/dev").split().count(seen[0]) == 1
+    cluster.delete_pod("watched")
+    cluster.kubectl("delete", "namespace", namespace, "--wait=true", timeout=120)
