@@ -4,7 +4,9 @@ allocation, kubelet and plugin restarts, the HTTP endpoints. The real kubelet: t
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import tempfile
 import threading
 import urllib.error
@@ -156,6 +158,8 @@ def test_allocate_grants_each_container_its_devices_for_the_hook(node, tmp_path)
     tokens = [dict(c.envs)[grant_env_key("nvidia.com/gpu")] for c in response.container_responses]
     assert len(set(tokens)) == 2
     state = str(tmp_path / "state")
+    socket = kubelet.plugins["nvidia.com/gpu"].request.endpoint
+    assert stat.S_IMODE(os.stat(os.path.join(kubelet.plugin_dir, socket)).st_mode) == 0o600  # whatever the umask
     assert redeem(state, [tokens[0]], "pod-a") == (["nvidia.com/gpu=0"], [])
     assert redeem(state, [tokens[1]], "pod-b") == (["nvidia.com/gpu=7"], [])
     assert redeem(state, [tokens[0]], "pod-b")[0] == []  # bound to pod-a

@@ -184,8 +184,12 @@ class ResourceServer:
         api_grpc.add_DevicePluginServicer_to_server(self.service, server)  # type: ignore[no-untyped-call]
         try:
             server.add_insecure_port(f"unix://{self.path}")
+            os.chmod(self.path, 0o600)  # the kubelet alone: Allocate writes the grants the hook trusts in pods
         except RuntimeError:
             raise OSError(f"{self.path}: cannot listen on this socket") from None
+        except OSError:
+            server.stop(None)
+            raise
         server.start()
         self.server = server
         self.socket_ino = os.stat(self.path).st_ino
