@@ -70,6 +70,6 @@ def test_bad_options_are_one_line(tmp_path: Path) -> None:
                           text=True, timeout=60)
     assert done.returncode != 0 and "absent" in done.stderr and "Traceback" not in done.stderr
     done = subprocess.run(args(tmp_path, "--driver-name", "Not.Lower"), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
+    assert done.returncode == 2  # a usage error (a bad option value), not a runtime failure
     assert done.stderr.strip().splitlines() == ["devinject: error: --driver-name 'Not.Lower': must be lower case "
                                                 "(a DNS subdomain)"]

@@ -196,7 +196,7 @@ def test_install_node_hook_command_prints_the_hook_path_and_generate_names_it(ho
     assert hooks and {h["path"] for h in hooks} == {f"{DEFAULT_DIR}/{LAUNCHER}"}
     both = subprocess.run([DEVINJECT, "generate", "--root", str(fake), "--output", "-", "--node-hook", DEFAULT_DIR,
                            "--hook-path", "/usr/bin/devinject"], capture_output=True, text=True, timeout=60)
-    assert both.returncode == 1 and "give one" in both.stderr
+    assert both.returncode == 2 and "give one" in both.stderr
 
 
 def test_what_killed_installs_left_is_removed_under_the_lock(tmp_path: Path) -> None:
