@@ -252,8 +252,10 @@ def validate(paths: tuple[str, ...], max_version: str | None, as_json: bool) -> 
 
 state_dir_option = click.option("--state-dir", default=DEFAULT_STATE_DIR, show_default=True, metavar="DIRECTORY",
                                 help="devinject's node state: ledger, health, events.")
-kernel_log_option = click.option("--kernel-log", default=DEFAULT_KERNEL_LOG, show_default=True, metavar="FILE",
-                                 help="Kernel log (under --root) scanned for NVIDIA Xid events.")
+kernel_log_option = click.option(
+    "--kernel-log", default="auto", show_default=True, metavar="SOURCE",
+    help="Where the kernel's messages (NVIDIA Xids) are read, under --root: auto, kmsg (/dev/kmsg), journal "
+         f"(journalctl), a syslog FILE; auto: kmsg if it can be opened, else the journal, else {DEFAULT_KERNEL_LOG}.")
 
 
 @cli.command()
@@ -515,12 +517,15 @@ def install_node_hook(root: str, directory: str, check: bool, force: bool) -> No
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @profile_dir_option
+@state_dir_option
 @kernel_log_option
 @click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0.1, 60),
               help="Seconds each device's probe may take before it counts as failed.")
-def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], kernel_log: str, probe_timeout: float) -> None:
-    """Check every device once; exit 0 only when all are healthy."""
-    node = _node(root=root, profile_dirs=profile_dirs, kernel_log=kernel_log)
+def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_dir: str, kernel_log: str,
+           probe_timeout: float) -> None:
+    """Every device's verdict, as the node agent published it (else checked once, now); exit 0 only when all
+    are healthy."""
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
     verdicts = sorted(node.health(timeout=probe_timeout), key=_device_order)
     if as_json:
         click.echo(json.dumps([v.to_json() for v in verdicts], indent=2))
@@ -791,10 +796,11 @@ def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
 @root_option
 @state_dir_option
 @profile_dir_option
-def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ...]) -> None:
+@kernel_log_option
+def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ...], kernel_log: str) -> None:
     """Clear DEVICE's sticky verdicts (AER fatal errors, fatal Xids): its AER totals as they read now become
     its baseline; `watch`/`device-plugin` puts it back once its checks pass."""
-    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
     from devinject.agent.healthstate import request_put_back
 
     key, accepted = request_put_back(root, state_dir, device, profile_dirs, node=node)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from devinject.agent import health
+from devinject.agent import health, kernelmsg
 from devinject.agent.watch import Watcher
 from devinject.core.spec import load_file
 from tests.unit.test_watch import options
@@ -94,7 +94,7 @@ def test_the_log_is_followed_across_a_restart_and_a_rotation_meanwhile(agent):
 
 
 def test_reads_are_bounded_and_the_rest_is_read_next_time(tmp_path, monkeypatch):
-    monkeypatch.setattr(health, "LOG_READ_MAX", 4096)
+    monkeypatch.setattr(kernelmsg, "LOG_READ_MAX", 4096)
     path = tmp_path / "kern.log"
     path.write_text("")
     follower = health.KernelLog(str(path))
@@ -116,7 +116,7 @@ def test_reads_are_bounded_and_the_rest_is_read_next_time(tmp_path, monkeypatch)
 
 
 def test_an_endless_line_does_not_stall_the_follower(tmp_path, monkeypatch):
-    monkeypatch.setattr(health, "LOG_LINE_MAX", 1000)
+    monkeypatch.setattr(kernelmsg, "LOG_LINE_MAX", 1000)
     path = tmp_path / "kern.log"
     path.write_text("")
     follower = health.KernelLog(str(path))

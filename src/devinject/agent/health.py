@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import threading
 from dataclasses import dataclass, field
 
+from devinject.agent.kernelmsg import AUTO, KernelMessages, open_source
+from devinject.agent.kernelmsg import KernelLog as KernelLog  # re-exported: the file follower
 from devinject.core.identity import device_key, node_id_of
 from devinject.core.paths import DEFAULT_KERNEL_LOG as DEFAULT_KERNEL_LOG  # the one definition, re-exported
 from devinject.discovery.discover import FoundDevice, family_of
@@ -32,8 +33,6 @@ from devinject.discovery.sysfs import PciDevice, scan_pci
 HEALTHY, DEGRADED, UNHEALTHY = "healthy", "degraded", "unhealthy"
 _RANK = {HEALTHY: 0, DEGRADED: 1, UNHEALTHY: 2}
 PROBE_TIMEOUT = 2.0
-LOG_READ_MAX = 1 << 20  # bytes of kernel log read per wake-up; the rest at the next one
-LOG_LINE_MAX = 64 << 10  # an unterminated "line" this long is dropped (the kernel's own are < 1 KiB)
 _SPEED = re.compile(r"([\d.]+)\s*GT/s")
 
 
@@ -50,6 +49,18 @@ class Verdict:
     @property
     def healthy(self) -> bool:
         return self.status == HEALTHY
+
+
+@dataclass(frozen=True)
+class PutBack:
+    """An admin's put-back as a one-shot check honours it (agent/healthstate.py keeps them): the AER totals
+    accepted per function, and where the kernel's messages stood (the source's `position()`): an error
+    logged before it does not count."""
+
+    time: float
+    aer: dict[str, tuple[int, int]]
+    log_identity: str | None
+    log_offset: int | None
 
 
 @dataclass
@@ -151,102 +162,6 @@ def probe_function(host: Host, found: FoundDevice, xids: dict[str, list[int]],
     return status, list(dict.fromkeys(reasons)), definite and status == UNHEALTHY
 
 
-def _identity(st: os.stat_result) -> str:
-    return f"{st.st_dev}:{st.st_ino}"
-
-
-class KernelLog:
-    """Follows the kernel log as syslog writes it: appends, rotation (the file renamed and a new one made:
-    the old one is read to its end first), truncation (copytruncate: read from the start). A read returns
-    only whole lines, at most LOG_READ_MAX bytes of them (the rest at the next read); a line still being
-    written is left for the read that finds its end."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._identity: str | None = None  # of the open file
-        self._offset: int | None = None  # read up to (the end of the last whole line); None: from its end
-        self._seen: tuple[str | None, int] = (None, -1)  # (identity, size) of the path at the last read
-
-    def position(self) -> tuple[str | None, int | None]:
-        return self._identity, self._offset
-
-    def resume(self, identity: str | None, offset: int | None) -> None:
-        """Read on from `offset` of the file `identity` (a different file: the log was rotated meanwhile, read
-        the new one from its start); `offset` 0 and no identity: the whole log; None: from its end."""
-        self.close()
-        self._identity, self._offset = identity, offset
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def pending(self) -> bool:
-        """Whether the path changed since the last read (one stat: cheap enough to ask every 0.2 s)."""
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False
-        return (_identity(st), st.st_size) != self._seen
-
-    def _open(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
-        except OSError:
-            return False
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            return False
-        identity = _identity(st)
-        if self._offset is None:  # first look: what is logged from now on
-            self._offset = st.st_size
-        elif self._identity not in (None, identity):  # another file than the one read before: rotated
-            self._offset = 0
-        self._fd, self._identity = fd, identity
-        return True
-
-    def _lines(self, budget: int, final: bool) -> tuple[bytes, bool]:
-        """Whole lines from the open file, within budget, and whether that reached its end. `final`: the file
-        is done with (rotated away), so a last line without its newline is taken too."""
-        assert self._fd is not None and self._offset is not None
-        size = os.fstat(self._fd).st_size
-        if size < self._offset:  # truncated in place (copytruncate)
-            self._offset = 0
-        want = size - self._offset
-        data = os.pread(self._fd, min(budget, want), self._offset)
-        end = data.rfind(b"\n") + 1
-        if (final and len(data) == want) or (not end and len(data) >= LOG_LINE_MAX):
-            end = len(data)  # a last line that will never end, or a "line" too long to be one
-        self._offset += end
-        return data[:end], len(data) == want
-
-    def read(self) -> bytes:
-        """What was logged since the last read: whole lines, at most LOG_READ_MAX bytes."""
-        try:
-            st: os.stat_result | None = os.stat(self.path)
-        except OSError:
-            st = None  # renamed away and not made again yet: read on in the one we have
-        if self._fd is None and not self._open():
-            self._seen = (_identity(st), st.st_size) if st is not None else (None, -1)
-            return b""
-        out, done = b"", True
-        if st is not None and _identity(st) != self._identity:  # rotated: finish the old file, then the new
-            out, done = self._lines(LOG_READ_MAX, final=True)
-            if done:
-                self.close()
-                self._offset = 0
-                if not self._open():
-                    return out
-        if done:
-            more, done = self._lines(LOG_READ_MAX - len(out), final=False)
-            out += more
-        # a read cut short by the bound leaves the path "changed", so the next wake-up reads on
-        self._seen = (_identity(st), st.st_size) if st is not None and done else (None, -1)
-        return out
-
-
 class HealthChecker:
     """Checks devices with a deadline each; a device whose last probe still hangs is not probed again."""
 
@@ -257,8 +172,9 @@ class HealthChecker:
         self.timeout = timeout
         self.baseline = baseline
         self._hung: dict[str, threading.Event] = {}
-        self.log = KernelLog(host.real(host.resolve(kernel_log)))
+        self.log: KernelMessages = open_source(host, kernel_log)
         self._recent: dict[str, list[int]] = {}
+        self.put_backs: dict[str, PutBack] = {}  # one-shot: errors logged before a device's put-back do not count
 
     def log_position(self) -> tuple[str | None, int | None]:
         """(file identity, offset) of the kernel log read so far, to resume from after a restart."""
@@ -294,24 +210,35 @@ class HealthChecker:
             self._recent.setdefault(slot, []).extend(ids)
         return set(found)
 
-    def _xids(self, patterns: tuple[str, ...]) -> dict[str, list[int]]:
-        """One-shot: every error the profiles' patterns find in the kernel log."""
+    def _xids(self, devices: list[FoundDevice], patterns: tuple[str, ...]) -> dict[str, dict[str, list[int]]]:
+        """One-shot: every error the profiles' patterns find in the kernel's messages, per device key and
+        slot; a device put back (`put_backs`) counts only what was logged after its put-back."""
         try:
-            with open(self.log.path, "rb") as handle:
-                return parse_kernel_log(handle.read().decode(errors="replace"), patterns)
+            messages = self.log.messages()
         except OSError:
             return {}
+        everything = parse_kernel_log("\n".join(m.text.decode(errors="replace") for m in messages), patterns)
+        out: dict[str, dict[str, list[int]]] = {}
+        for found in devices:
+            key = device_key(found.profile.kind, found.address)
+            put_back = self.put_backs.get(key)
+            if put_back is None:
+                out[key] = everything
+                continue
+            after = [m for m in messages if self.log.logged_after(m, put_back.log_identity, put_back.log_offset)]
+            out[key] = parse_kernel_log("\n".join(m.text.decode(errors="replace") for m in after), patterns)
+        return out
 
     def check(self, devices: list[FoundDevice], *, read_log: bool = True) -> list[Verdict]:
         """Verdicts for `devices`; the kernel log is read first unless the caller just did (`read_log`)."""
         if self.baseline is None:
             patterns = self._patterns(devices)
-            xids = self._xids(patterns) if patterns else {}
-        else:
-            if read_log:
-                self.read_log(devices)
-            xids = self._recent
-        return [self._check_one(found, xids) for found in devices]
+            per_device = self._xids(devices, patterns) if patterns else {}
+            return [self._check_one(found, per_device.get(device_key(found.profile.kind, found.address), {}))
+                    for found in devices]
+        if read_log:
+            self.read_log(devices)
+        return [self._check_one(found, self._recent) for found in devices]
 
     def clear_xids(self, address: str) -> None:
         """Forget Xids for a device (after it was reset and came back)."""
@@ -325,9 +252,12 @@ class HealthChecker:
             return Verdict(key, found.profile.kind, found.address, UNHEALTHY, ("probe timed out",), nodes)
         finished = threading.Event()
 
+        put_back = self.put_backs.get(key) if self.baseline is None else None
+        baseline = AerBaseline(dict(put_back.aer)) if put_back is not None else self.baseline
+
         def probe() -> tuple[str, list[str], bool]:
             try:
-                return probe_function(self.host, found, xids, self.baseline)
+                return probe_function(self.host, found, xids, baseline)
             finally:
                 finished.set()
 
@@ -359,10 +289,14 @@ def unbound_verdict(profile: Profile, pci: PciDevice) -> Verdict:
                    definite=True)
 
 
-def check_host(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
+def check_host(node: Node, *, timeout: float = PROBE_TIMEOUT, put_backs: dict[str, PutBack] | None = None,
+               devices: list[FoundDevice] | None = None) -> list[Verdict]:
     """One-shot verdicts for every device of the node's profiles, bound or not: the devices the node
-    discovered (no discovery of its own), its kernel log (or the default's)."""
-    checker = HealthChecker(node.host, kernel_log=node.kernel_log or DEFAULT_KERNEL_LOG, timeout=timeout)
-    verdicts = checker.check(node.devices())
+    discovered (no discovery of its own; `devices`: only those), its kernel messages (`--kernel-log`, else
+    auto). `put_backs`: per device key, an admin's put-back — the AER totals it accepted are the baseline
+    and only errors logged after it count."""
+    checker = HealthChecker(node.host, kernel_log=node.kernel_log or AUTO, timeout=timeout)
+    checker.put_backs = dict(put_backs or {})
+    verdicts = checker.check(node.devices() if devices is None else devices)
     verdicts += [unbound_verdict(profile, pci) for profile, pci in unbound_functions(node.host, node.profiles)]
     return sorted(verdicts, key=lambda v: (v.kind, v.address))

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from devinject.agent.health import PutBack
 from devinject.core import atomicfile, filelock, jsonlite
 from devinject.core.errors import DevinjectError
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "health-state.json"
 REQUESTS_FILE = "put-back-requests.json"
+PUT_BACKS_FILE = "put-backs.json"  # the last put-back per device, kept: what a reader without an agent honours
 REQUESTS_LOCK = ".put-back.lock"
 VERSION = 1
 MAX_BYTES = 8 << 20
@@ -253,13 +255,124 @@ def take_requests(state_dir: str) -> dict[str, dict[str, tuple[int, int]]]:
     return {key: entry["aer"] for key, entry in requests.items()}
 
 
+def _read_put_backs(state_dir: str) -> dict[str, PutBack]:
+    path = os.path.join(state_dir, PUT_BACKS_FILE)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        raise Untrusted(f"{path}: {err.strerror}") from None
+    if len(data) > MAX_BYTES:
+        raise Untrusted(f"{path}: larger than {MAX_BYTES} bytes")
+    try:
+        raw = jsonlite.loads(data)
+    except ValueError as err:
+        raise Untrusted(f"{path}: not JSON ({err})") from None
+    out: dict[str, PutBack] = {}
+    for key, entry in _need(raw, dict, path).items():
+        at = f"{path}[{key!r}]"
+        aer = _need(_need(entry, dict, at).get("aer"), dict, f"{at}.aer")
+        position = _need(entry.get("kernel_log"), dict, f"{at}.kernel_log")
+        identity, offset = position.get("identity"), position.get("offset")
+        if identity is not None:
+            _need(identity, str, f"{at}.kernel_log.identity")
+        if offset is not None and _need(offset, int, f"{at}.kernel_log.offset") < 0:
+            raise Untrusted(f"{at}.kernel_log.offset: negative")
+        out[key] = PutBack(float(_need(entry.get("time"), (int, float), f"{at}.time")),
+                           {fn: _counts(pair, f"{at}.aer[{fn!r}]") for fn, pair in aer.items()}, identity, offset)
+    return out
+
+
+def load_put_backs(state_dir: str | None) -> dict[str, PutBack]:
+    """The put-backs recorded in the state dir (none without one); DevinjectError naming the file when it
+    cannot be read or does not validate (a reader must not guess which errors an admin cleared)."""
+    if not state_dir:
+        return {}
+    try:
+        return _read_put_backs(state_dir)
+    except Untrusted as err:
+        raise DevinjectError(f"{err} (a devinject put-back record; remove it to judge from the whole kernel "
+                             "log again)") from None
+
+
+def _record_put_back(state_dir: str, key: str, aer: dict[str, tuple[int, int]],
+                     position: tuple[str | None, int | None]) -> None:
+    """Keep `key`'s put-back for the readers (world-readable, as health.json: it says nothing secret). A
+    broken file is replaced: the readers said so until now, and this put-back is the newest word."""
+    with _requests_lock(state_dir, 10.0):
+        try:
+            kept = _read_put_backs(state_dir)
+        except Untrusted as err:
+            log.warning("%s; replacing it", err)
+            kept = {}
+        records = {k: {"time": p.time, "aer": {fn: list(c) for fn, c in p.aer.items()},
+                       "kernel_log": {"identity": p.log_identity, "offset": p.log_offset}} for k, p in kept.items()}
+        records[key] = {"time": round(time.time(), 3), "aer": {fn: list(c) for fn, c in aer.items()},
+                        "kernel_log": {"identity": position[0], "offset": position[1]}}
+        atomicfile.replace(os.path.join(state_dir, PUT_BACKS_FILE), jsonlite.dumps(records, sort_keys=True).encode(),
+                           0o644, sync=True)
+
+
+# --- the verdicts the agents act on, as the readers show them -------------------------------------------------
+@dataclass(frozen=True)
+class Published:
+    """One device as the agent published it (health.json): `published` is what the specs, the kubelet, the
+    ledger and the DRA driver act on; `status` and `reasons` the verdict of its latest check."""
+
+    published: str
+    status: str | None
+    reasons: tuple[str, ...]
+
+
+def load_published(state_dir: str | None) -> dict[str, Published] | None:
+    """The agent's published verdicts per device key (health.json, the file the ledger and the DRA driver
+    read); None when no agent wrote one. DevinjectError naming the file when it cannot be read or is not a
+    devinject health file: the ledger refuses every booking on such a file, so no reader may call it healthy."""
+    from devinject.nodestate.ledger import HEALTH_FILE
+
+    if not state_dir:
+        return None
+    path = os.path.join(state_dir, HEALTH_FILE)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise DevinjectError(f"{path}: cannot read the agent's health verdicts: {err.strerror}") from None
+    try:
+        if len(data) > MAX_BYTES:
+            raise Untrusted(f"{path}: larger than {MAX_BYTES} bytes")
+        try:
+            raw = jsonlite.loads(data)
+        except ValueError as err:
+            raise Untrusted(f"{path}: not JSON ({err})") from None
+        _need(raw, dict, path)
+        _strings(raw.get("unhealthy_nodes"), f"{path}.unhealthy_nodes")
+        out: dict[str, Published] = {}
+        for key, entry in _need(raw.get("devices"), dict, f"{path}.devices").items():
+            at = f"{path}.devices[{key!r}]"
+            _need(entry, dict, at)
+            status = entry.get("status")
+            out[key] = Published(_status(entry.get("published"), f"{at}.published"),
+                                 None if status is None else _status(status, f"{at}.status"),
+                                 _strings(entry.get("reasons", []), f"{at}.reasons"))
+    except Untrusted as err:
+        raise DevinjectError(f"{err} (not a devinject health file: the ledger books nothing while it is there; "
+                             "the agent writes it again at its next change, or remove it)") from None
+    return out
+
+
 def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple[str, ...] = (), *,
-                     node: Node | None = None) -> tuple[str, dict[str, tuple[int, int]]]:
+                     node: Node | None = None, kernel_log: str | None = None) -> tuple[str, dict[str, tuple[int, int]]]:
     """`devinject put-back DEVICE`: the admin clears DEVICE's sticky verdicts (its key, a PCI address of one of
     its functions, or a CDI name). Its AER totals as they read now become its baseline; the agent takes the
     request at its next round (or when it starts) and puts the device back once `--threshold` checks pass.
     `node`: the node the command made (else the one at `root` with `profile_dirs`)."""
     from devinject.agent.health import aer_totals
+    from devinject.agent.kernelmsg import current_position
     from devinject.core.identity import device_key
     from devinject.discovery.node import Node
     from devinject.nodestate import events
@@ -281,6 +394,7 @@ def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple
         accepted = {pci.address: aer_totals(host, pci) for pci in found.functions}
     try:
         add_request(state_dir, key, accepted)
+        _record_put_back(state_dir, key, accepted, current_position(host, kernel_log or node.kernel_log))
         events.record(state_dir, "put-back-requested", key, aer={fn: list(c) for fn, c in accepted.items()},
                       uid=os.getuid())
     except OSError as err:

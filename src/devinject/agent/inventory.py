@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from devinject.agent.channels import channel_verdicts
-from devinject.agent.health import PROBE_TIMEOUT, Verdict, check_host
+from devinject.agent.health import DEGRADED, HEALTHY, PROBE_TIMEOUT, UNHEALTHY, Verdict, check_host
+from devinject.agent.healthstate import Published, load_published, load_put_backs
 from devinject.core.identity import NodeId, device_key, node_id_of
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.node import Node
@@ -117,8 +118,46 @@ def _allocations(state_dir: str | None) -> dict[str, dict[str, Any]]:
 
 def verdicts(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
     """Every device's verdict, bound or not, sorted by kind and address (agent/health.py's check_host), then
-    the channels' by kind and number (agent/channels.py)."""
-    return check_host(node, timeout=timeout) + channel_verdicts(node.host, node.channels())
+    the channels' by kind and number (agent/channels.py): the one the agents act on.
+
+    Where an agent (`watch`, `device-plugin`) published verdicts (the state dir's health.json, which the
+    ledger and the DRA driver act on), a device it judged has its published verdict (`published_verdict`),
+    put-backs included; a device no agent judged (no agent ran, or it serves other kinds) is checked here
+    and now, honouring the put-backs recorded in the state dir (an error logged before one does not count,
+    the AER totals it accepted are the baseline). A health.json or put-back record that cannot be read is
+    an error naming it (DevinjectError), never a guess."""
+    published = load_published(node.state_dir) or {}
+    put_backs = load_put_backs(node.state_dir)
+    fresh = [f for f in node.devices() if device_key(f.profile.kind, f.address) not in published]
+    judged = check_host(node, timeout=timeout, put_backs=put_backs, devices=fresh)
+    judged = [v for v in judged if v.key not in published]  # an unbound function the agent judged too
+    channels = [v for v in channel_verdicts(node.host, node.channels()) if v.key not in published]
+    agents = [published_verdict(node, key, entry) for key, entry in published.items()]
+    present: set[str] = {device_key(f.profile.kind, f.address) for f in node.devices()}
+    present |= {c.key for c in node.channels()}
+    present |= {v.key for v in judged}
+    agents = [v for v in agents if v.key in present or v.status != HEALTHY]
+    order: dict[str, int] = {c.key: i for i, c in enumerate(node.channels())}
+    rows = judged + agents + channels
+    return sorted((v for v in rows if v.key not in order), key=lambda v: (v.kind, v.address)) + sorted(
+        (v for v in rows if v.key in order), key=lambda v: order[v.key])
+
+
+def published_verdict(node: Node, key: str, entry: Published) -> Verdict:
+    """A device as an agent published it: unhealthy while it is out (the specs, the kubelet, the ledger and
+    the DRA driver refuse it), with the reasons of its latest check (or why it is still out: a put-back
+    waits for `--threshold` passing checks); served otherwise, `degraded` when its latest check found a
+    reading the agent has not confirmed (or a degraded one)."""
+    kind, _, address = key.partition("=")
+    if entry.published == UNHEALTHY:
+        reasons = entry.reasons if entry.status == UNHEALTHY else (
+            *entry.reasons, "out of service until its checks pass (taken out by the node agent)")
+        return Verdict(key, kind, address, UNHEALTHY, reasons, definite=True)
+    if entry.status in (None, HEALTHY):
+        return Verdict(key, kind, address, HEALTHY)
+    reasons = entry.reasons if entry.status == DEGRADED else (
+        *entry.reasons, "not yet confirmed: still served")
+    return Verdict(key, kind, address, DEGRADED, reasons)
 
 
 def device_health(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceHealth]:

@@ -35,11 +35,12 @@ from devinject.agent.health import (
     unbound_functions,
     unbound_verdict,
 )
+from devinject.agent.kernelmsg import AUTO, describe
 from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
 from devinject.core.identity import device_key, node_id_of, qualified
 from devinject.core.model import Spec
-from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
+from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
@@ -90,7 +91,7 @@ class WatchOptions:
     recheck: float = 1.5
     threshold: int = 3
     rescan: float = 60.0
-    kernel_log: str = DEFAULT_KERNEL_LOG
+    kernel_log: str = AUTO
     probe_timeout: float = 2.0
     uevents: bool = True
     nfd_features_dir: str | None = None  # write NFD's feature file there (agent/nfd.py)
@@ -150,6 +151,7 @@ class Watcher:
         self._foreign: dict[str, healthstate.DeviceRecord] = {}  # persisted devices of kinds not watched now
         self._saved: bytes | None = None
         self._save_error: str | None = None
+        self._health_written: tuple[list[str], dict[str, Any]] | None = None  # health.json as last written
         self._restore()
 
     # --- the state a restart must not lose -----------------------------------------------------------
@@ -280,6 +282,8 @@ class Watcher:
         for verdict in verdicts:
             changed |= self._judge(verdict)
         self._persist()
+        if self._health_written is not None:  # a verdict the readers show changed: tell them (list, health)
+            self._write_health(only_if_changed=True)
         return changed
 
     def check_announced(self, addresses: frozenset[str] = frozenset()) -> bool:
@@ -378,12 +382,18 @@ class Watcher:
         except OSError as err:
             log.warning("%s: cannot write NFD's feature file: %s", self.opts.nfd_features_dir, err.strerror)
 
-    def _write_health(self) -> None:
+    def _write_health(self, *, only_if_changed: bool = False) -> None:
+        """health.json: what the ledger refuses (`unhealthy_nodes`) and each device's published verdict with
+        its latest check, which `list` and `health` show. Written with the specs, and after a round whose
+        verdicts changed (`only_if_changed`), so that a reader never shows an older check than the agent's."""
         unhealthy_nodes = sorted({n for k, t in self.tracks.items() if t.published == UNHEALTHY and t.last
                                   for n in t.last.nodes})
-        state = {"time": time.time(), "unhealthy_nodes": unhealthy_nodes,
-                 "devices": {k: {"published": t.published, "status": t.last.status if t.last else None,
-                                 "reasons": list(t.last.reasons) if t.last else []} for k, t in self.tracks.items()}}
+        devices = {k: {"published": t.published, "status": t.last.status if t.last else None,
+                       "reasons": list(t.last.reasons) if t.last else []} for k, t in self.tracks.items()}
+        if only_if_changed and (unhealthy_nodes, devices) == self._health_written:
+            return
+        self._health_written = (unhealthy_nodes, devices)
+        state = {"time": time.time(), "unhealthy_nodes": unhealthy_nodes, "devices": devices}
         os.makedirs(self.opts.state_dir, mode=0o755, exist_ok=True)
         atomicfile.replace(os.path.join(self.opts.state_dir, HEALTH_FILE),
                            jsonlite.dumps(state, sort_keys=True).encode(), 0o644)
@@ -452,8 +462,21 @@ class Watcher:
                  ", ".join(sorted(self.unhealthy())) or "none")
         return True
 
+    def announce_kernel_source(self) -> None:
+        """Say at start where the kernel's messages (Xids) are read from, and warn when they cannot be: then
+        an Xid reaches the agent only as the fault it causes (a function gone, unbound), if at all."""
+        if not any(p.kernel_log for p in self.profiles):
+            return
+        description, readable = describe(self.checker.log)
+        if readable:
+            log.info("kernel messages from %s (--kernel-log %s)", description, self.opts.kernel_log)
+        else:
+            log.warning("no kernel messages: %s cannot be read (--kernel-log %s); Xids are not seen",
+                        description, self.opts.kernel_log)
+
     def run(self, stop: threading.Event | None = None) -> None:
         stop = stop or threading.Event()
+        self.announce_kernel_source()
         if self.opts.uevents:
             threading.Thread(target=self._uevent_listener, args=(stop,), name="uevents", daemon=True).start()
         threading.Thread(target=self._log_follower, args=(stop,), name="kernel-log", daemon=True).start()
@@ -486,3 +509,4 @@ class Watcher:
                 log.info("specs rewritten (generation %s); unhealthy: %s", self.generation,
                          ", ".join(sorted(self.unhealthy())) or "none")
             self.sweep_ledger()
+        self.checker.log.close()  # a journal follower is a child process

@@ -65,6 +65,66 @@ def _kernel_log(path: str, root: str, *, explicit: bool) -> None:
         os.close(fd)
 
 
+KERNEL_SOURCES = ("auto", "kmsg", "journal")  # --kernel-log words that are no file (agent/kernelmsg.py)
+_JOURNAL_DIRS = ("var/log/journal", "run/log/journal")
+_JOURNALCTL_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+
+
+def _kmsg_readable(root: str) -> bool:
+    try:
+        fd = os.open(os.path.join(root, "dev/kmsg"), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError:
+        return False  # EPERM: dmesg_restrict without CAP_SYSLOG, or a device cgroup that denies it
+    try:
+        return stat.S_ISCHR(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+
+
+def journal_under(root: str) -> str | None:
+    """The journal directory under `root` that holds anything (persistent first), or None."""
+    for directory in _JOURNAL_DIRS:
+        try:
+            with os.scandir(os.path.join(root, directory)) as entries:
+                if any(entries):
+                    return os.path.join(root, directory)
+        except OSError:
+            continue
+    return None
+
+
+def auto_kernel_source(root: str) -> str:
+    """What `--kernel-log auto` reads under `root`: `kmsg` when /dev/kmsg opens (a char device), else
+    `journal` when there is one and journalctl to read it, else `file` (/var/log/kern.log)."""
+    import shutil
+
+    if _kmsg_readable(root):
+        return "kmsg"
+    if journal_under(root) is not None and shutil.which("journalctl", path=_JOURNALCTL_PATH):
+        return "journal"
+    return "file"
+
+
+def _kernel_source(source: str, root: str, default_file: str) -> None:
+    """`kmsg` must open; `journal` needs journalctl; `auto` that falls back to the file checks the file."""
+    import shutil
+
+    if source == "kmsg" and not _kmsg_readable(root):
+        path = os.path.join(root, "dev/kmsg")
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY))
+            why = "not a character device"
+        except OSError as err:
+            why = _why(err) if err.errno != errno.ENOENT else "no such device"
+            if err.errno in (errno.EACCES, errno.EPERM):
+                why += ": reading it needs CAP_SYSLOG where kernel.dmesg_restrict is 1"
+        raise ConfigError(f"--kernel-log kmsg: {path}: {why}")
+    if source == "journal" and not shutil.which("journalctl", path=_JOURNALCTL_PATH):
+        raise ConfigError("--kernel-log journal: journalctl is not installed (PATH /usr/bin:/bin)")
+    if source == "auto" and auto_kernel_source(root) == "file":
+        _kernel_log(default_file, root, explicit=False)
+
+
 def check_roots(*, root: str | None = None, profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
                 kernel_log: str | None = None, kernel_log_explicit: bool = False) -> None:
     """Raise UsageError, in one line naming the option and path, for the first root that is wrong."""
@@ -74,5 +134,9 @@ def check_roots(*, root: str | None = None, profile_dirs: tuple[str, ...] = (), 
         _directory("--profile-dir", directory)
     if state_dir is not None:
         _directory("--state-dir", state_dir, absent_ok=True)
-    if kernel_log is not None:
+    if kernel_log in KERNEL_SOURCES:
+        from devinject.core.paths import DEFAULT_KERNEL_LOG
+
+        _kernel_source(kernel_log, root or "/", DEFAULT_KERNEL_LOG)
+    elif kernel_log is not None:
         _kernel_log(kernel_log, root or "/", explicit=kernel_log_explicit)
