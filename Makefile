@@ -5,7 +5,7 @@ PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_HOST := tests/fixtures/hosts/hgx-h100
-SYSTEM_PACKAGES := python3-venv runc podman crun busybox-static gcc libc6-dev graphviz containerd systemd mmdebstrap prometheus
+SYSTEM_PACKAGES := python3-venv runc podman crun busybox-static gcc libc6-dev graphviz containerd systemd systemd-journal-remote mmdebstrap prometheus
 # The agent's image (`make image`): an OCI archive that `ctr -n k8s.io images import` and `podman load` read.
 IMAGE := build/devinject-image.tar
 IMAGE_INPUTS := pyproject.toml README.md tools/mkimage.py $(wildcard deploy/image/*) \
@@ -22,7 +22,7 @@ $(BIN)/devinject: pyproject.toml
 venv: $(BIN)/devinject
 
 # Debian packages the live tests drive (real runc, podman, crun), build fixture libraries with, and check
-# the systemd units with (systemd-analyze), build the agent's image with (mmdebstrap), and scrape the agent with
+# the systemd units with (systemd-analyze), write kernel lines into a journal (systemd-journal-remote), build the agent's image with (mmdebstrap), and scrape the agent with
 # (prometheus: test_prometheus_live runs an instance of its own on a free port, never the package's service).
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -7,7 +7,10 @@ fixture against the kubelet's side of the device plugin API (tests/integration/f
 sockets; a fault counts as out when the kubelet's latest ListAndWatch list has the GPU Unhealthy (or no longer
 lists it). Faults, each N times (BENCH_RUNS, default 5), GPU 0000:18:00.0, put back between runs:
 
-1. an Xid 79 line appended to the kernel log the agent reads, as syslog writes it;
+1. an Xid 79 line appended to the kernel log the agent reads, as syslog writes it; and, as root, an Xid 79
+   record written to the real kernel ring buffer (/dev/kmsg: a node for it made in the fixture, the agent on
+   `--kernel-log kmsg`; the kernel makes a record userspace writes LOG_USER, so this run's reader takes that
+   facility too, the one thing changed);
 2. a driver unbind: the function's `driver` link removed, and the `unbind` uevent the kernel sends for it,
    sent over real netlink (NETLINK_KOBJECT_UEVENT, to the kernel's multicast group) inside a private network
    namespace the benchmark re-runs itself in (`unshare -n`, as root), so the agent's own listener receives it
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import stat
 import statistics
 import subprocess
 import sys
@@ -37,7 +41,7 @@ sys.path.insert(0, str(REPO))  # tests.integration.fake_kubelet
 
 from tests.integration.fake_kubelet import FakeKubelet  # noqa: E402
 
-from devinject.agent import healthstate  # noqa: E402
+from devinject.agent import healthstate, kernelmsg  # noqa: E402
 from devinject.agent.watch import WatchOptions  # noqa: E402
 from devinject.kubelet.agent import DevicePluginAgent, PluginOptions  # noqa: E402
 from devinject.specs.generate import GenerateOptions  # noqa: E402
@@ -51,9 +55,12 @@ TIMEOUT = 60.0
 
 
 class Node:
-    def __init__(self, work: Path, netlink: bool) -> None:
+    def __init__(self, work: Path, netlink: bool, kernel_log: str = "auto") -> None:
         self.root = work / "host"
         shutil.copytree(REPO / "tests/fixtures/hosts/hgx-h100", self.root, symlinks=True)
+        if kernel_log == "kmsg":
+            (self.root / "dev").mkdir(exist_ok=True)
+            os.mknod(self.root / "dev/kmsg", 0o600 | stat.S_IFCHR, os.makedev(1, 11))  # the real ring buffer
         self.log = self.root / "var/log/kern.log"
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.log.write_text("Jan  1 00:00:00 node kernel: [    0.000000] Linux version 6.1.0\n")
@@ -68,7 +75,8 @@ class Node:
         gen = GenerateOptions(root=str(self.root), hook_path="/usr/bin/devinject",
                               kinds=("nvidia.com/gpu", "nvidia.com/rdma"))
         self.state_dir = str(work / "state")
-        watch = WatchOptions(generate=gen, output_dir=work / "cdi", state_dir=self.state_dir, uevents=True)
+        watch = WatchOptions(generate=gen, output_dir=work / "cdi", state_dir=self.state_dir, uevents=True,
+                             kernel_log=kernel_log)
         self.agent = DevicePluginAgent(PluginOptions(watch=watch, plugin_dir=str(self.plugin_dir)))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.agent.run, args=(self.stop,), daemon=True)
@@ -164,6 +172,29 @@ def main() -> int:
     finally:
         node.close()
         shutil.rmtree(work, ignore_errors=True)
+    if os.geteuid() == 0:  # the same Xid through the kernel's ring buffer
+        kernelmsg.KERNEL_FACILITIES = (0, 1)
+        work = Path(tempfile.mkdtemp(prefix="devinject-bench-health-"))
+        node = Node(work, netlink, kernel_log="kmsg")
+
+        def kmsg_xid() -> None:
+            fd = os.open("/dev/kmsg", os.O_WRONLY)
+            try:
+                os.write(fd, b"<3>devinject-bench: NVRM: Xid (PCI:0000:18:00): 79, pid=0, "
+                         b"GPU has fallen off the bus.\n")
+            finally:
+                os.close(fd)
+
+        name = "Xid 79 record in /dev/kmsg (--kernel-log kmsg)"
+        cases.insert(1, (name, kmsg_xid, put_back, "<= 1 s"))
+        figures[name] = []
+        try:
+            for _ in range(runs):
+                figures[name].append(node.out_after(kmsg_xid))
+                node.back(put_back)
+        finally:
+            node.close()
+            shutil.rmtree(work, ignore_errors=True)
     baseline = statistics.median(figures[cases[-1][0]])
     print(f"fault -> out of the kubelet's ListAndWatch list, device plugin on hgx-h100, shipped timings "
           f"(interval 10 s, recheck 1.5 s, threshold 3), {runs} runs each")

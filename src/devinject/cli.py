@@ -661,6 +661,13 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
     return path
 
 
+def _check_metrics_address(address: str) -> None:
+    if address:
+        _, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise UsageError(f"--metrics-address {address!r}: expected HOST:PORT")
+
+
 @cli.command("device-plugin")
 @click.option("--config", metavar="FILE", is_eager=True, expose_value=False, callback=_load_config,
               help="YAML file of option values (e.g. the DaemonSet's ConfigMap); flags given win over it.")
@@ -687,10 +694,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
         if not sep or not kind or not name or "/" not in name:
             raise UsageError(f"--resource-name {item!r}: expected KIND=vendor.com/name")
         names[kind] = name
-    if metrics_address:
-        _, sep, port = metrics_address.rpartition(":")
-        if not sep or not port.isdigit():
-            raise UsageError(f"--metrics-address {metrics_address!r}: expected HOST:PORT")
+    _check_metrics_address(metrics_address)
     watch, node = _watch_options(**options)
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
                          metrics_address=metrics_address or None)
@@ -723,10 +727,13 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
               metavar="DIRECTORY", help="Where the claim-scoped CDI specs go.")
 @click.option("--rescan", default=30.0, show_default=True, type=click.FloatRange(0.05, 3600),
               help="Seconds between rediscoveries (and slice updates).")
+@click.option("--metrics-address", default="127.0.0.1:9401", show_default=True, metavar="HOST:PORT",
+              help="HOST:PORT for /metrics, /healthz and /readyz (the DaemonSet: the pod's address; '' to turn "
+                   "them off).")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
                driver_root: str | None, node_hook: str | None, hook_path: str | None, kinds: tuple[str, ...],
                node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str, registry_dir: str,
-               cdi_dir: str, rescan: float) -> None:
+               cdi_dir: str, rescan: float, metrics_address: str) -> None:
     """Kubernetes DRA kubelet plugin: ResourceSlices from discovery, claims prepared as CDI specs (docs/dra.md)."""
     from devinject.core.names import vendor_problem
     from devinject.core.trusteddir import make_dirs, trusted_dir
@@ -739,6 +746,7 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     problem = vendor_problem(driver_name)
     if problem or driver_name != driver_name.lower():
         raise UsageError(f"--driver-name {driver_name!r}: {problem or 'must be lower case'} (a DNS subdomain)")
+    _check_metrics_address(metrics_address)
     _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
     trusted_dir(state_dir)
     make_dirs(cdi_dir)
@@ -747,7 +755,8 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
                           target_root=target_root, driver_root=driver_root)
     gen.check()
     opts = DraOptions(generate=gen, node_name=node_name, driver=driver_name, plugin_dir=plugin_dir,
-                      registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan)
+                      registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan,
+                      metrics_address=metrics_address or None)
     DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name)).run(_stop_on_signals())
 
 

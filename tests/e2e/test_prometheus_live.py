@@ -199,3 +199,54 @@ def test_prometheus_scrapes_the_agent_and_sees_a_gpu_taken_out(prometheus_binary
         kubelet.stop()
         text = agent.stop()
     assert agent.process.returncode == 0, text
+
+
+def test_prometheus_scrapes_the_dra_driver(prometheus_binary, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The DRA driver's /metrics (dra/metrics.py) as a real Prometheus reads it: the driver on the HGX fixture
+    with its real DRA socket, the API server's side a stand-in (claims read, slices published), a claim
+    prepared and one refused, then unprepared; taints as the health loop records them."""
+    from dataclasses import replace
+
+    from tests.integration.test_dra_driver import GPU_POOL, FakeApi, make_driver, prepare, unprepare
+
+    dirs = {name: str(tmp_path / name) for name in ("plugins", "registry", "cdi", "state")}
+    Path(dirs["state"]).mkdir(mode=0o755)
+    api = FakeApi()
+    driver = make_driver(dirs, api)
+    port = _free_port()
+    driver.opts = replace(driver.opts, metrics_address=f"127.0.0.1:{port}")
+    driver.start()
+    (tmp_path / "prometheus").mkdir()
+    prometheus = Prometheus(prometheus_binary, f"127.0.0.1:{port}", tmp_path / "prometheus")
+    series = '{name}{{job="devinject"{labels}}}'
+
+    def value(name: str, labels: str = "") -> float | None:
+        return prometheus.value(series.format(name=name, labels=labels))
+
+    try:
+        driver.refresh()
+        assert _until(prometheus.ready), f"prometheus never ready:\n{prometheus.text()}"
+        assert _until(lambda: prometheus.value('up{job="devinject"}') == 1), prometheus.target()
+        assert _until(lambda: value("devinject_dra_slice_devices", ',kind="nvidia.com/gpu"') == 8)
+        assert value("devinject_dra_slice_publishes_total") == 1
+        for reason in ("ledger", "claim", "unknown-device", "api"):  # at 0 from the first scrape
+            assert value("devinject_dra_prepare_errors_total", f',reason="{reason}"') == 0, reason
+        api.add("good", "uid-good", [(GPU_POOL, "gpu-0000-18-00-0")])
+        api.add("bad", "uid-bad", [(GPU_POOL, "gpu-0000-ff-00-0")])
+        prepare(driver, ("good", "uid-good"), ("bad", "uid-bad"))
+        assert _until(lambda: value("devinject_dra_prepares_total") == 2), value("devinject_dra_prepares_total")
+        assert value("devinject_dra_prepare_errors_total", ',reason="unknown-device"') == 1
+        assert value("devinject_dra_prepare_duration_seconds_count") == 2
+        assert value("devinject_dra_prepared_devices") == 1 and value("devinject_dra_prepared_claims") == 1
+        quantile = 'histogram_quantile(0.99, rate(devinject_dra_prepare_duration_seconds_bucket[1m]))'
+        assert _until(lambda: prometheus.value(quantile) is not None), quantile  # what a latency alert asks
+        driver.metrics.record_taints({"xid": 1})
+        assert _until(lambda: value("devinject_dra_device_taints", ',reason="xid"') == 1)
+        unprepare(driver, ("good", "uid-good"))
+        assert _until(lambda: value("devinject_dra_prepared_devices") == 0)
+        assert value("devinject_dra_unprepares_total") == 1
+    finally:
+        prometheus.stop()
+        driver.servers.stop()
+        if driver.http is not None:
+            driver.http.shutdown()

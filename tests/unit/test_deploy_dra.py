@@ -138,3 +138,16 @@ def test_the_slice_admission_policy_names_the_drivers_service_account() -> None:
                                        f'{account["metadata"]["name"]}"')
     assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
     assert policy["spec"]["failurePolicy"] == "Fail"
+
+
+def test_daemonset_serves_the_drivers_metrics_on_the_pods_address() -> None:
+    (daemonset,) = by_kind("DaemonSet")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    params = cli.cli.commands["dra-driver"].make_context("dra-driver", container["args"][1:],
+                                                          default_map={"node_name": "n"}).params
+    assert params["metrics_address"] == "$(POD_IP):9401"  # the kubelet expands it from the env below
+    (pod_ip,) = [e for e in container["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9401}]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}

@@ -304,13 +304,20 @@ class Kmsg:
 
     def pending(self) -> bool:
         """Whether a record after our place is there (poll: no read)."""
+        return self.wait(0.0)
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds for a record after our place (the follower's wake-up: the kernel
+        wakes a poller at once, so an Xid is not left waiting for the next look)."""
         fd = self._fd
         if fd is None:
+            if timeout:
+                time.sleep(timeout)
             return os.path.exists(self.path)
         try:
             poller = select.poll()
             poller.register(fd, select.POLLIN)
-            return bool(poller.poll(0))
+            return bool(poller.poll(int(timeout * 1000)))
         except (OSError, ValueError):
             return False
 

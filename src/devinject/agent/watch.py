@@ -440,14 +440,20 @@ class Watcher:
             sock.close()
 
     def _log_follower(self, stop: threading.Event) -> None:
-        """Wake the loop when the kernel log changes (one stat per LOG_POLL); the loop reads it. Also wakes it
-        when told to stop."""
+        """Wake the loop when the kernel's messages grew (a file: one stat per LOG_POLL; the ring buffer: a
+        poll the kernel wakes at once); the loop reads them. Also wakes it when told to stop."""
         follow = any(p.kernel_log for p in self.profiles)
-        while not stop.wait(LOG_POLL):
-            if follow and self.checker.log.pending():
+        wait = getattr(self.checker.log, "wait", None)
+        while not stop.is_set():
+            if follow and wait is not None:
+                grew = wait(LOG_POLL)
+            else:
+                grew = not stop.wait(LOG_POLL) and follow and self.checker.log.pending()
+            if grew and not stop.is_set():
                 with self._lock:
                     self._log_grew = True
                 self.wake.set()
+                stop.wait(0.01)  # the loop reads what woke us before the next look
         self.wake.set()
 
     def _announcements(self) -> bool:

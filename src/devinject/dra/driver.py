@@ -15,11 +15,13 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from devinject import __version__
+from devinject.agent.metricsserver import MetricsServer, serve
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
 from devinject.core.identity import node_id_of
@@ -28,6 +30,7 @@ from devinject.discovery.channels import channel_fault
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.dra.claims import Inventory, Preparer
+from devinject.dra.metrics import DraMetrics
 from devinject.dra.server import HealthState, PluginServers
 from devinject.dra.slices import DRIVER, Offer, offers, resource_slices
 from devinject.nodestate.ledger import HEALTH_FILE
@@ -51,6 +54,7 @@ class DraOptions:
     cdi_dir: str = DYNAMIC_SPEC_DIR
     state_dir: str = DEFAULT_STATE_DIR
     rescan: float = 30.0
+    metrics_address: str | None = None  # host:port of /metrics, /healthz, /readyz (dra/metrics.py)
 
 
 def unhealthy_nodes(state_dir: str) -> set[str]:
@@ -87,7 +91,13 @@ class DraDriver:
         self.published: list[dict[str, Any]] | None = None
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate)
-        self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health)
+        self.metrics = DraMetrics()
+        self.metrics.watch_prepared(self.preparer.prepared)
+        self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health,
+                                     self.metrics)
+        self.http: MetricsServer | None = None
+        self.metrics_bound: str | None = None  # host:port /metrics listens on
+        self._round = time.monotonic()  # when the loop last turned (/healthz)
 
     def discover(self) -> Inventory:
         """The node as discovered now: every offer (prepare knows the devices the health loop took out too,
@@ -120,22 +130,35 @@ class DraDriver:
             gone = [o for key, o in self._channels.items() if key not in present]
         verdicts = {(o.pool, o.name): _verdict(host, o, unhealthy) for o in [*offered, *gone]}
         self.health.update(verdicts)
-        desired = resource_slices(self.opts.driver, self.opts.node_name,
-                                  [o for o in offered if verdicts[(o.pool, o.name)][0]])
+        served = [o for o in offered if verdicts[(o.pool, o.name)][0]]
+        desired = resource_slices(self.opts.driver, self.opts.node_name, served)
         if desired == self.published:
             return False
         self.publisher.publish([dict(s) for s in desired])
         self.published = desired
+        self.metrics.published(Counter(o.kind for o in served))
         return True
+
+    def alive(self) -> bool:
+        """/healthz: the loop turned within three rounds (and a minute for a slow API server)."""
+        return time.monotonic() - self._round < 3 * self.opts.rescan + 60
+
+    def ready(self) -> bool:
+        """/readyz: the kubelet registered the driver and its DRA socket is there."""
+        return self.servers.registration.registered.is_set() and os.path.exists(self.servers.endpoint)
 
     def start(self) -> None:
         removed = self.preparer.clean_orphans()
         if removed:
             log.info("%d half-prepared claim(s) cleaned up", len(removed))
         self.servers.start()
-        log.info("devinject %s dra-driver %s on node %s: registration %s, DRA service %s, CDI specs in %s",
-                 __version__, self.opts.driver, self.opts.node_name, self.servers.registration_path,
-                 self.servers.endpoint, self.opts.cdi_dir)
+        if self.opts.metrics_address:
+            self.http = serve(self.opts.metrics_address, self.metrics, self.alive, self.ready)
+            host, port = self.http.server_address[:2]
+            self.metrics_bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.info("devinject %s dra-driver %s on node %s: registration %s, DRA service %s, CDI specs in %s, "
+                 "metrics %s", __version__, self.opts.driver, self.opts.node_name, self.servers.registration_path,
+                 self.servers.endpoint, self.opts.cdi_dir, f"on {self.metrics_bound}" if self.metrics_bound else "off")
 
     def run(self, stop: threading.Event) -> None:
         self.start()
@@ -144,8 +167,12 @@ class DraDriver:
                 try:
                     self.refresh()
                 except DevinjectError as err:
+                    self.metrics.publish_failed(err)
                     log.warning("publishing ResourceSlices: %s (again in %gs)", err.message, self.opts.rescan)
+                self._round = time.monotonic()
                 stop.wait(self.opts.rescan)
         finally:
             self.servers.stop()
+            if self.http is not None:
+                self.http.shutdown()
             log.info("dra-driver stopped at %s", time.strftime("%H:%M:%S"))

@@ -25,6 +25,7 @@ from devinject.dra.api import health_v1beta1_pb2_grpc as health_beta_grpc
 from devinject.dra.api import pluginregistration_v1_pb2 as reg
 from devinject.dra.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from devinject.dra.claims import Preparer
+from devinject.dra.metrics import DraMetrics, error_reason
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +43,24 @@ MIN_TIME_LEFT = 1.0  # seconds of the kubelet's deadline a claim needs to be att
 class DraService(dra_grpc.DRAPluginServicer):
     """Each claim is prepared on its own: one failing claim is an error in its entry, never the whole call's."""
 
-    def __init__(self, preparer: Preparer) -> None:
+    def __init__(self, preparer: Preparer, metrics: DraMetrics | None = None) -> None:
         self.preparer = preparer
+        self.metrics = metrics or DraMetrics()
 
     def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,
                              context: grpc.ServicerContext) -> dra.NodePrepareResourcesResponse:
         response = dra.NodePrepareResourcesResponse()
+        metrics = self.metrics
         for claim in request.claims:
             entry = response.claims[claim.uid]
+            metrics.prepares.inc()
             left = context.time_remaining()
             if left is not None and left < MIN_TIME_LEFT:
                 # answered in time for the claims done, instead of the kubelet's deadline passing for all
                 entry.error = f"not attempted: {left:.1f}s left of the kubelet's deadline (it calls again)"
+                metrics.prepare_errors.labels("deadline").inc()
                 continue
+            started = time.monotonic()
             try:
                 for device in self.preparer.prepare(claim.namespace, claim.name, claim.uid):
                     entry.devices.append(dra.Device(request_names=list(device.requests), pool_name=device.pool,
@@ -63,19 +69,28 @@ class DraService(dra_grpc.DRAPluginServicer):
                 log.warning("claim %s/%s (%s): not prepared: %s", claim.namespace, claim.name, claim.uid, err.message)
                 del entry.devices[:]
                 entry.error = err.message
+                metrics.prepare_errors.labels(error_reason(err)).inc()
+            finally:
+                metrics.prepare_seconds.observe(time.monotonic() - started)
         return response
 
     def NodeUnprepareResources(self, request: dra.NodeUnprepareResourcesRequest,
                                context: grpc.ServicerContext) -> dra.NodeUnprepareResourcesResponse:
         response = dra.NodeUnprepareResourcesResponse()
+        metrics = self.metrics
         for claim in request.claims:
             entry = response.claims[claim.uid]
+            metrics.unprepares.inc()
+            started = time.monotonic()
             try:
                 self.preparer.unprepare(claim.uid)
             except DevinjectError as err:
                 log.warning("claim %s/%s (%s): not unprepared: %s", claim.namespace, claim.name, claim.uid,
                             err.message)
                 entry.error = err.message
+                metrics.unprepare_errors.labels(error_reason(err)).inc()
+            finally:
+                metrics.unprepare_seconds.observe(time.monotonic() - started)
         return response
 
 
@@ -193,13 +208,13 @@ class PluginServers:
     """Both sockets: the DRA service first (the kubelet dials it as soon as registration answers)."""
 
     def __init__(self, driver: str, preparer: Preparer, plugin_dir: str, registry_dir: str,
-                 health: HealthState | None = None) -> None:
+                 health: HealthState | None = None, metrics: DraMetrics | None = None) -> None:
         self.driver = driver
         self.endpoint = os.path.join(plugin_dir, driver, "dra.sock")
         self.registration_path = os.path.join(registry_dir, f"{driver}-reg.sock")
         self.stopping = threading.Event()
         self.health = health or HealthState()
-        self.dra_service = DraService(preparer)
+        self.dra_service = DraService(preparer, metrics)
         self.registration = RegistrationService(driver, self.endpoint)
         self.servers: list[grpc.Server] = []
 
