@@ -143,3 +143,18 @@ def test_the_roots_own_profile_dir_a_non_root_reader_may_not_read_is_one_line_no
     os.chmod(admin, 0o700)
     done = _as_nobody("list", "--root", str(readable_copy), "--state-dir", "/nonexistent")
     assert one_error_line(done) == f"devinject: error: {admin}: cannot read the profile directory: Permission denied"
+
+
+def test_a_journal_a_non_root_reader_may_not_read_is_one_line_not_healthy(readable_copy):
+    """`--kernel-log auto` picks the journal under the root; its files root's 0640 (the journal's group may read
+    them): journalctl would show such a reader nothing and exit 0, every GPU healthy."""
+    require(shutil.which("journalctl") is not None, "journalctl (systemd) reads the journal")
+    machine = readable_copy / "var/log/journal/0123456789abcdef0123456789abcdef"
+    machine.mkdir(parents=True)
+    (machine / "system.journal").write_bytes(b"LPKSHHRH")
+    os.chmod(machine / "system.journal", 0o640)
+    for directory in (machine, machine.parent, machine.parent.parent):
+        os.chmod(directory, 0o755)
+    done = _as_nobody("health", "--root", str(readable_copy), "--state-dir", "/nonexistent")
+    assert one_error_line(done) == (f"devinject: error: --kernel-log auto: {machine.parent}: no journal file is "
+                                    "readable (uid 65534; the journal's group, systemd-journal or adm, may read it)")

@@ -93,6 +93,27 @@ def journal_under(root: str) -> str | None:
     return None
 
 
+def _journal_readable(directory: str) -> bool:
+    """Whether this process may read one of the journal's files (a reader without it sees no entries and
+    journalctl still exits 0: the silent "healthy" this module exists to stop)."""
+    found = False
+    try:
+        with os.scandir(directory) as machines:
+            subdirs = [m.path for m in machines if m.is_dir(follow_symlinks=False)]
+    except OSError:
+        return False
+    for machine in subdirs:
+        try:
+            with os.scandir(machine) as entries:
+                files = [e.path for e in entries if e.name.endswith((".journal", ".journal~"))]
+        except OSError:
+            continue
+        found = found or bool(files)
+        if any(os.access(path, os.R_OK) for path in files):
+            return True
+    return not found
+
+
 def auto_kernel_source(root: str) -> str:
     """What `--kernel-log auto` reads under `root`: `kmsg` when /dev/kmsg opens (a char device), else
     `journal` when there is one and journalctl to read it, else `file` (/var/log/kern.log)."""
@@ -121,6 +142,11 @@ def _kernel_source(source: str, root: str, default_file: str) -> None:
         raise ConfigError(f"--kernel-log kmsg: {path}: {why}")
     if source == "journal" and not shutil.which("journalctl", path=_JOURNALCTL_PATH):
         raise ConfigError("--kernel-log journal: journalctl is not installed (PATH /usr/bin:/bin)")
+    if source in ("journal", "auto") and (source == "journal" or auto_kernel_source(root) == "journal"):
+        directory = journal_under(root)
+        if directory is not None and not _journal_readable(directory):
+            raise ConfigError(f"--kernel-log {source}: {directory}: no journal file is readable (uid "
+                              f"{os.geteuid()}; the journal's group, systemd-journal or adm, may read it)")
     if source == "auto" and auto_kernel_source(root) == "file":
         _kernel_log(default_file, root, explicit=False)
 
