@@ -139,13 +139,13 @@ def _kernel_source(source: str, root: str, default_file: str) -> None:
             why = _why(err) if err.errno != errno.ENOENT else "no such device"
             if err.errno in (errno.EACCES, errno.EPERM):
                 why += ": reading it needs CAP_SYSLOG where kernel.dmesg_restrict is 1"
-        raise ConfigError(f"--kernel-log kmsg: {path}: {why}")
+        raise UsageError(f"--kernel-log kmsg: {path}: {why}")
     if source == "journal" and not shutil.which("journalctl", path=_JOURNALCTL_PATH):
-        raise ConfigError("--kernel-log journal: journalctl is not installed (PATH /usr/bin:/bin)")
+        raise UsageError("--kernel-log journal: journalctl is not installed (PATH /usr/bin:/bin)")
     if source in ("journal", "auto") and (source == "journal" or auto_kernel_source(root) == "journal"):
         directory = journal_under(root)
         if directory is not None and not _journal_readable(directory):
-            raise ConfigError(f"--kernel-log {source}: {directory}: no journal file is readable (uid "
+            raise UsageError(f"--kernel-log {source}: {directory}: no journal file is readable (uid "
                               f"{os.geteuid()}; the journal's group, systemd-journal or adm, may read it)")
     if source == "auto" and auto_kernel_source(root) == "file":
         _kernel_log(default_file, root, explicit=False)
