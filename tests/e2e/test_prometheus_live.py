@@ -117,9 +117,10 @@ class Prometheus:
         self.log.close()
 
 
-def documented_series() -> set[str]:
-    """The series README.md ("On Kubernetes") tells an admin to scrape: its table's first column."""
-    text = (REPO / "README.md").read_text()
+def documented_series(doc: str = "docs/deploy.md") -> set[str]:
+    """The series a doc tells an admin to scrape (docs/deploy.md, "Metrics": the device plugin's; docs/dra.md:
+    the DRA driver's): its table's first column."""
+    text = (REPO / doc).read_text()
     return set(re.findall(r"^\| `(devinject_[a-z_]+)` \|", text, re.MULTILINE))
 
 
@@ -182,7 +183,7 @@ def test_prometheus_scrapes_the_agent_and_sees_a_gpu_taken_out(prometheus_binary
         assert len(kubelet.registrations) == 2, kubelet.registrations
         names = prometheus.get_list("/api/v1/label/__name__/values", **{"match[]": '{job="devinject"}'})
         exported = {n for n in names if n.startswith("devinject_") and not n.endswith("_created")}
-        assert exported == documented_series(), "README's series table is not what Prometheus scraped"
+        assert exported == documented_series(), "docs/deploy.md's series table is not what Prometheus scraped"
 
         with open(host / KERNEL_LOG, "a") as log:  # as the kernel writes it: the GPU taken out at once
             log.write(f"[ 4242.424242] NVRM: Xid (PCI:{GPU[:-2]}): 79, pid=0, GPU has fallen off the bus.\n")
@@ -245,6 +246,10 @@ def test_prometheus_scrapes_the_dra_driver(prometheus_binary, tmp_path) -> None:
         unprepare(driver, ("good", "uid-good"))
         assert _until(lambda: value("devinject_dra_prepared_devices") == 0)
         assert value("devinject_dra_unprepares_total") == 1
+        names = prometheus.get_list("/api/v1/label/__name__/values", **{"match[]": '{job="devinject"}'})
+        exported = {re.sub(r"_(bucket|count|sum)$", "", n) if "_duration_seconds_" in n else n
+                    for n in names if n.startswith("devinject_") and not n.endswith("_created")}
+        assert exported == documented_series("docs/dra.md"), "docs/dra.md's series table is not what was scraped"
     finally:
         prometheus.stop()
         driver.servers.stop()
