@@ -539,3 +539,28 @@ def test_auto_follows_another_agents_loop_on_the_state_dir(hgx: Path, dirs: dict
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def test_a_gpu_unbound_and_bound_again_follows_in_the_slice_at_once(hgx: Path, dirs: dict[str, str],
+                                                                    api: FakeApi) -> None:
+    """The devices the health loop finds change (unbound: no longer discovered; bound again: found): the
+    driver discovers again at once, so the GPU is tainted `unbound` while out, back untainted when bound,
+    and tainted again at the next unbind, never missing from the slice between its rescans (an hour here)."""
+    link = hgx / GPU_DIR / "driver"
+    target = os.readlink(link)
+    running = Running(hgx, dirs, api, health="check")
+    assert running.driver.loop is not None
+    try:
+        wait_for("the first slices", lambda: taints_of(api) == [])
+        for _ in range(2):
+            link.unlink()
+            running.driver.loop.uevent({"ACTION": "unbind", "SUBSYSTEM": "pci", "PCI_SLOT_NAME": "0000:18:00.0"})
+            wait_for("the unbound taint", lambda: taints_of(api) == [(f"{DRIVER}/unbound", "", "NoSchedule")])
+            wait_for("the unbound GPU no longer discovered", lambda: (GPU_POOL, "gpu-0000-18-00-0") not in
+                     running.driver.inventory().offers)
+            assert taints_of(api) == [(f"{DRIVER}/unbound", "", "NoSchedule")]  # kept as it was described
+            link.symlink_to(target)
+            running.driver.loop.uevent({"ACTION": "bind", "SUBSYSTEM": "pci", "PCI_SLOT_NAME": "0000:18:00.0"})
+            wait_for("the GPU back untainted", lambda: taints_of(api) == [])
+    finally:
+        running.close()

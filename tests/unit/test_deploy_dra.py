@@ -49,12 +49,16 @@ def test_kustomization_lists_every_manifest() -> None:
     assert sorted(kustomization["resources"]) == [p.name for p in MANIFESTS]
 
 
-def test_daemonset_runs_a_command_line_dra_driver_accepts() -> None:
+def test_daemonset_runs_a_command_line_dra_driver_accepts(tmp_path: Path) -> None:
     (daemonset,) = by_kind("DaemonSet")
     pod = daemonset["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     args = container["args"]
     assert container["command"] == ["devinject"] and args[0] == "dra-driver"
+    (configmap,) = by_kind("ConfigMap")
+    config = tmp_path / "dra-driver.yaml"
+    config.write_text(configmap["data"]["dra-driver.yaml"])
+    args = [f"--config={config}" if a.startswith("--config=") else a for a in args]
     params = cli.cli.commands["dra-driver"].make_context("dra-driver", args[1:], default_map={"node_name": "n"}).params
     assert params["plugin_dir"] == "/var/lib/kubelet/plugins"
     assert params["registry_dir"] == "/var/lib/kubelet/plugins_registry"
@@ -67,6 +71,13 @@ def test_daemonset_runs_a_command_line_dra_driver_accepts() -> None:
     assert written == {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi",
                        "/run/devinject"}
     assert pod["hostPID"] is True  # the ledger counts the node's pids
+    # the node's health loop, as the device plugin's DaemonSet runs it: its own here, the kernel log under the
+    # host root, uevents in the host's network namespace, NoSchedule unless the admin opts in
+    assert (params["health_mode"], params["kernel_log"], params["uevents"]) == ("auto", "/var/log/kern.log", True)
+    assert params["fatal_taint_effect"] == "NoSchedule"
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    mounts = {m["mountPath"]: host_paths.get(m["name"]) for m in container["volumeMounts"]}
+    assert mounts["/host"] == "/" and mounts["/host/sys"] == "/sys"
     security = container["securityContext"]
     assert security["privileged"] is False and security["capabilities"] == {"drop": ["ALL"]}
     assert pod["serviceAccountName"] == "devinject-dra"

@@ -177,6 +177,7 @@ class DraDriver:
         self.loop: Watcher | None = None  # the health loop, when this process runs it
         self.wake = threading.Event()  # the loop published a verdict: publish the slices now
         self._health_thread: threading.Thread | None = None
+        self.rediscover = threading.Event()  # the loop found other devices: discover again before publishing
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate)
         self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health)
@@ -256,6 +257,17 @@ class DraDriver:
         return True
 
     # --- the health loop -----------------------------------------------------------------------------
+    def _told(self, loop: Watcher) -> None:
+        """From the health loop, after each verdict it wrote: publish now; rediscover first when the devices
+        it found are not the ones discovered here last (a function unbound, removed or back), so the slices
+        follow them at once too."""
+        found = frozenset(device_key(f.profile.kind, f.address) for f in loop.found) | {c.key for c in loop.channels}
+        with self.lock:
+            offered = frozenset(offer_key(o) for o in self._all)
+        if found != offered:  # compared with what this driver discovered, which may be from another moment
+            self.rediscover.set()
+        self.wake.set()
+
     def start_health_loop(self, stop: threading.Event) -> bool:
         """Run the node's health loop on a thread when this process may (the state dir's loop lock is free;
         `follow`: never); True when it runs. `check` with the lock held elsewhere is an error."""
@@ -269,7 +281,7 @@ class DraDriver:
             return False
         watch = self.opts.watch_options()
         loop = Watcher(watch, loop_lock=fd)
-        loop.listeners.append(lambda _watcher: self.wake.set())
+        loop.listeners.append(self._told)
         self.loop = loop
 
         def run() -> None:
@@ -310,6 +322,9 @@ class DraDriver:
         try:
             while not stop.is_set():
                 due = time.monotonic() >= next_scan
+                if self.rediscover.is_set():
+                    self.rediscover.clear()
+                    due = True
                 try:
                     if due and self.loop is None:
                         self.start_health_loop(stop)
