@@ -8,7 +8,9 @@ Through the API and the real scheduler: the slices published and read back; a cl
 nodes; a GPU+NIC claim gets a co-located pair; a claim no root can meet leaves its pod Pending with the
 scheduler's reason; deleting the pod unprepares the claim (its spec goes); the driver restarted mid-life keeps
 the prepared claim and cleans it when the pod goes, and books it again over its running pod after a ledger
-rebuild.
+rebuild. The driver runs alone, as on a DRA-only node, with its own health loop: a fatal Xid taints the GPU
+(the scheduler skips it, the pod's resource health says Unhealthy, put-back clears it), and with NoExecute
+opted in the pod on it is evicted by the real controller-manager and replaced on a healthy GPU.
 
 A missing prerequisite fails, never skips. The cluster is always taken down (`cluster-down.sh --purge`)."""
 
@@ -480,7 +482,7 @@ def test_opaque_config_is_a_clear_error_in_the_pods_events_and_nothing_is_left(c
 def test_a_channel_claim_gives_the_pod_exactly_that_channel(cluster: Cluster) -> None:
     """A claim for one IMEX channel: the pod runs with that channel's node alone, reachable through its device
     cgroup (no driver on the channels' major: ENXIO, not EPERM), the channel booked for the claim; the pod gone,
-    its spec goes; a channel whose node is removed leaves the slice, and comes back with it."""
+    its spec goes; a channel whose node is removed is tainted `gone` in the slice, untainted when it is back."""
     from devinject.nodestate.ledger import Ledger
 
     claim_pod(cluster, "imex", [("channel", "imex.devinject.io", 1)], match=False)
@@ -507,11 +509,12 @@ def test_a_channel_claim_gives_the_pod_exactly_that_channel(cluster: Cluster) ->
     node = HOST / "dev/nvidia-caps-imex-channels/channel1"
     node.unlink()
     try:
-        until(lambda: "channel-1" not in published(cluster), 30, "channel-1 out of the slice, its node gone")
-        assert "channel-0" in published(cluster)
+        until(lambda: taints_of(cluster, "channel-1") == [(f"{DRIVER}/gone", "", "NoSchedule")], 30,
+              "channel-1 tainted gone in the slice, its node gone")
+        assert taints_of(cluster, "channel-0") == []
     finally:
         os.mknod(node, 0o020666, os.makedev(IMEX_MAJOR, 1))
-    until(lambda: "channel-1" in published(cluster), 30, "channel-1 back in the slice")
+    until(lambda: taints_of(cluster, "channel-1") == [], 30, "channel-1 back in the slice, untainted")
 
 
 def test_the_shipped_channel_class_serves_an_unchanged_imex_channel_pod(cluster: Cluster) -> None:

@@ -564,3 +564,23 @@ def test_a_gpu_unbound_and_bound_again_follows_in_the_slice_at_once(hgx: Path, d
             wait_for("the GPU back untainted", lambda: taints_of(api) == [])
     finally:
         running.close()
+
+
+def test_a_gpu_discovery_lost_before_the_loop_judged_it_is_tainted_once_it_does(hgx: Path, dirs: dict[str, str],
+                                                                               api: FakeApi) -> None:
+    """The driver's discovery may see a function unbound before the health loop's next round: the GPU is
+    left out of the slice meanwhile, but kept as it was described, so the loop's verdict taints it then
+    (it is not forgotten as if a MIG layout had changed)."""
+    gen = GenerateOptions(root=str(hgx), hook_path="/usr/bin/devinject")
+    driver = DraDriver(DraOptions(generate=gen, node_name=NODE, plugin_dir=dirs["plugins"],
+                                  registry_dir=dirs["registry"], cdi_dir=dirs["cdi"], state_dir=dirs["state"],
+                                  rescan=3600, health="follow"), api)
+    driver.refresh()
+    assert taints_of(api) == []
+    (hgx / GPU_DIR / "driver").unlink()
+    driver.refresh()  # discovered again before the loop judged it
+    assert taints_of(api) is None
+    Path(dirs["state"], "health.json").write_text(json.dumps({"devices": {"nvidia.com/gpu=0000:18:00.0": {
+        "published": "unhealthy", "reasons": ["0000:18:00.0: driver unbound"]}}}))
+    assert driver.refresh(rediscover=False)
+    assert taints_of(api) == [(f"{DRIVER}/unbound", "", "NoSchedule")]

@@ -473,8 +473,19 @@ class Watcher:
             self.loop_lock = healthstate.take_loop_lock(self.opts.state_dir)
         return self.loop_lock is not None
 
+    def release_state_dir(self) -> None:
+        """Let the health-loop lock go (the loop has stopped)."""
+        if self.loop_lock is not None:
+            os.close(self.loop_lock)
+            self.loop_lock = None
+
     def run(self, stop: threading.Event | None = None) -> None:
-        stop = stop or threading.Event()
+        try:
+            self._run(stop or threading.Event())
+        finally:
+            self.release_state_dir()
+
+    def _run(self, stop: threading.Event) -> None:
         if not self.claim_state_dir():
             log.warning("another health loop runs on %s: both rewrite its health state and take its put-back "
                         "requests; run one agent's loop per state dir (dra-driver --health follow beside this one)",

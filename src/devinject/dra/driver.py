@@ -210,7 +210,8 @@ class DraDriver:
     def desired(self) -> list[dict[str, Any]]:
         """The slices from the offers discovered last and health.json as it reads now; the health stream is
         updated on the way. A device out of discovery stays, tainted, while the loop keeps it out (a channel:
-        always, as `gone`)."""
+        always, as `gone`); one the loop has not judged yet is left out until it does (discovery may see an
+        unbound or removed function before the loop's next round)."""
         health = read_health(self.opts.state_dir)
         with self.lock:
             host, offered = self._host, list(self._all)
@@ -222,13 +223,16 @@ class DraDriver:
             reasons = fault_reasons(host, offer, health)
             verdicts[(offer.pool, offer.name)] = (not reasons, "; ".join(reasons))
             published.append(self._tainted(offer, reasons))
+        present_devices = {offer_key(o) for o in offered}
         for offer in vanished:
+            if offer_key(offer) in present_devices:  # its device is there with other offers (a MIG layout changed)
+                with self.lock:
+                    self._known.pop((offer.pool, offer.name), None)
+                continue
             reasons = fault_reasons(None, offer, health)
             if offer.channel is not None and not reasons:
                 reasons = (f"{offer.channel.node.path}: no such node",)
-            if not reasons:  # healthy as far as the loop knows: gone for good (a MIG layout changed)
-                with self.lock:
-                    self._known.pop((offer.pool, offer.name), None)
+            if not reasons:  # not discovered, and not (yet) out: unpublished, kept for when the loop says so
                 continue
             verdicts[(offer.pool, offer.name)] = (False, "; ".join(reasons))
             published.append(self._tainted(offer, reasons))
@@ -280,7 +284,11 @@ class DraDriver:
                                      "(--health follow reads its verdicts)")
             return False
         watch = self.opts.watch_options()
-        loop = Watcher(watch, loop_lock=fd)
+        try:
+            loop = Watcher(watch, loop_lock=fd)
+        except BaseException:
+            os.close(fd)
+            raise
         loop.listeners.append(self._told)
         self.loop = loop
 
@@ -341,11 +349,7 @@ class DraDriver:
             log.info("dra-driver stopped at %s", time.strftime("%H:%M:%S"))
 
     def _stop_health_loop(self) -> None:
-        """After `stop`: the loop's thread ends within its wake-up; its lock is let go (a driver made again in
+        """After `stop`: the loop's thread ends within its wake-up and lets its lock go (a driver made again in
         this process, or another agent, may take the state dir)."""
         if self._health_thread is not None:
-            self._health_thread.join(10)
-        if self.loop is not None and self.loop.loop_lock is not None and not (
-                self._health_thread is not None and self._health_thread.is_alive()):
-            os.close(self.loop.loop_lock)
-            self.loop.loop_lock = None
+            self._health_thread.join(10)  # its run() lets the lock go as it ends
