@@ -573,9 +573,11 @@ def test_an_xid_taints_the_gpu_the_scheduler_skips_it_and_put_back_clears_it(clu
                  and d["attributes"]["partition"]["string"] == "whole")
     resource = f"{DRIVER}/claim={claim['metadata']['uid']}-{name}"  # the kubelet names it by CDI id
     try:
+        started = time.monotonic()
         xid(device)
         until(lambda: taints_of(cluster, name) == [(f"{DRIVER}/xid", "79", "NoSchedule")], 30,
-              f"{name} tainted xid in its slice")
+              f"{name} tainted xid in its slice", every=0.05)
+        record("xid_to_taint_read_back_s", time.monotonic() - started)  # kubectl's own ~0.1 s per read included
         until(lambda: resource_health(cluster, "health").get(resource) == "Unhealthy", 60,
               f"{resource} Unhealthy in pod status")
         assert cluster.running("health")  # NoSchedule: the pod is not evicted
