@@ -574,6 +574,17 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
+def _check_timings(interval: float, recheck: float, rescan: float, test_timings: bool) -> None:
+    """The health loop's timings within the ranges it is made for (unless `--test-timings`)."""
+    if not test_timings:
+        if not 5 <= interval <= 60:
+            raise UsageError(f"--interval {interval:g}: must be between 5 and 60 seconds")
+        if not 1 <= recheck <= 2:
+            raise UsageError(f"--recheck {recheck:g}: must be between 1 and 2 seconds")
+    if min(interval, recheck, rescan) <= 0:
+        raise UsageError("--interval, --recheck and --rescan must be positive")
+
+
 def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interval: float, recheck: float,
                    threshold: int, rescan: float, test_timings: bool, kernel_log: str, hook_path: str | None,
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
@@ -588,13 +599,7 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
     node = _node(root=root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
                  kernel_log=kernel_log)
     trusted_dir(state_dir)  # health verdicts and events the hook trusts: refused when others could write there
-    if not test_timings:
-        if not 5 <= interval <= 60:
-            raise UsageError(f"--interval {interval:g}: must be between 5 and 60 seconds")
-        if not 1 <= recheck <= 2:
-            raise UsageError(f"--recheck {recheck:g}: must be between 1 and 2 seconds")
-    if min(interval, recheck, rescan) <= 0:
-        raise UsageError("--interval, --recheck and --rescan must be positive")
+    _check_timings(interval, recheck, rescan, test_timings)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
                           target_root=target_root, driver_root=driver_root, profile_dirs=profile_dirs)
@@ -702,6 +707,8 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 
 
 @cli.command("dra-driver")
+@click.option("--config", metavar="FILE", is_eager=True, expose_value=False, callback=_load_config,
+              help="YAML file of option values (e.g. the DaemonSet's ConfigMap); flags given win over it.")
 @root_option
 @state_dir_option
 @profile_dir_option
@@ -726,15 +733,35 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @click.option("--cdi-dir", default=DYNAMIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
               metavar="DIRECTORY", help="Where the claim-scoped CDI specs go.")
 @click.option("--rescan", default=30.0, show_default=True, type=click.FloatRange(0.05, 3600),
-              help="Seconds between rediscoveries (and slice updates).")
+              help="Seconds between rediscoveries (and slice updates; a health verdict is published at once).")
+@click.option("--health", "health_mode", type=click.Choice(["auto", "check", "follow"]), default="auto",
+              show_default=True,
+              help="auto: run the node's health loop here unless another agent's (watch, device-plugin) runs on "
+                   "the state dir, then follow its verdicts; check: always here; follow: never here.")
+@click.option("--interval", default=10.0, show_default=True, type=float, help="Seconds between health checks (5-60).")
+@click.option("--recheck", default=1.5, show_default=True, type=float,
+              help="Seconds between re-checks of a failing device (1-2).")
+@click.option("--threshold", default=3, show_default=True, type=click.IntRange(1, 20),
+              help="Consecutive failures (or passes) before a device is taken out (or put back).")
+@click.option("--test-timings", is_flag=True, hidden=True, help="Lift the interval ranges (tests, benchmarks).")
+@kernel_log_option
+@click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents.")
+@click.option("--fatal-taint-effect", type=click.Choice(["NoSchedule", "NoExecute"]), default="NoSchedule",
+              show_default=True,
+              help="The taint effect of a fatal fault (Xid, AER fatal, gone): NoExecute also evicts the pods using "
+                   "the device (the taint-eviction controller); other faults are always NoSchedule.")
 @click.option("--metrics-address", default="127.0.0.1:9401", show_default=True, metavar="HOST:PORT",
               help="HOST:PORT for /metrics, /healthz and /readyz (the DaemonSet: the pod's address; '' to turn "
                    "them off).")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
                driver_root: str | None, node_hook: str | None, hook_path: str | None, kinds: tuple[str, ...],
                node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str, registry_dir: str,
-               cdi_dir: str, rescan: float, metrics_address: str) -> None:
-    """Kubernetes DRA kubelet plugin: ResourceSlices from discovery, claims prepared as CDI specs (docs/dra.md)."""
+               cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float, threshold: int,
+               test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
+               metrics_address: str) -> None:
+    """Kubernetes DRA kubelet plugin: ResourceSlices from discovery with the node's health loop (faults as
+    device taints), claims prepared as CDI specs (docs/dra.md)."""
+    from devinject.agent.watch import WatchOptions
     from devinject.core.names import vendor_problem
     from devinject.core.trusteddir import make_dirs, trusted_dir
     from devinject.dra.driver import DraDriver, DraOptions
@@ -747,15 +774,19 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     if problem or driver_name != driver_name.lower():
         raise UsageError(f"--driver-name {driver_name!r}: {problem or 'must be lower case'} (a DNS subdomain)")
     _check_metrics_address(metrics_address)
-    _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
+    _check_timings(interval, recheck, rescan, test_timings)
     trusted_dir(state_dir)
     make_dirs(cdi_dir)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), profile_dirs=profile_dirs,
                           target_root=target_root, driver_root=driver_root)
     gen.check()
+    watch = WatchOptions(generate=gen, state_dir=state_dir, interval=interval, recheck=recheck, threshold=threshold,
+                         rescan=rescan, kernel_log=kernel_log, uevents=uevents, specs=False)
     opts = DraOptions(generate=gen, node_name=node_name, driver=driver_name, plugin_dir=plugin_dir,
                       registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan,
+                      health=health_mode, watch=watch, fatal_effect=fatal_taint_effect,
                       metrics_address=metrics_address or None)
     DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name)).run(_stop_on_signals())
 

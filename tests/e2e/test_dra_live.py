@@ -8,7 +8,9 @@ Through the API and the real scheduler: the slices published and read back; a cl
 nodes; a GPU+NIC claim gets a co-located pair; a claim no root can meet leaves its pod Pending with the
 scheduler's reason; deleting the pod unprepares the claim (its spec goes); the driver restarted mid-life keeps
 the prepared claim and cleans it when the pod goes, and books it again over its running pod after a ledger
-rebuild.
+rebuild. The driver runs alone, as on a DRA-only node, with its own health loop: a fatal Xid taints the GPU
+(the scheduler skips it, the pod's resource health says Unhealthy, put-back clears it), and with NoExecute
+opted in the pod on it is evicted by the real controller-manager and replaced on a healthy GPU.
 
 A missing prerequisite fails, never skips. The cluster is always taken down (`cluster-down.sh --purge`)."""
 
@@ -43,6 +45,7 @@ DEVINJECT = str(Path(sys.executable).parent / "devinject")
 SLEEPER = ["sh", "-c", 'trap "exit 0" TERM; sleep 3600 & wait']
 ROOT = "resource.kubernetes.io/pcieRoot"
 IMEX_MAJOR = DYN["nvidia-caps-imex-channels"]
+KERNEL_LOG = HOST / "var/log/kern.log"
 
 
 class Cluster(KubeClient):
@@ -52,12 +55,15 @@ class Cluster(KubeClient):
         self.driver: subprocess.Popen[bytes] | None = None
         self.log = KUBE_DIR / "logs" / "devinject-dra-driver.log"
 
-    def start_driver(self) -> None:
+    def start_driver(self, *extra: str) -> None:
+        """The driver alone, as on a DRA-only node: its own health loop (fast timings) reads the host's
+        kernel log (HOST/var/log/kern.log)."""
         handle = open(self.log, "ab")  # noqa: SIM115 - the driver's own log, kept for the report
         self.driver = subprocess.Popen(
             [DEVINJECT, "dra-driver", "--host-root", str(HOST), "--node-name", self.node, "--kubeconfig",
              str(KUBE_DIR / "admin.kubeconfig"), "--state-dir", str(STATE), "--hook-path", DEVINJECT,
-             "--rescan", "2"], stdout=handle, stderr=handle, stdin=subprocess.DEVNULL)
+             "--rescan", "2", "--health", "check", "--test-timings", "--interval", "1", "--recheck", "0.5",
+             "--threshold", "2", "--no-uevents", *extra], stdout=handle, stderr=handle, stdin=subprocess.DEVNULL)
         handle.close()
         until(lambda: self.slices(), 60, "the driver's ResourceSlices")
 
@@ -101,6 +107,8 @@ def cluster() -> Iterator[Cluster]:
     for channel in (0, 1):
         host.node(f"nvidia-caps-imex-channels/channel{channel}", IMEX_MAJOR, channel)
     host.finish(ldconfig=False)  # /proc/devices with their region
+    (HOST / "var/log").mkdir(parents=True, exist_ok=True)
+    KERNEL_LOG.write_text("kernel: Linux version 6.1.0\n")  # the health loop reads it (an Xid: a fault)
     for directory in (HOST.parent, HOST):
         directory.chmod(0o755)
     cluster = Cluster()
@@ -474,7 +482,7 @@ def test_opaque_config_is_a_clear_error_in_the_pods_events_and_nothing_is_left(c
 def test_a_channel_claim_gives_the_pod_exactly_that_channel(cluster: Cluster) -> None:
     """A claim for one IMEX channel: the pod runs with that channel's node alone, reachable through its device
     cgroup (no driver on the channels' major: ENXIO, not EPERM), the channel booked for the claim; the pod gone,
-    its spec goes; a channel whose node is removed leaves the slice, and comes back with it."""
+    its spec goes; a channel whose node is removed is tainted `gone` in the slice, untainted when it is back."""
     from devinject.nodestate.ledger import Ledger
 
     claim_pod(cluster, "imex", [("channel", "imex.devinject.io", 1)], match=False)
@@ -501,11 +509,12 @@ def test_a_channel_claim_gives_the_pod_exactly_that_channel(cluster: Cluster) ->
     node = HOST / "dev/nvidia-caps-imex-channels/channel1"
     node.unlink()
     try:
-        until(lambda: "channel-1" not in published(cluster), 30, "channel-1 out of the slice, its node gone")
-        assert "channel-0" in published(cluster)
+        until(lambda: taints_of(cluster, "channel-1") == [(f"{DRIVER}/gone", "", "NoSchedule")], 30,
+              "channel-1 tainted gone in the slice, its node gone")
+        assert taints_of(cluster, "channel-0") == []
     finally:
         os.mknod(node, 0o020666, os.makedev(IMEX_MAJOR, 1))
-    until(lambda: "channel-1" in published(cluster), 30, "channel-1 back in the slice")
+    until(lambda: taints_of(cluster, "channel-1") == [], 30, "channel-1 back in the slice, untainted")
 
 
 def test_the_shipped_channel_class_serves_an_unchanged_imex_channel_pod(cluster: Cluster) -> None:
@@ -521,37 +530,133 @@ def test_the_shipped_channel_class_serves_an_unchanged_imex_channel_pod(cluster:
         cluster.kubectl("delete", "-f", SHIPPED_CLASSES)
 
 
-def test_a_fault_leaves_the_slice_and_shows_in_the_pods_resource_health(cluster: Cluster) -> None:
-    """The node agent's verdict (health.json in the state dir, as `watch` writes it) for a GPU a pod holds:
-    the device leaves the slice, and the kubelet's NodeWatchResources stream puts it Unhealthy in the pod's
-    status (ResourceHealthStatus, beta and on: `allocatedResourcesStatus`, the claim's entry, the device by
-    its CDI id); put back, both return."""
+def taints_of(cluster: Cluster, device: str) -> list[tuple[str, str, str]]:
+    return [(t["key"], t.get("value", ""), t["effect"]) for t in published(cluster)[device].get("taints", [])]
+
+
+def xid(device: dict[str, Any], code: int = 79) -> None:
+    """A fatal Xid for the device, as the NVIDIA driver logs it (syslog appends to kern.log)."""
+    slot = device["attributes"]["resource.kubernetes.io/pciBusID"]["string"].rpartition(".")[0]
+    with open(KERNEL_LOG, "a") as log:
+        log.write(f"kernel: [ 4242.1] NVRM: Xid (PCI:{slot}): {code}, pid=0, GPU has fallen off the bus.\n")
+
+
+def put_back(device: dict[str, Any]) -> None:
+    address = device["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+    done = subprocess.run([DEVINJECT, "put-back", f"nvidia.com/gpu={address}", "--root", str(HOST),
+                           "--state-dir", str(STATE)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def resource_health(cluster: Cluster, pod: str) -> dict[str, str]:
+    out = {}
+    for container in cluster.pod(pod)["status"].get("containerStatuses", []):
+        for entry in container.get("allocatedResourcesStatus") or []:
+            out.update({r["resourceID"]: r.get("health", "") for r in entry.get("resources", [])})
+    return out
+
+
+def test_an_xid_taints_the_gpu_the_scheduler_skips_it_and_put_back_clears_it(cluster: Cluster) -> None:
+    """A DRA-only node (the driver alone, its own health loop): a fatal Xid for the GPU a pod holds taints it
+    in the slice (`dra.devinject.io/xid`, NoSchedule), puts it Unhealthy in the pod's status
+    (ResourceHealthStatus: `allocatedResourcesStatus`, the claim's entry, the device by its CDI id), the pod
+    runs on (NoSchedule evicts nothing), and a new claim whose selector admits only that GPU or one other gets
+    the other; with only the tainted one admitted it stays Pending. `devinject put-back` clears the taint."""
     claim_pod(cluster, "health", [("gpu", "gpu.devinject.io", 1)], match=False)
     until(lambda: cluster.running("health"), 120, "pod health Running")
     claim = cluster.claim_of("health")
     (result,) = claim["status"]["allocation"]["devices"]["results"]
-    spec = json.loads((CDI / f"{DRIVER}-{claim['metadata']['uid']}.json").read_text())
-    node = spec["devices"][0]["containerEdits"]["deviceNodes"][0]
-    health_file = STATE / "health.json"
-
-    def resource_health() -> dict[str, str]:
-        out = {}
-        for container in cluster.pod("health")["status"].get("containerStatuses", []):
-            for entry in container.get("allocatedResourcesStatus") or []:
-                out.update({r["resourceID"]: r.get("health", "") for r in entry.get("resources", [])})
-        return out
-
-    resource = f"{DRIVER}/claim={claim['metadata']['uid']}-{result['device']}"  # the kubelet names it by CDI id
+    name = result["device"]
+    device = published(cluster)[name]
+    other = next(n for n, d in sorted(published(cluster).items()) if n != name
+                 and d["attributes"]["kind"]["string"] == "nvidia.com/gpu"
+                 and d["attributes"]["partition"]["string"] == "whole")
+    resource = f"{DRIVER}/claim={claim['metadata']['uid']}-{name}"  # the kubelet names it by CDI id
     try:
-        health_file.write_text(json.dumps({"unhealthy_nodes": [f"c {node['major']}:{node['minor']}"]}))
-        until(lambda: result["device"] not in published(cluster), 30, "the device out of the slice")
-        until(lambda: resource_health().get(resource) == "Unhealthy", 60, f"{resource} Unhealthy in pod status")
-        health_file.write_text(json.dumps({"unhealthy_nodes": []}))
-        until(lambda: result["device"] in published(cluster), 30, "the device back in the slice")
-        until(lambda: resource_health().get(resource) == "Healthy", 60, f"{resource} Healthy again")
+        started = time.monotonic()
+        xid(device)
+        until(lambda: taints_of(cluster, name) == [(f"{DRIVER}/xid", "79", "NoSchedule")], 30,
+              f"{name} tainted xid in its slice", every=0.05)
+        record("xid_to_taint_read_back_s", time.monotonic() - started)  # kubectl's own ~0.1 s per read included
+        until(lambda: resource_health(cluster, "health").get(resource) == "Unhealthy", 60,
+              f"{resource} Unhealthy in pod status")
+        assert cluster.running("health")  # NoSchedule: the pod is not evicted
+        bus = {n: published(cluster)[n]["attributes"][ROOT.replace("pcieRoot", "pciBusID")]["string"]
+               for n in (name, other)}
+        pci = 'device.attributes["resource.kubernetes.io"].pciBusID'
+        selector_pod(cluster, "skips", "gpu.devinject.io", f'{pci} == "{bus[name]}" || {pci} == "{bus[other]}"')
+        until(lambda: cluster.running("skips"), 120, "pod skips Running")
+        (given,) = cluster.claim_of("skips")["status"]["allocation"]["devices"]["results"]
+        assert given["device"] == other, given
+        cluster.delete_pod("skips")
+        selector_pod(cluster, "only-tainted", "gpu.devinject.io", f'{pci} == "{bus[name]}"')
+        time.sleep(10)
+        pod = cluster.pod("only-tainted")
+        assert pod["status"].get("phase") == "Pending", pod["status"]
+        assert not pod["spec"].get("nodeName")
+        cluster.delete_pod("only-tainted")
+        put_back(device)
+        until(lambda: taints_of(cluster, name) == [], 30, f"{name}'s taint cleared by put-back")
+        until(lambda: resource_health(cluster, "health").get(resource) == "Healthy", 60, f"{resource} Healthy again")
     finally:
-        health_file.unlink(missing_ok=True)
+        put_back(device)
         cluster.delete_pod("health")
+        for pod in ("skips", "only-tainted"):
+            cluster.kubectl("delete", "pod", pod, "--ignore-not-found", "--grace-period=1", "--wait=true",
+                            timeout=120)
+
+
+def test_no_execute_opted_in_evicts_the_pod_and_its_replacement_lands_on_a_healthy_gpu(cluster: Cluster) -> None:
+    """`--fatal-taint-effect NoExecute`: a fatal Xid on the GPU a Deployment's pod holds makes
+    kube-controller-manager's device-taint eviction (DRADeviceTaints, beta and on in 1.36) evict the pod; its
+    replacement, with a new claim from the same template, runs on another GPU."""
+    cluster.stop_driver()
+    cluster.start_driver("--fatal-taint-effect", "NoExecute")
+    template = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "evict"},
+                "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                    "deviceClassName": "gpu.devinject.io", "count": 1, "allocationMode": "ExactCount"}}]}}}}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "evict"},
+                  "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "evict"}},
+                           "template": {"metadata": {"labels": {"app": "evict"}}, "spec": {
+                               "terminationGracePeriodSeconds": 1,
+                               "resourceClaims": [{"name": "devices", "resourceClaimTemplateName": "evict"}],
+                               "containers": [{"name": "c", "image": "localhost/busybox:1",
+                                               "imagePullPolicy": "Never", "command": SLEEPER,
+                                               "resources": {"claims": [{"name": "devices"}]}}]}}}}
+    device: dict[str, Any] | None = None
+
+    def running_pods() -> list[dict[str, Any]]:
+        pods = cluster.json("pods", "-l", "app=evict")["items"]
+        return [p for p in pods if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+
+    def gpu_of(pod: dict[str, Any]) -> str:
+        (entry,) = pod["status"]["resourceClaimStatuses"]
+        claim = cluster.json("resourceclaim", entry["resourceClaimName"])
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        return str(result["device"])
+
+    try:
+        cluster.apply(template, deployment)
+        until(lambda: len(running_pods()) == 1, 120, "the Deployment's pod Running")
+        (first,) = running_pods()
+        name = gpu_of(first)
+        device = published(cluster)[name]
+        xid(device)
+        until(lambda: taints_of(cluster, name) == [(f"{DRIVER}/xid", "79", "NoExecute")], 30,
+              f"{name} tainted xid NoExecute")
+        until(lambda: [p for p in running_pods() if p["metadata"]["uid"] != first["metadata"]["uid"]], 120,
+              "the replacement pod Running")
+        (second,) = [p for p in running_pods() if p["metadata"]["uid"] != first["metadata"]["uid"]]
+        assert gpu_of(second) != name
+        until(lambda: not cluster.json("pods", "--field-selector", f"metadata.name={first['metadata']['name']}")[
+            "items"], 60, "the evicted pod gone")
+    finally:
+        cluster.kubectl("delete", "deployment", "evict", "--ignore-not-found", "--wait=true", timeout=120)
+        cluster.kubectl("delete", "resourceclaimtemplate", "evict", "--ignore-not-found", timeout=60)
+        if device is not None:
+            put_back(device)
+        cluster.stop_driver()
+        cluster.start_driver()
 
 
 def test_an_admin_access_claim_never_keeps_the_workload_from_its_gpu(cluster: Cluster) -> None:

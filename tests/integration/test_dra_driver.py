@@ -11,6 +11,7 @@ import os
 import stat
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -267,13 +268,21 @@ def test_health_stream_lists_every_device(driver: DraDriver) -> None:
     assert {d.health for d in first.devices} == {health.HEALTHY}
 
 
-def test_a_device_watch_took_out_leaves_the_slice_and_is_unhealthy_until_put_back(driver: DraDriver, api: FakeApi,
-                                                                                  dirs: dict[str, str]) -> None:
+def devices(api: FakeApi) -> dict[str, dict[str, Any]]:
+    return {d["name"]: d for s in api.slices for d in s["spec"].get("devices", [])}
+
+
+def test_a_device_watch_took_out_stays_tainted_and_is_unhealthy_until_put_back(driver: DraDriver, api: FakeApi,
+                                                                               dirs: dict[str, str]) -> None:
+    """A device the health loop took out (health.json, here by its nodes alone) stays in the slice with a
+    NoSchedule taint in the driver's domain, and is unhealthy in the health stream; put back, the taint goes."""
     health_file = Path(dirs["state"]) / "health.json"
     health_file.write_text(json.dumps({"unhealthy_nodes": ["c 195:2"]}))  # /dev/nvidia2: the GPU at 18:00.0
     assert driver.refresh()
-    published = {d["name"] for s in api.slices for d in s["spec"].get("devices", [])}
-    assert "gpu-0000-18-00-0" not in published and "gpu-0000-2a-00-0" in published
+    published = devices(api)
+    (taint,) = published["gpu-0000-18-00-0"]["taints"]
+    assert (taint["key"], taint["effect"]) == (f"{DRIVER}/fault", "NoSchedule") and "value" not in taint
+    assert "taints" not in published["gpu-0000-2a-00-0"]
     with kubelet(driver.servers.endpoint) as channel:
         stream = health_grpc.DRAResourceHealthStub(channel).NodeWatchResources(  # type: ignore[no-untyped-call]
             health.NodeWatchResourcesRequest(), timeout=5)
@@ -284,7 +293,7 @@ def test_a_device_watch_took_out_leaves_the_slice_and_is_unhealthy_until_put_bac
     assert states["gpu-0000-2a-00-0"] == (health.HEALTHY, "")
     health_file.write_text(json.dumps({"unhealthy_nodes": []}))
     assert driver.refresh()
-    assert "gpu-0000-18-00-0" in {d["name"] for s in api.slices for d in s["spec"].get("devices", [])}
+    assert "taints" not in devices(api)["gpu-0000-18-00-0"]
     assert not driver.refresh()  # nothing changed: nothing published
 
 
@@ -365,3 +374,213 @@ def test_a_subrequests_device_is_named_by_its_base_request(driver: DraDriver, ap
     (device,) = prepare(driver, ("first", "uid-first")).claims["uid-first"].devices
     assert list(device.request_names) == ["gpu"]
     unprepare(driver, ("first", "uid-first"))
+
+
+# --- the node's health loop in the driver: faults as taints -------------------------------------------------
+GPU_DIR = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
+XID_79 = "kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=0, name=python3, GPU has fallen off the bus.\n"
+
+
+class Running:
+    """The driver's own loop (`run`): its health loop on a thread, over a copy of the HGX host."""
+
+    def __init__(self, root: Path, dirs: dict[str, str], api: FakeApi, **options: Any) -> None:
+        from devinject.agent.watch import WatchOptions
+
+        gen = GenerateOptions(root=str(root), hook_path="/usr/bin/devinject")
+        watch = WatchOptions(generate=gen, interval=0.3, recheck=0.1, threshold=2, rescan=3600, uevents=False)
+        opts = DraOptions(generate=gen, node_name=NODE, plugin_dir=dirs["plugins"], registry_dir=dirs["registry"],
+                          cdi_dir=dirs["cdi"], state_dir=dirs["state"], rescan=3600, watch=watch, **options)
+        import threading
+
+        self.driver = DraDriver(opts, api)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.driver.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+        if opts.health != "follow":
+            wait_for("the health loop's first read of the kernel log", self.reading)
+
+    def reading(self) -> bool:
+        """The loop has read the kernel log once (a first start reads what is logged from then on)."""
+        loop = self.driver.loop
+        return loop is not None and loop.checker.log_position()[1] is not None
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def taints_of(api: FakeApi, name: str = "gpu-0000-18-00-0") -> list[tuple[str, str, str]] | None:
+    device = devices(api).get(name)
+    return None if device is None else [(t["key"], t.get("value", ""), t["effect"]) for t in device.get("taints", [])]
+
+
+def wait_for(what: str, check: Any, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what} not within {timeout:g}s"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def hgx(tmp_path: Path) -> Path:
+    import shutil
+
+    root = tmp_path / "host"
+    shutil.copytree(HOSTS / "hgx-h100", root, symlinks=True)
+    (root / "var/log").mkdir(parents=True, exist_ok=True)
+    (root / "var/log/kern.log").write_text("kernel: Linux version 6.1.0\n")
+    return root
+
+
+def test_the_drivers_health_loop_taints_an_xid_and_put_back_clears_it_across_restarts(
+        hgx: Path, dirs: dict[str, str], api: FakeApi) -> None:
+    """A DRA-only node: the driver's own loop reads the kernel log; a fatal Xid taints the GPU (`xid`, its
+    code) and makes it unhealthy in the health stream; a restarted driver (same state dir) keeps the taint;
+    `put-back` clears it, and a driver restarted after that does not read the old Xid again."""
+    from devinject.agent.healthstate import request_put_back
+
+    running = Running(hgx, dirs, api, health="check")
+    try:
+        wait_for("the first slices", lambda: taints_of(api) == [])
+        with open(hgx / "var/log/kern.log", "a") as log:
+            log.write(XID_79)
+        wait_for("the Xid taint", lambda: taints_of(api) == [(f"{DRIVER}/xid", "79", "NoSchedule")])
+        assert taints_of(api, "gpu-0000-2a-00-0") == []
+        assert running.driver.health.snapshot()[1][(GPU_POOL, "gpu-0000-18-00-0")][0] is False
+    finally:
+        running.close()
+    api.slices = []
+    running = Running(hgx, dirs, api, health="check")
+    try:
+        wait_for("the taint after a restart", lambda: taints_of(api) == [(f"{DRIVER}/xid", "79", "NoSchedule")])
+        request_put_back(str(hgx), dirs["state"], "nvidia.com/gpu=0000:18:00.0")
+        wait_for("the taint cleared by put-back", lambda: taints_of(api) == [])
+    finally:
+        running.close()
+    api.slices = []
+    running = Running(hgx, dirs, api, health="check")
+    try:
+        wait_for("the slices after the second restart", lambda: taints_of(api) is not None)
+        time.sleep(1.0)  # several health rounds
+        assert taints_of(api) == []
+    finally:
+        running.close()
+
+
+def test_fatal_faults_evict_when_the_admin_opts_in_and_a_gpu_off_the_bus_stays_tainted(
+        hgx: Path, dirs: dict[str, str], api: FakeApi) -> None:
+    """`fatal_effect` NoExecute: a fatal Xid's taint evicts; a GPU whose PCI function is gone (off the bus) is
+    still described, tainted `gone`, so the scheduler skips it instead of never hearing of it; an unbound
+    one is tainted `unbound`, NoSchedule (an admin's rebind is not a reason to evict)."""
+    import shutil
+
+    running = Running(hgx, dirs, api, health="check", fatal_effect="NoExecute")
+    try:
+        wait_for("the first slices", lambda: taints_of(api) == [])
+        with open(hgx / "var/log/kern.log", "a") as log:
+            log.write(XID_79)
+        wait_for("the Xid taint", lambda: taints_of(api) == [(f"{DRIVER}/xid", "79", "NoExecute")])
+        (hgx / "sys/devices/pci0000:24/0000:24:01.0/0000:27:00.0/0000:28:00.0/0000:2a:00.0/driver").unlink()
+        running.driver.loop.uevent({"ACTION": "unbind", "SUBSYSTEM": "pci", "PCI_SLOT_NAME": "0000:2a:00.0"})
+        wait_for("the unbound taint", lambda: taints_of(api, "gpu-0000-2a-00-0") == [
+            (f"{DRIVER}/unbound", "", "NoSchedule")])
+        shutil.rmtree(hgx / GPU_DIR)
+        (hgx / "sys/bus/pci/devices/0000:18:00.0").unlink()
+        running.driver.loop.uevent({"ACTION": "remove", "SUBSYSTEM": "pci", "PCI_SLOT_NAME": "0000:18:00.0"})
+        wait_for("the GPU off the bus still described, tainted", lambda: (taints_of(api) or [])[:1] == [
+            (f"{DRIVER}/gone", "", "NoExecute")])
+        assert devices(api)["gpu-0000-18-00-0"]["attributes"]["resource.kubernetes.io/pciBusID"] == {
+            "string": "0000:18:00.0"}
+    finally:
+        running.close()
+
+
+def test_auto_follows_another_agents_loop_on_the_state_dir(hgx: Path, dirs: dict[str, str], api: FakeApi) -> None:
+    """With `watch` or `device-plugin` holding the state dir's loop, the driver runs none of its own (one loop
+    per state dir) and taints what that one's health.json says; `check` refuses to start beside it."""
+    from devinject.agent import healthstate
+
+    held = healthstate.take_loop_lock(dirs["state"])
+    assert held is not None
+    try:
+        import subprocess
+        import sys
+
+        # the lock is per open file: another process must try it
+        probe = subprocess.run([sys.executable, "-c", "import sys; from devinject.agent import healthstate; "
+                                "sys.exit(0 if healthstate.take_loop_lock(sys.argv[1]) is None else 1)",
+                                dirs["state"]], timeout=60)
+        assert probe.returncode == 0
+    finally:
+        os.close(held)
+    code = ("import sys, time; from devinject.agent import healthstate; fd = healthstate.take_loop_lock(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(60)")
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", code, dirs["state"]], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
+        Path(dirs["state"], "health.json").write_text(json.dumps({
+            "unhealthy_nodes": ["c 195:2"], "devices": {"nvidia.com/gpu=0000:18:00.0": {
+                "published": "unhealthy", "reasons": ["0000:18:00.0: fatal Xid 48"]}}}))
+        running = Running(hgx, dirs, api, health="follow")
+        running.driver = running.driver  # follows: no loop to wait for
+        try:
+            wait_for("the followed verdict's taint", lambda: taints_of(api) == [(f"{DRIVER}/xid", "48", "NoSchedule")])
+            assert running.driver.loop is None
+        finally:
+            running.close()
+        with pytest.raises(Exception, match="another agent's health loop"):
+            make = DraDriver(replace(running.driver.opts, health="check"), api)
+            make.start_health_loop(running.stop)
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_a_gpu_unbound_and_bound_again_follows_in_the_slice_at_once(hgx: Path, dirs: dict[str, str],
+                                                                    api: FakeApi) -> None:
+    """The devices the health loop finds change (unbound: no longer discovered; bound again: found): the
+    driver discovers again at once, so the GPU is tainted `unbound` while out, back untainted when bound,
+    and tainted again at the next unbind, never missing from the slice between its rescans (an hour here)."""
+    link = hgx / GPU_DIR / "driver"
+    target = os.readlink(link)
+    running = Running(hgx, dirs, api, health="check")
+    assert running.driver.loop is not None
+    try:
+        wait_for("the first slices", lambda: taints_of(api) == [])
+        for _ in range(2):
+            link.unlink()
+            running.driver.loop.uevent({"ACTION": "unbind", "SUBSYSTEM": "pci", "PCI_SLOT_NAME": "0000:18:00.0"})
+            wait_for("the unbound taint", lambda: taints_of(api) == [(f"{DRIVER}/unbound", "", "NoSchedule")])
+            wait_for("the unbound GPU no longer discovered", lambda: (GPU_POOL, "gpu-0000-18-00-0") not in
+                     running.driver.inventory().offers)
+            assert taints_of(api) == [(f"{DRIVER}/unbound", "", "NoSchedule")]  # kept as it was described
+            link.symlink_to(target)
+            running.driver.loop.uevent({"ACTION": "bind", "SUBSYSTEM": "pci", "PCI_SLOT_NAME": "0000:18:00.0"})
+            wait_for("the GPU back untainted", lambda: taints_of(api) == [])
+    finally:
+        running.close()
+
+
+def test_a_gpu_discovery_lost_before_the_loop_judged_it_is_tainted_once_it_does(hgx: Path, dirs: dict[str, str],
+                                                                               api: FakeApi) -> None:
+    """The driver's discovery may see a function unbound before the health loop's next round: the GPU is
+    left out of the slice meanwhile, but kept as it was described, so the loop's verdict taints it then
+    (it is not forgotten as if a MIG layout had changed)."""
+    gen = GenerateOptions(root=str(hgx), hook_path="/usr/bin/devinject")
+    driver = DraDriver(DraOptions(generate=gen, node_name=NODE, plugin_dir=dirs["plugins"],
+                                  registry_dir=dirs["registry"], cdi_dir=dirs["cdi"], state_dir=dirs["state"],
+                                  rescan=3600, health="follow"), api)
+    driver.refresh()
+    assert taints_of(api) == []
+    (hgx / GPU_DIR / "driver").unlink()
+    driver.refresh()  # discovered again before the loop judged it
+    assert taints_of(api) is None
+    Path(dirs["state"], "health.json").write_text(json.dumps({"devices": {"nvidia.com/gpu=0000:18:00.0": {
+        "published": "unhealthy", "reasons": ["0000:18:00.0: driver unbound"]}}}))
+    assert driver.refresh(rediscover=False)
+    assert taints_of(api) == [(f"{DRIVER}/unbound", "", "NoSchedule")]

@@ -147,7 +147,7 @@ def _config_commands():
 
 
 def test_the_commands_with_a_config_file_are_known():
-    assert _config_commands() == ["device-plugin"]  # and `hook --config` (JSON, below)
+    assert _config_commands() == ["device-plugin", "dra-driver"]  # and `hook --config` (JSON, below)
 
 
 @pytest.mark.parametrize("command", _config_commands())

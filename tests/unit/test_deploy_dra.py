@@ -49,13 +49,24 @@ def test_kustomization_lists_every_manifest() -> None:
     assert sorted(kustomization["resources"]) == [p.name for p in MANIFESTS]
 
 
-def test_daemonset_runs_a_command_line_dra_driver_accepts() -> None:
+def dra_driver_params(args: list[str], tmp_path: Path) -> dict[str, Any]:
+    """The DaemonSet's dra-driver command line as click parses it, its --config the shipped ConfigMap's file
+    (written under tmp_path: the pod's mount is not here)."""
+    (configmap,) = by_kind("ConfigMap")
+    config = tmp_path / "dra-driver.yaml"
+    config.write_text(configmap["data"]["dra-driver.yaml"])
+    args = [f"--config={config}" if a.startswith("--config=") else a for a in args]
+    return dict(cli.cli.commands["dra-driver"].make_context("dra-driver", args[1:],
+                                                             default_map={"node_name": "n"}).params)
+
+
+def test_daemonset_runs_a_command_line_dra_driver_accepts(tmp_path: Path) -> None:
     (daemonset,) = by_kind("DaemonSet")
     pod = daemonset["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     args = container["args"]
     assert container["command"] == ["devinject"] and args[0] == "dra-driver"
-    params = cli.cli.commands["dra-driver"].make_context("dra-driver", args[1:], default_map={"node_name": "n"}).params
+    params = dra_driver_params(args, tmp_path)
     assert params["plugin_dir"] == "/var/lib/kubelet/plugins"
     assert params["registry_dir"] == "/var/lib/kubelet/plugins_registry"
     assert (params["root"], params["target_root"], params["cdi_dir"]) == ("/host", "/", "/var/run/cdi")
@@ -67,6 +78,13 @@ def test_daemonset_runs_a_command_line_dra_driver_accepts() -> None:
     assert written == {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi",
                        "/run/devinject"}
     assert pod["hostPID"] is True  # the ledger counts the node's pids
+    # the node's health loop, as the device plugin's DaemonSet runs it: its own here, the kernel log under the
+    # host root, uevents in the host's network namespace, NoSchedule unless the admin opts in
+    assert (params["health_mode"], params["kernel_log"], params["uevents"]) == ("auto", "/var/log/kern.log", True)
+    assert params["fatal_taint_effect"] == "NoSchedule"
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    mounts = {m["mountPath"]: host_paths.get(m["name"]) for m in container["volumeMounts"]}
+    assert mounts["/host"] == "/" and mounts["/host/sys"] == "/sys"
     security = container["securityContext"]
     assert security["privileged"] is False and security["capabilities"] == {"drop": ["ALL"]}
     assert pod["serviceAccountName"] == "devinject-dra"
@@ -140,11 +158,10 @@ def test_the_slice_admission_policy_names_the_drivers_service_account() -> None:
     assert policy["spec"]["failurePolicy"] == "Fail"
 
 
-def test_daemonset_serves_the_drivers_metrics_on_the_pods_address() -> None:
+def test_daemonset_serves_the_drivers_metrics_on_the_pods_address(tmp_path: Path) -> None:
     (daemonset,) = by_kind("DaemonSet")
     (container,) = daemonset["spec"]["template"]["spec"]["containers"]
-    params = cli.cli.commands["dra-driver"].make_context("dra-driver", container["args"][1:],
-                                                          default_map={"node_name": "n"}).params
+    params = dra_driver_params(container["args"], tmp_path)
     assert params["metrics_address"] == "$(POD_IP):9401"  # the kubelet expands it from the env below
     (pod_ip,) = [e for e in container["env"] if e["name"] == "POD_IP"]
     assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}

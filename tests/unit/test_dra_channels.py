@@ -2,7 +2,8 @@
 `channel-N` with `type`/`id` as NVIDIA's DRA driver publishes them and no PCI attribute; a claim for one is
 prepared through the spec pipeline `generate` uses (the channel spec's device `N`), one claim-scoped spec
 with exactly that channel's node, booked in the ledger; a channel whose node is gone (or that `watch` took
-out) leaves the slice and is unhealthy in the health stream. Each fails on the driver before channels."""
+out) stays in the slice with a taint naming why and is unhealthy in the health stream. Each fails on the
+driver before channels (the taints: on the driver before taints)."""
 
 from __future__ import annotations
 
@@ -117,34 +118,43 @@ def test_a_claim_for_a_gpu_and_a_channel_is_one_spec(driver: DraDriver, api: Fak
     assert all("imex" not in p for p in nodes[f"{UID}-{gpu.name}"])
 
 
+def taints(slices: list[dict[str, Any]], name: str) -> list[tuple[str, str]]:
+    """A device's taints as (key, effect)."""
+    return [(t["key"], t["effect"]) for t in devices_of(slices)[name].get("taints", [])]
+
+
 def health_of(driver: DraDriver) -> dict[tuple[str, str], tuple[bool, str]]:
     return driver.health.snapshot()[1]
 
 
-def test_a_channel_whose_node_is_gone_leaves_the_slice_and_is_unhealthy(driver: DraDriver, api: FakeApi,
-                                                                        host: Path) -> None:
+def test_a_channel_whose_node_is_gone_stays_tainted_and_is_unhealthy(driver: DraDriver, api: FakeApi,
+                                                                      host: Path) -> None:
     driver.refresh()
     assert sorted(devices_of(api.slices)) == ["channel-0", "channel-1"]
     assert health_of(driver)[(POOL, "channel-1")] == (True, "")
     (host / "dev/nvidia-caps-imex-channels/channel1").unlink()
     assert driver.refresh()
-    assert sorted(devices_of(api.slices)) == ["channel-0"]
+    assert sorted(devices_of(api.slices)) == ["channel-0", "channel-1"]
+    assert taints(api.slices, "channel-1") == [(f"{DRIVER}/gone", "NoSchedule")]
+    assert taints(api.slices, "channel-0") == []
     assert health_of(driver)[(POOL, "channel-1")] == (False, "/dev/nvidia-caps-imex-channels/channel1: no such node")
     assert (POOL, "channel-1") not in driver.inventory().offers  # and a claim on it is not prepared
     (host / "dev/nvidia-caps-imex-channels/channel1").touch()  # back: in the slice and healthy again
     assert driver.refresh()
     assert sorted(devices_of(api.slices)) == ["channel-0", "channel-1"]
+    assert taints(api.slices, "channel-1") == []
     assert health_of(driver)[(POOL, "channel-1")] == (True, "")
 
 
-def test_a_channel_watch_took_out_leaves_the_slice(driver: DraDriver, api: FakeApi, dirs: dict[str, str]) -> None:
+def test_a_channel_watch_took_out_stays_tainted(driver: DraDriver, api: FakeApi, dirs: dict[str, str]) -> None:
     Path(dirs["state"], "health.json").write_text(json.dumps({"unhealthy_nodes": [CHANNEL1]}))
     driver.refresh()
-    assert sorted(devices_of(api.slices)) == ["channel-0"]
+    assert taints(api.slices, "channel-1") == [(f"{DRIVER}/fault", "NoSchedule")]
+    assert taints(api.slices, "channel-0") == []
     assert health_of(driver)[(POOL, "channel-1")] == (False, "taken out by the node's health checks")
 
 
-def test_a_channel_node_with_other_numbers_leaves_the_slice(driver: DraDriver, api: FakeApi, host: Path) -> None:
+def test_a_channel_node_with_other_numbers_stays_tainted(driver: DraDriver, api: FakeApi, host: Path) -> None:
     """A real char node in channel 1's place with another device's numbers (1:3, /dev/null's): not the channel."""
     if os.geteuid() != 0:
         pytest.fail("needs root (mknod)")
@@ -152,10 +162,11 @@ def test_a_channel_node_with_other_numbers_leaves_the_slice(driver: DraDriver, a
     node.unlink()
     os.mknod(node, 0o020666, os.makedev(1, 3))
     driver.refresh()
-    assert sorted(devices_of(api.slices)) == ["channel-0"]
+    assert taints(api.slices, "channel-1") == [(f"{DRIVER}/node-mismatch", "NoSchedule")]
     assert health_of(driver)[(POOL, "channel-1")] == (
         False, "/dev/nvidia-caps-imex-channels/channel1: is c 1:3, not c 233:1")
     node.unlink()
     os.mknod(node, 0o020666, os.makedev(233, 1))  # its own numbers: back
     driver.refresh()
     assert sorted(devices_of(api.slices)) == ["channel-0", "channel-1"]
+    assert taints(api.slices, "channel-1") == []

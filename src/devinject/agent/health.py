@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from devinject.agent.kernelmsg import AUTO, KernelMessages, open_source
@@ -80,6 +81,47 @@ def function_identity(host: Host, pci: PciDevice) -> str | None:
         return None
     boot = host.read_attr("/proc/sys/kernel/random/boot_id") or "-"
     return f"{boot}:{inode}"
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """What a reason of a verdict says, in words a scheduler can carry: `cause` a DNS label naming the fault
+    (`xid`, `aer-fatal`, `unbound`, `gone`, `link`, ...), `detail` its particular (the Xid code, the AER total,
+    the driver the function is bound to instead), `fatal` whether the device is lost until it is reset
+    (a fatal error the driver logged, AER fatal errors, the function gone from the bus)."""
+
+    cause: str
+    detail: str = ""
+    fatal: bool = False
+
+
+_FAULTS: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], Fault]], ...] = (
+    (re.compile(r"gone from the PCI bus$|no longer present$|: no such node$"), lambda m: Fault("gone", fatal=True)),
+    (re.compile(r"fatal (?P<name>\S+) (?P<code>\d+)$"),
+     lambda m: Fault(m["name"].lower(), m["code"], fatal=True)),  # `fatal Xid 79`: the profile's kernel-log name
+    (re.compile(r"AER fatal errors \d+ -> (?P<total>\d+)$"), lambda m: Fault("aer-fatal", m["total"], fatal=True)),
+    (re.compile(r"AER non-fatal errors \d+ -> (?P<total>\d+)$"), lambda m: Fault("aer-nonfatal", m["total"])),
+    (re.compile(r"driver unbound$"), lambda m: Fault("unbound")),
+    (re.compile(r"bound to (?P<driver>\S+), not \S+$"), lambda m: Fault("unbound", m["driver"])),
+    (re.compile(r"PCI function disabled"), lambda m: Fault("disabled")),
+    (re.compile(r"PCIe link (?P<now>x?[\d.]+) of (?P<max>x?[\d.]+)"),
+     lambda m: Fault("link", f"{m['now']}-of-{m['max']}")),
+    (re.compile(r"probe timed out"), lambda m: Fault("probe-timeout")),
+    (re.compile(r"\(the driver's own verdict\)$"), lambda m: Fault("driver-verdict")),
+    (re.compile(r"^health state not trusted"), lambda m: Fault("unverified")),
+    (re.compile(r": is c \d+:\d+, not c \d+:\d+$"), lambda m: Fault("node-mismatch")),
+)
+
+
+def faults_of(reasons: tuple[str, ...] | list[str]) -> list[Fault]:
+    """The faults a verdict's reasons name, one per cause (the first reason of each), in their order; a reason
+    no pattern knows is a `fault`. The reasons are the ones this module, `watch` and the channels' check
+    write (tests/unit/test_health_faults.py holds each producer to its cause)."""
+    out: dict[str, Fault] = {}
+    for reason in reasons:
+        fault = next((make(m) for pattern, make in _FAULTS if (m := pattern.search(reason))), Fault("fault"))
+        out.setdefault(fault.cause, fault)
+    return list(out.values())
 
 
 def parse_kernel_log(text: str, patterns: tuple[str, ...]) -> dict[str, list[int]]:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_FILE = "health-state.json"
+LOOP_LOCK = ".health-loop.lock"  # held by the one health loop of a state dir while it runs
 REQUESTS_FILE = "put-back-requests.json"
 PUT_BACKS_FILE = "put-backs.json"  # the last put-back per device, kept: what a reader without an agent honours
 REQUESTS_LOCK = ".put-back.lock"
@@ -183,6 +184,23 @@ def save_state(state_dir: str, data: bytes) -> None:
     caller's."""
     os.makedirs(state_dir, mode=0o755, exist_ok=True)
     atomicfile.replace(os.path.join(state_dir, STATE_FILE), data, 0o600, sync=True)
+
+
+def take_loop_lock(state_dir: str) -> int | None:
+    """Claim the state dir for one health loop (`watch`, `device-plugin` or `dra-driver`): an open fd holding an
+    exclusive flock on `<state-dir>/.health-loop.lock` for as long as the process keeps it, or None when
+    another process's loop holds it (two loops would both rewrite health-state.json and take each other's
+    put-back requests). The kernel drops the lock when its holder dies: no stale lock outlives a crash."""
+    import fcntl
+
+    os.makedirs(state_dir, mode=0o755, exist_ok=True)
+    fd = os.open(os.path.join(state_dir, LOOP_LOCK), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def move_aside(state_dir: str, name: str = STATE_FILE) -> str | None:

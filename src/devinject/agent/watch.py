@@ -95,6 +95,7 @@ class WatchOptions:
     probe_timeout: float = 2.0
     uevents: bool = True
     nfd_features_dir: str | None = None  # write NFD's feature file there (agent/nfd.py)
+    specs: bool = True  # write the kinds' CDI specs; the DRA driver's loop writes none (its claims have their own)
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Watcher:
     generation: int | None = None
     specs: list[Spec] = field(default_factory=list)  # as last written
     listeners: list[Callable[[Watcher], None]] = field(default_factory=list)  # told after every write
+    loop_lock: int | None = None  # the state dir's health-loop lock (healthstate.take_loop_lock), once taken
     node: InitVar[Node | None] = None
 
     def __post_init__(self, node: Node | None) -> None:
@@ -349,6 +351,12 @@ class Watcher:
         return frozenset(k for k, t in self.tracks.items() if t.published == UNHEALTHY)
 
     def write(self) -> int | None:
+        if not self.opts.specs:  # health.json alone: what the hook, the ledger and the listeners read
+            self._write_health()
+            self._write_features()
+            for listener in self.listeners:
+                listener(self)
+            return self.generation
         gen = replace(self.opts.generate, exclude=self.unhealthy())
         specs = build_specs(self.host, self.profiles, self.found, gen)
         kinds = {s.kind for s in specs}
@@ -456,6 +464,13 @@ class Watcher:
                 stop.wait(0.01)  # the loop reads what woke us before the next look
         self.wake.set()
 
+    def _say_written(self) -> None:
+        unhealthy = ", ".join(sorted(self.unhealthy())) or "none"
+        if self.opts.specs:
+            log.info("specs rewritten (generation %s); unhealthy: %s", self.generation, unhealthy)
+        else:
+            log.info("health rewritten; unhealthy: %s", unhealthy)
+
     def _announcements(self) -> bool:
         """Act on what the threads announced since the last look; True when the specs were rewritten."""
         with self._lock:
@@ -464,8 +479,7 @@ class Watcher:
         if not (addresses or grew) or not self.check_announced(addresses):
             return False
         self.write()
-        log.info("specs rewritten (generation %s); unhealthy: %s", self.generation,
-                 ", ".join(sorted(self.unhealthy())) or "none")
+        self._say_written()
         return True
 
     def announce_kernel_source(self) -> None:
@@ -480,9 +494,31 @@ class Watcher:
             log.warning("no kernel messages: %s cannot be read (--kernel-log %s); Xids are not seen",
                         description, self.opts.kernel_log)
 
+    def claim_state_dir(self) -> bool:
+        """Take the state dir's health-loop lock (kept while the process lives); False when another process's
+        loop holds it."""
+        if self.loop_lock is None:
+            self.loop_lock = healthstate.take_loop_lock(self.opts.state_dir)
+        return self.loop_lock is not None
+
+    def release_state_dir(self) -> None:
+        """Let the health-loop lock go (the loop has stopped)."""
+        if self.loop_lock is not None:
+            os.close(self.loop_lock)
+            self.loop_lock = None
+
     def run(self, stop: threading.Event | None = None) -> None:
-        stop = stop or threading.Event()
+        try:
+            self._run(stop or threading.Event())
+        finally:
+            self.release_state_dir()
+
+    def _run(self, stop: threading.Event) -> None:
         self.announce_kernel_source()
+        if not self.claim_state_dir():
+            log.warning("another health loop runs on %s: both rewrite its health state and take its put-back "
+                        "requests; run one agent's loop per state dir (dra-driver --health follow beside this one)",
+                        self.opts.state_dir)
         if self.opts.uevents:
             threading.Thread(target=self._uevent_listener, args=(stop,), name="uevents", daemon=True).start()
         threading.Thread(target=self._log_follower, args=(stop,), name="kernel-log", daemon=True).start()
@@ -490,8 +526,11 @@ class Watcher:
         self.check()
         self.write()
         events.record(self.opts.state_dir, "watch-started", devices=len(self.found), generation=self.generation)
-        log.info("watching %d devices; specs in %s (generation %s)", len(self.found), self.opts.output_dir,
-                 self.generation)
+        if self.opts.specs:
+            log.info("watching %d devices; specs in %s (generation %s)", len(self.found), self.opts.output_dir,
+                     self.generation)
+        else:
+            log.info("watching %d devices; health in %s", len(self.found), self.opts.state_dir)
         next_rescan = time.monotonic() + self.opts.rescan
         while not stop.is_set():
             suspicious = any(t.fails or (t.published == UNHEALTHY and t.passes) for t in self.tracks.values())
@@ -512,7 +551,6 @@ class Watcher:
                 next_rescan = time.monotonic() + self.opts.rescan
             if self.check() or inventory_changed:
                 self.write()
-                log.info("specs rewritten (generation %s); unhealthy: %s", self.generation,
-                         ", ".join(sorted(self.unhealthy())) or "none")
+                self._say_written()
             self.sweep_ledger()
         self.checker.log.close()  # a journal follower is a child process

@@ -1,30 +1,43 @@
 """`devinject dra-driver`: the DRA kubelet plugin and ResourceSlice publisher for one node (docs/dra.md).
 
-Every `rescan` seconds the node is discovered again (discovery/node.py, as every command sees it); its
-offers (dra/slices.py) minus the devices `watch` took out (their nodes in the state dir's health.json, the
-file the hook and the ledger read) are published when they changed, and the health stream the kubelet
-watches says which devices are unhealthy. An IMEX channel (a char node, no PCI function) is judged by its
-node as `health` judges it (discovery/channels.py channel_fault): one whose node is gone, or has other
-numbers, leaves the slice and is unhealthy, as a device `watch` took out. Claims are prepared by
-dra/claims.py.
+The node's health is judged by `watch`'s loop (agent/watch.py's Watcher: the same checks, take-outs,
+put-backs and persisted state as the device plugin's), run in this process on a thread of its own, writing
+no CDI spec of its own (`WatchOptions.specs`): only health.json and health-state.json in the state dir. One
+loop per state dir (`healthstate.take_loop_lock`): with `health="auto"` the driver runs it unless another
+agent's loop (`watch`, `device-plugin`) holds the state dir, and then follows the health.json that one
+writes, taking the loop over when it is free; `follow` never runs one, `check` insists.
+
+Every `rescan` seconds the node is discovered again (discovery/node.py, as every command sees it) and its
+offers (dra/slices.py) published when they changed; a verdict of the loop (told through its listener) is
+published at once, from the offers discovered last. A device the loop took out stays in its slice with a
+taint per fault (`<driver>/xid`, `/aer-fatal`, `/unbound`, `/gone`, ...: agent/health.py `faults_of`),
+`NoSchedule`, or `NoExecute` for a fatal fault when `fatal_effect` says so, and is unhealthy in the health
+stream the kubelet watches; put back, the taints go. A device that leaves discovery while taken out (off
+the bus, unbound) is kept as it was last described, tainted, as long as the driver runs. An IMEX channel (a
+char node, no PCI function) is judged by its node as `health` judges it (discovery/channels.py
+channel_fault) too. Claims are prepared by dra/claims.py.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from devinject import __version__
+from devinject.agent import healthstate
+from devinject.agent.health import UNHEALTHY, faults_of
 from devinject.agent.metricsserver import MetricsServer, serve
+from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
-from devinject.core.identity import node_id_of
+from devinject.core.identity import device_key, node_id_of
 from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.channels import channel_fault
 from devinject.discovery.host import Host
@@ -32,11 +45,24 @@ from devinject.discovery.node import Node
 from devinject.dra.claims import Inventory, Preparer
 from devinject.dra.metrics import DraMetrics
 from devinject.dra.server import HealthState, PluginServers
-from devinject.dra.slices import DRIVER, Offer, offers, resource_slices
+from devinject.dra.slices import (
+    DRIVER,
+    NO_EXECUTE,
+    NO_SCHEDULE,
+    Offer,
+    Taint,
+    label,
+    label_value,
+    offers,
+    resource_slices,
+)
 from devinject.nodestate.ledger import HEALTH_FILE
 from devinject.specs.generate import GenerateOptions, driver_version
 
 log = logging.getLogger(__name__)
+
+HEALTH_MODES = ("auto", "check", "follow")
+TAKEN_OUT = "taken out by the node's health checks"  # a device health.json names by its nodes alone
 
 
 class Publisher(Protocol):
@@ -55,40 +81,108 @@ class DraOptions:
     state_dir: str = DEFAULT_STATE_DIR
     rescan: float = 30.0
     metrics_address: str | None = None  # host:port of /metrics, /healthz, /readyz (dra/metrics.py)
+    health: str = "auto"  # auto | check | follow: whether this process runs the node's health loop
+    watch: WatchOptions | None = None  # the loop's timings and kernel log (default: watch's, over `generate`)
+    fatal_effect: str = NO_SCHEDULE  # the taints' effect for a fatal fault: NoSchedule or NoExecute
+
+    def watch_options(self) -> WatchOptions:
+        """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own."""
+        base = self.watch or WatchOptions(generate=self.generate, rescan=self.rescan)
+        return replace(base, generate=self.generate, state_dir=self.state_dir, specs=False)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHealth:
+    """What the node's health loop published (health.json): the nodes taken out, and each taken-out
+    device's reasons by its key."""
+
+    nodes: frozenset[str] = frozenset()
+    reasons: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def read_health(state_dir: str) -> NodeHealth:
+    """health.json as the loop wrote it; nothing out when no loop writes it or it cannot be read (the ledger
+    refuses those bookings itself)."""
+    try:
+        with open(os.path.join(state_dir, HEALTH_FILE), encoding="utf-8") as handle:
+            raw = jsonlite.loads(handle.read())
+    except (OSError, ValueError):
+        return NodeHealth()
+    if not isinstance(raw, dict):
+        return NodeHealth()
+    nodes = raw.get("unhealthy_nodes", [])
+    devices = raw.get("devices", {})
+    reasons = {}
+    for key, entry in (devices.items() if isinstance(devices, dict) else ()):
+        if isinstance(entry, dict) and entry.get("published") == UNHEALTHY:
+            said = entry.get("reasons")
+            reasons[str(key)] = tuple(r for r in said if isinstance(r, str)) if isinstance(said, list) else ()
+    return NodeHealth(frozenset(n for n in nodes if isinstance(n, str)) if isinstance(nodes, list) else frozenset(),
+                      reasons)
 
 
 def unhealthy_nodes(state_dir: str) -> set[str]:
-    """The device nodes `watch` took out (health.json); none when no agent writes it or it cannot be read
-    (the ledger refuses those bookings itself)."""
-    try:
-        with open(os.path.join(state_dir, HEALTH_FILE), encoding="utf-8") as handle:
-            nodes = jsonlite.loads(handle.read()).get("unhealthy_nodes", [])
-    except (OSError, ValueError, AttributeError):
-        return set()
-    return {n for n in nodes if isinstance(n, str)} if isinstance(nodes, list) else set()
+    """The device nodes the health loop took out (health.json)."""
+    return set(read_health(state_dir).nodes)
 
 
-def _verdict(host: Host, offer: Offer, unhealthy: set[str]) -> tuple[bool, str]:
-    """(healthy, why not): a channel whose node is gone or not its own; nodes `watch` took out."""
-    fault = channel_fault(host, offer.channel) if offer.channel is not None else None
+def offer_key(offer: Offer) -> str:
+    """The health loop's key of the device an offer stands for (a partition: its GPU's)."""
+    return offer.channel.key if offer.channel is not None else device_key(offer.kind, offer.device.address)
+
+
+def fault_reasons(host: Host | None, offer: Offer, health: NodeHealth) -> tuple[str, ...]:
+    """Why the offer is out (empty: it is not): a channel whose node is gone or not its own; a device the
+    health loop took out, with its reasons."""
+    fault = channel_fault(host, offer.channel) if offer.channel is not None and host is not None else None
     if fault is not None:
-        return False, fault
-    if any(node_id_of(n) in unhealthy for n in offer.nodes):
-        return False, "taken out by the node's health checks"
-    return True, ""
+        return (fault,)
+    key = offer_key(offer)
+    if key in health.reasons:
+        return health.reasons[key] or (TAKEN_OUT,)
+    if any(node_id_of(n) in health.nodes for n in offer.nodes):
+        return (TAKEN_OUT,)
+    return ()
+
+
+def taints_for(driver: str, reasons: tuple[str, ...], fatal_effect: str,
+               since: Callable[[str], str]) -> tuple[Taint, ...]:
+    """One taint per fault the reasons name: key `<driver>/<cause>`, the detail as value; NoSchedule, or
+    `fatal_effect` for a fatal fault. `since(key)`: the taint's timeAdded."""
+    taints = []
+    for fault in faults_of(reasons):
+        key = f"{driver}/{label(fault.cause)[:63].strip('-') or 'fault'}"
+        effect = fatal_effect if fault.fatal else NO_SCHEDULE
+        taints.append(Taint(key, label_value(fault.detail), effect, since(key)))
+    return tuple(taints)
+
+
+def _now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 class DraDriver:
     def __init__(self, opts: DraOptions, publisher: Publisher,
                  get_claim: Callable[[str, str], dict[str, Any]] | None = None) -> None:
+        if opts.health not in HEALTH_MODES:
+            raise DevinjectError(f"health {opts.health!r}: expected one of {', '.join(HEALTH_MODES)}")
+        if opts.fatal_effect not in (NO_SCHEDULE, NO_EXECUTE):
+            raise DevinjectError(f"fatal taint effect {opts.fatal_effect!r}: expected {NO_SCHEDULE} or {NO_EXECUTE}")
         self.opts = opts
         self.publisher = publisher
         self.lock = threading.Lock()
         self._inventory: Inventory | None = None
+        self._host: Host | None = None
         self._all: list[Offer] = []
-        self._channels: dict[tuple[str, str], Offer] = {}  # every channel offered since start: one gone is unhealthy
+        self._known: dict[tuple[str, str], Offer] = {}  # every offer since start: one gone while out stays tainted
+        self._since: dict[tuple[str, str, str], str] = {}  # (pool, device, taint key) -> its timeAdded
         self.health = HealthState()
         self.published: list[dict[str, Any]] | None = None
+        self._offered_now: list[Offer] = []  # the offers (tainted or not) of the slices desired last
+        self.loop: Watcher | None = None  # the health loop, when this process runs it
+        self.wake = threading.Event()  # the loop published a verdict: publish the slices now
+        self._health_thread: threading.Thread | None = None
+        self.rediscover = threading.Event()  # the loop found other devices: discover again before publishing
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate)
         self.metrics = DraMetrics()
@@ -109,7 +203,8 @@ class DraDriver:
                    if not gen.kinds or o.kind in gen.kinds]
         with self.lock:
             self._all = offered
-            self._channels.update({(o.pool, o.name): o for o in offered if o.channel is not None})
+            self._host = node.host
+            self._known.update({(o.pool, o.name): o for o in offered})
             self._inventory = Inventory(node, {(o.pool, o.name): o for o in offered})
             return self._inventory
 
@@ -118,25 +213,65 @@ class DraDriver:
             inventory = self._inventory
         return inventory if inventory is not None else self.discover()
 
-    def refresh(self) -> bool:
-        """Rediscover, book the prepared claims again (a ledger rebuilt meanwhile knows none), publish when the
-        slices changed; True when published."""
-        host = self.discover().node.host
-        self.preparer.rebook()
-        unhealthy = unhealthy_nodes(self.opts.state_dir)
+    def _since_of(self, offer: Offer) -> Callable[[str], str]:
+        def since(key: str) -> str:
+            return self._since.setdefault((offer.pool, offer.name, key), _now_rfc3339())
+        return since
+
+    def desired(self) -> list[dict[str, Any]]:
+        """The slices from the offers discovered last and health.json as it reads now; the health stream is
+        updated on the way. A device out of discovery stays, tainted, while the loop keeps it out (a channel:
+        always, as `gone`); one the loop has not judged yet is left out until it does (discovery may see an
+        unbound or removed function before the loop's next round)."""
+        health = read_health(self.opts.state_dir)
         with self.lock:
-            offered = list(self._all)
+            host, offered = self._host, list(self._all)
             present = {(o.pool, o.name) for o in offered}
-            gone = [o for key, o in self._channels.items() if key not in present]
-        verdicts = {(o.pool, o.name): _verdict(host, o, unhealthy) for o in [*offered, *gone]}
+            vanished = [o for key, o in self._known.items() if key not in present]
+        verdicts: dict[tuple[str, str], tuple[bool, str]] = {}
+        published: list[Offer] = []
+        for offer in offered:
+            reasons = fault_reasons(host, offer, health)
+            verdicts[(offer.pool, offer.name)] = (not reasons, "; ".join(reasons))
+            published.append(self._tainted(offer, reasons))
+        present_devices = {offer_key(o) for o in offered}
+        for offer in vanished:
+            if offer_key(offer) in present_devices:  # its device is there with other offers (a MIG layout changed)
+                with self.lock:
+                    self._known.pop((offer.pool, offer.name), None)
+                continue
+            reasons = fault_reasons(None, offer, health)
+            if offer.channel is not None and not reasons:
+                reasons = (f"{offer.channel.node.path}: no such node",)
+            if not reasons:  # not discovered, and not (yet) out: unpublished, kept for when the loop says so
+                continue
+            verdicts[(offer.pool, offer.name)] = (False, "; ".join(reasons))
+            published.append(self._tainted(offer, reasons))
+        live = {(o.pool, o.name, t.key) for o in published for t in o.taints}
+        self._since = {k: v for k, v in self._since.items() if k in live}
         self.health.update(verdicts)
-        served = [o for o in offered if verdicts[(o.pool, o.name)][0]]
-        desired = resource_slices(self.opts.driver, self.opts.node_name, served)
+        self._offered_now = published
+        return resource_slices(self.opts.driver, self.opts.node_name, published)
+
+    def _tainted(self, offer: Offer, reasons: tuple[str, ...]) -> Offer:
+        if not reasons:
+            return offer
+        return replace(offer, taints=taints_for(self.opts.driver, reasons, self.opts.fatal_effect,
+                                                self._since_of(offer)))
+
+    def refresh(self, rediscover: bool = True) -> bool:
+        """Rediscover (unless told not to: a verdict to publish at once), book the prepared claims again (a
+        ledger rebuilt meanwhile knows none), publish when the slices changed; True when published."""
+        if rediscover or self._inventory is None:
+            self.discover()
+            self.preparer.rebook()
+        desired = self.desired()
         if desired == self.published:
             return False
-        self.publisher.publish([dict(s) for s in desired])
+        self.publisher.publish(copy.deepcopy(desired))  # it sets generations and keeps taint times: not ours
         self.published = desired
-        self.metrics.published(Counter(o.kind for o in served))
+        self.metrics.published(Counter(o.kind for o in self._offered_now))
+        self.metrics.record_taints(Counter(t.key.split("/", 1)[-1] for o in self._offered_now for t in o.taints))
         return True
 
     def alive(self) -> bool:
@@ -146,6 +281,51 @@ class DraDriver:
     def ready(self) -> bool:
         """/readyz: the kubelet registered the driver and its DRA socket is there."""
         return self.servers.registration.registered.is_set() and os.path.exists(self.servers.endpoint)
+
+    # --- the health loop -----------------------------------------------------------------------------
+    def _told(self, loop: Watcher) -> None:
+        """From the health loop, after each verdict it wrote: publish now; rediscover first when the devices
+        it found are not the ones discovered here last (a function unbound, removed or back), so the slices
+        follow them at once too."""
+        found = frozenset(device_key(f.profile.kind, f.address) for f in loop.found) | {c.key for c in loop.channels}
+        with self.lock:
+            offered = frozenset(offer_key(o) for o in self._all)
+        if found != offered:  # compared with what this driver discovered, which may be from another moment
+            self.rediscover.set()
+        self.wake.set()
+
+    def start_health_loop(self, stop: threading.Event) -> bool:
+        """Run the node's health loop on a thread when this process may (the state dir's loop lock is free;
+        `follow`: never); True when it runs. `check` with the lock held elsewhere is an error."""
+        if self.loop is not None or self.opts.health == "follow":
+            return self.loop is not None
+        fd = healthstate.take_loop_lock(self.opts.state_dir)
+        if fd is None:
+            if self.opts.health == "check":
+                raise DevinjectError(f"{self.opts.state_dir}: another agent's health loop runs on this state dir "
+                                     "(--health follow reads its verdicts)")
+            return False
+        watch = self.opts.watch_options()
+        try:
+            loop = Watcher(watch, loop_lock=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        loop.listeners.append(self._told)
+        self.loop = loop
+
+        def run() -> None:
+            try:
+                loop.run(stop)
+            except Exception:  # the driver keeps serving what health.json said last
+                log.exception("the health loop stopped")
+
+        self._health_thread = threading.Thread(target=run, name="health", daemon=True)
+        self._health_thread.start()
+        log.info("health loop: in this process (interval %gs, recheck %gs, threshold %d, kernel log %s, uevents "
+                 "%s); fatal faults taint %s", watch.interval, watch.recheck, watch.threshold, watch.kernel_log,
+                 "on" if watch.uevents else "off", self.opts.fatal_effect)
+        return True
 
     def start(self) -> None:
         removed = self.preparer.clean_orphans()
@@ -162,17 +342,44 @@ class DraDriver:
 
     def run(self, stop: threading.Event) -> None:
         self.start()
+        if not self.start_health_loop(stop):
+            log.info("health: following %s, as another agent's health loop writes it%s",
+                     os.path.join(self.opts.state_dir, HEALTH_FILE),
+                     "" if self.opts.health == "follow" else " (taken over when it stops)")
+
+        def wake_on_stop() -> None:
+            stop.wait()
+            self.wake.set()
+
+        threading.Thread(target=wake_on_stop, name="stop", daemon=True).start()
+        next_scan = 0.0
         try:
             while not stop.is_set():
+                due = time.monotonic() >= next_scan
+                if self.rediscover.is_set():
+                    self.rediscover.clear()
+                    due = True
                 try:
-                    self.refresh()
+                    if due and self.loop is None:
+                        self.start_health_loop(stop)
+                    self.refresh(rediscover=due)
                 except DevinjectError as err:
                     self.metrics.publish_failed(err)
                     log.warning("publishing ResourceSlices: %s (again in %gs)", err.message, self.opts.rescan)
                 self._round = time.monotonic()
-                stop.wait(self.opts.rescan)
+                if due:
+                    next_scan = time.monotonic() + self.opts.rescan
+                self.wake.wait(max(0.0, next_scan - time.monotonic()))
+                self.wake.clear()
         finally:
             self.servers.stop()
             if self.http is not None:
                 self.http.shutdown()
+            self._stop_health_loop()
             log.info("dra-driver stopped at %s", time.strftime("%H:%M:%S"))
+
+    def _stop_health_loop(self) -> None:
+        """After `stop`: the loop's thread ends within its wake-up and lets its lock go (a driver made again in
+        this process, or another agent, may take the state dir)."""
+        if self._health_thread is not None:
+            self._health_thread.join(10)  # its run() lets the lock go as it ends

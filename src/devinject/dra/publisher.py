@@ -31,12 +31,43 @@ def api_client(kubeconfig: str | None) -> kubeapi.Credentials:
         raise PublishError(f"--kubeconfig {kubeconfig or '(in-cluster)'}: {err.strerror}") from None
 
 
+def _untimed(devices: Any) -> Any:
+    """The devices with their taints' timeAdded left out: the API server fills in one the driver leaves out,
+    and a restarted driver's clock is not the first one's; neither is a change of the slice."""
+    if not isinstance(devices, list):
+        return devices
+    out = []
+    for device in devices:
+        if isinstance(device, dict) and isinstance(device.get("taints"), list):
+            device = {**device, "taints": [{k: v for k, v in t.items() if k != "timeAdded"} if isinstance(t, dict)
+                                           else t for t in device["taints"]]}
+        out.append(device)
+    return out
+
+
 def _content(item: dict[str, Any]) -> str:
     spec = dict(item.get("spec", {}))
     pool = dict(spec.get("pool", {}))
     pool.pop("generation", None)
     spec["pool"] = pool
+    if "devices" in spec:
+        spec["devices"] = _untimed(spec["devices"])
     return json.dumps(spec, sort_keys=True)
+
+
+def keep_taint_times(item: dict[str, Any], old: dict[str, Any] | None) -> None:
+    """A taint the published slice already carries keeps the timeAdded it has there (the same device, key,
+    value and effect): a restart or an unrelated change does not make an old fault look new."""
+    if old is None:
+        return
+    before = {(d.get("name"), t.get("key"), t.get("value", ""), t.get("effect")): t.get("timeAdded")
+              for d in old.get("spec", {}).get("devices", []) or [] if isinstance(d, dict)
+              for t in d.get("taints", []) or [] if isinstance(t, dict)}
+    for device in item.get("spec", {}).get("devices", []):
+        for taint in device.get("taints", []):
+            since = before.get((device["name"], taint["key"], taint.get("value", ""), taint["effect"]))
+            if isinstance(since, str):
+                taint["timeAdded"] = since
 
 
 class SlicePublisher:
@@ -78,6 +109,7 @@ class SlicePublisher:
                 name = item["metadata"]["name"]
                 if name in have:
                     item["metadata"]["resourceVersion"] = have[name]["metadata"]["resourceVersion"]
+                    keep_taint_times(item, have[name])
                     self._call(f"replace resourceslice {name}", self.api.replace_resource_slice, name, item)
                 else:
                     self._call(f"create resourceslice {name}", self.api.create_resource_slice, item)

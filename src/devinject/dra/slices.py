@@ -11,8 +11,13 @@ A GPU split into MIG instances (or AMD partitions) is published whole *and* as i
 a counter set of the parent (partitionable devices, beta and on in 1.36): each instance one counter of its
 own, the whole device all of them, so the scheduler never gives the whole GPU and one of its instances to two
 claims. The counter sets go in a slice of their own (the API allows devices or sharedCounters in one slice,
-not both), and no slice holds more devices than the API allows (128; 64 when they consume counters or carry
-taints).
+not both), and no slice holds more devices than the API allows (128; 64 when any of them consumes counters or
+carries taints: a pool with a tainted device is cut in slices of 64).
+
+A device the health loop took out stays in its slice with `DeviceTaint`s (`resource.k8s.io/v1`,
+`DRADeviceTaints`, beta and on in 1.36): one per fault, keyed `<driver>/<cause>` (`dra.devinject.io/xid`,
+`/aer-fatal`, `/unbound`, `/gone`, ...), the fault's particular as the value, `NoSchedule` (the scheduler
+places no new claim on it) or `NoExecute` (the taint-eviction controller also evicts the pods using it).
 
 A family of char-node devices (IMEX channels, discovery/channels.py) is a pool of its own too: channel N is
 device `channel-N` (the name NVIDIA's DRA driver gives it) with `type` `channel` and `id` N (its attributes
@@ -36,6 +41,9 @@ DRIVER = "dra.devinject.io"
 STANDARD = "resource.kubernetes.io"
 MAX_DEVICES = 128  # per slice (resource.k8s.io/v1 validation)
 MAX_DEVICES_WITH_COUNTERS = 64  # per slice when any device consumes counters or carries taints
+MAX_TAINTS = 16  # per device (resource.k8s.io/v1 validation: DeviceTaintsMaxLength)
+MAX_LABEL_VALUE = 63
+NO_SCHEDULE, NO_EXECUTE = "NoSchedule", "NoExecute"  # `None` (1.35+) is never written: a fault keeps claims off
 _NOT_LABEL = re.compile(r"[^a-z0-9-]+")
 _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)$")
 
@@ -43,6 +51,30 @@ _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)$")
 def label(text: str) -> str:
     """`text` as a DNS label: lower case, runs of anything else than [a-z0-9-] as one `-`, trimmed."""
     return _NOT_LABEL.sub("-", text.lower()).strip("-")
+
+
+def label_value(text: str) -> str:
+    """`text` as a label value (a taint's value): at most 63 of [A-Za-z0-9._-], starting and ending with an
+    alphanumeric; anything else as `-`."""
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text)[:MAX_LABEL_VALUE]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    """One `DeviceTaint` of a device: `key` `<driver>/<cause>`, `value` the fault's particular, `effect`
+    NoSchedule or NoExecute, `time_added` (RFC 3339, seconds) when the driver first published it."""
+
+    key: str
+    value: str
+    effect: str
+    time_added: str
+
+    def to_json(self) -> dict[str, str]:
+        out = {"key": self.key, "effect": self.effect, "timeAdded": self.time_added}
+        if self.value:
+            out["value"] = self.value
+        return out
 
 
 def pool_name(node_name: str, kind: str) -> str:
@@ -72,6 +104,7 @@ class Offer:
     capacity: tuple[tuple[str, str], ...] = ()
     consumes: tuple[str, ...] = ()  # counters of the parent's counter set this device consumes
     channel: ChannelDevice | None = None  # a char-node device (an IMEX channel), which has no PCI function
+    taints: tuple[Taint, ...] = ()  # the faults the health loop found, while it keeps the device out
 
     @property
     def device(self) -> FoundDevice:
@@ -93,6 +126,8 @@ class Offer:
         if self.consumes:
             device["consumesCounters"] = [{"counterSet": counter_set_name(self.device),
                                            "counters": {c: {"value": "1"} for c in self.consumes}}]
+        if self.taints:
+            device["taints"] = [t.to_json() for t in self.taints[:MAX_TAINTS]]
         return device
 
 
@@ -175,7 +210,7 @@ def pool_slices(driver: str, node_name: str, pool: str, offered: list[Offer],
         if offer.partition is None and offer.consumes:
             counter_sets.append({"name": counter_set_name(offer.device),
                                  "counters": {c: {"value": "1"} for c in offer.consumes}})
-    size = MAX_DEVICES_WITH_COUNTERS if counter_sets else MAX_DEVICES
+    size = MAX_DEVICES_WITH_COUNTERS if counter_sets or any(o.taints for o in offered) else MAX_DEVICES
     specs: list[dict[str, object]] = []
     if counter_sets:
         specs.append({"sharedCounters": counter_sets})
