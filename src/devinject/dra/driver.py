@@ -30,7 +30,7 @@ from devinject.discovery.node import Node
 from devinject.dra.claims import Inventory, Preparer
 from devinject.dra.server import HealthState, PluginServers
 from devinject.dra.slices import DRIVER, Offer, offers, resource_slices
-from devinject.nodestate.ledger import HEALTH_FILE
+from devinject.nodestate.ledger import HEALTH_FILE, LEDGER_FILE, Ledger, clashes, describe, held_nodes, is_plugin
 from devinject.specs.generate import GenerateOptions, driver_version
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class DraOptions:
     cdi_dir: str = DYNAMIC_SPEC_DIR
     state_dir: str = DEFAULT_STATE_DIR
     rescan: float = 30.0
+    ledger_poll: float = 0.5  # seconds between looks at the ledger (the device plugin's bookings)
 
 
 def unhealthy_nodes(state_dir: str) -> set[str]:
@@ -74,6 +75,41 @@ def _verdict(host: Host, offer: Offer, unhealthy: set[str]) -> tuple[bool, str]:
     return True, ""
 
 
+def offer_holding(offer: Offer, policy: dict[str, str]) -> tuple[set[str], set[str]]:
+    """The nodes a claim on `offer` would book (exclusive, shared), as the preparer books them: a partition
+    shares the nodes its siblings use (its parent GPU's), a kind whose profile shares every device shares
+    them all."""
+    nodes: set[str] = {node_id_of(n) for n in offer.nodes if n.major is not None and n.minor is not None}
+    if policy.get(offer.kind, "exclusive") == "shared":
+        return set(), set(nodes)
+    if offer.partition is None:
+        return set(nodes), set()
+    siblings = {node_id_of(n) for p in offer.device.partitions if p != offer.partition for n in p.nodes
+                if n.major is not None and n.minor is not None}
+    first = offer.partition.nodes[0]
+    shared = {n for n in nodes if n in siblings or (first.major is not None and n == node_id_of(first))}
+    return nodes - shared, shared
+
+
+def plugin_held(data: dict[str, Any], offered: list[Offer], policy: dict[str, str]) -> dict[tuple[str, str], str]:
+    """(pool, device) -> who holds it through the device plugin: the offers a claim could not be prepared on
+    now, left out of the slices so that the scheduler places claims elsewhere."""
+    held = held_nodes(data, is_plugin)
+    if not held[0] and not held[1]:
+        return {}
+    plugin = {cid: e for cid, e in data.get("allocations", {}).items() if is_plugin(e)}
+    out: dict[tuple[str, str], str] = {}
+    for offer in offered:
+        exclusive, shared = offer_holding(offer, policy)
+        if not clashes(exclusive, shared, held):
+            continue
+        for cid, entry in plugin.items():
+            if clashes(exclusive, shared, (set(entry["exclusive"]), set(entry.get("shared", [])))):
+                out[(offer.pool, offer.name)] = describe(cid, entry)
+                break
+    return out
+
+
 class DraDriver:
     def __init__(self, opts: DraOptions, publisher: Publisher,
                  get_claim: Callable[[str, str], dict[str, Any]] | None = None) -> None:
@@ -85,6 +121,10 @@ class DraDriver:
         self._channels: dict[tuple[str, str], Offer] = {}  # every channel offered since start: one gone is unhealthy
         self.health = HealthState()
         self.published: list[dict[str, Any]] | None = None
+        self.publishing = threading.Lock()  # one publish at a time: the rescan's and the ledger follower's
+        self._ready: list[Offer] = []  # the healthy offers of the last rescan
+        self._held: dict[tuple[str, str], str] = {}  # offers the device plugin holds now: not in the slices
+        self._ledger_seen: object = None
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate)
         self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health)
@@ -120,15 +160,60 @@ class DraDriver:
             gone = [o for key, o in self._channels.items() if key not in present]
         verdicts = {(o.pool, o.name): _verdict(host, o, unhealthy) for o in [*offered, *gone]}
         self.health.update(verdicts)
+        with self.publishing:
+            self._ready = [o for o in offered if verdicts[(o.pool, o.name)][0]]
+            return self._publish()
+
+    def _publish(self) -> bool:
+        """Publish the healthy offers but those the device plugin holds, when that changed (`publishing`
+        held)."""
+        from devinject.nodestate.profilefacts import sharing_policy
+
+        ledger = Ledger(self.opts.state_dir)
+        held = plugin_held(ledger.read(), self._ready, sharing_policy(self.opts.state_dir))
+        for key in sorted(set(held) - set(self._held)):
+            log.info("%s/%s leaves the slice: held by %s", key[0], key[1], held[key])
+        for key in sorted(set(self._held) - set(held)):
+            log.info("%s/%s is back in the slice: the device plugin released it", key[0], key[1])
         desired = resource_slices(self.opts.driver, self.opts.node_name,
-                                  [o for o in offered if verdicts[(o.pool, o.name)][0]])
+                                  [o for o in self._ready if (o.pool, o.name) not in held])
         if desired == self.published:
+            self._held = held
             return False
         self.publisher.publish([dict(s) for s in desired])
-        self.published = desired
+        self.published, self._held = desired, held
         return True
 
+    def follow_ledger_once(self) -> bool:
+        """Publish again when the ledger changed and with it what the device plugin holds: a device it gave a
+        pod leaves the slices within `ledger_poll` seconds, and is back as soon as it is released. True when
+        published."""
+        try:
+            st = os.stat(os.path.join(self.opts.state_dir, LEDGER_FILE))
+            seen: object = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            seen = None
+        if seen == self._ledger_seen or self.published is None:
+            return False
+        self._ledger_seen = seen
+        with self.publishing:
+            return self._publish()
+
+    def _follow_ledger(self, stop: threading.Event) -> None:
+        while not stop.wait(self.opts.ledger_poll):
+            try:
+                self.follow_ledger_once()
+            except DevinjectError as err:
+                self._ledger_seen = None  # try again at the next look
+                log.warning("publishing ResourceSlices after a ledger change: %s", err.message)
+            except Exception:  # the follower must outlive any one failure
+                self._ledger_seen = None
+                log.exception("following the ledger")
+
     def start(self) -> None:
+        if not os.path.exists(self.preparer.checkpoint.path):
+            # there from the start: the device plugin on this node sees a DRA driver beside it (docs/dra.md)
+            self.preparer.checkpoint.save({})
         removed = self.preparer.clean_orphans()
         if removed:
             log.info("%d half-prepared claim(s) cleaned up", len(removed))
@@ -139,6 +224,8 @@ class DraDriver:
 
     def run(self, stop: threading.Event) -> None:
         self.start()
+        follower = threading.Thread(target=self._follow_ledger, args=(stop,), name="ledger", daemon=True)
+        follower.start()
         try:
             while not stop.is_set():
                 try:
