@@ -266,3 +266,21 @@ def test_a_booking_no_pod_took_ends_after_the_grace(node: Node) -> None:
     assert wait(lambda: "gpu-0000-db-00-0" not in node.published())
     assert wait(lambda: not node.bookings(), timeout=6), "a booking no pod took holds the device"
     assert wait(lambda: "gpu-0000-db-00-0" in node.published())
+
+
+def test_a_lost_ledger_does_not_put_the_plugins_devices_back_in_the_slice(node: Node) -> None:
+    """ledger.json and its copy gone (or broken) say nothing of what the plugin holds: until the ledger is
+    back with the plugin's bookings, what it held stays out of the slices."""
+    node.allocate("0000:ab:00.0")
+    assert wait(lambda: "gpu-0000-ab-00-0" not in node.published())
+    node.stop_plugin()  # it would book the device again from the kubelet's checkpoint at once
+    os.unlink(node.state / "ledger.json")
+    os.unlink(node.state / "ledger-claims.json")
+    node.driver.follow_ledger_once()
+    time.sleep(0.5)
+    assert "gpu-0000-ab-00-0" not in node.published()
+    (node.state / "ledger.json").write_text("{broken")
+    time.sleep(0.5)
+    assert "gpu-0000-ab-00-0" not in node.published()
+    Ledger(str(node.state)).sweep()  # rebuilt, without the plugin's booking (nothing shows it): released
+    assert wait(lambda: "gpu-0000-ab-00-0" in node.published())

@@ -169,8 +169,11 @@ class DraDriver:
         held)."""
         from devinject.nodestate.profilefacts import sharing_policy
 
-        ledger = Ledger(self.opts.state_dir)
-        held = plugin_held(ledger.read(), self._ready, sharing_policy(self.opts.state_dir))
+        data = Ledger(self.opts.state_dir).read()
+        # a ledger missing or broken says nothing of what the plugin holds: what it held stays out until the
+        # ledger is rebuilt and the plugin's bookings are back in it (each agent books its own again)
+        held = plugin_held(data, self._ready, sharing_policy(self.opts.state_dir)) if data is not None else \
+            {k: v for k, v in self._held.items() if k in {(o.pool, o.name) for o in self._ready}}
         for key in sorted(set(held) - set(self._held)):
             log.info("%s/%s leaves the slice: held by %s", key[0], key[1], held[key])
         for key in sorted(set(self._held) - set(held)):

@@ -241,6 +241,8 @@ class DevicePluginAgent:
             served = {state.resource: self.base.get(kind, {}) for kind, state in self.states.items()}
         self.bookings.reconcile(served)
         data = self.bookings.read()
+        if data is None:
+            return  # missing or broken: what claims hold is not known until it is rebuilt, so nothing changes
         changes: list[str] = []
         with self.lock:
             for kind, state in self.states.items():
@@ -271,7 +273,8 @@ class DevicePluginAgent:
         self.bookings.book(resource, devices)
 
     def _held_now(self, devices: dict[str, PluginDevice]) -> dict[str, str]:
-        return held_by_claims(self.bookings.read(), devices)
+        data = self.bookings.read()
+        return held_by_claims(data, devices) if data is not None else {}
 
     def _say_started(self) -> None:
         with self.lock:

@@ -167,7 +167,7 @@ class PluginBookings:
         except LedgerError as err:
             raise AllocationError(err.message) from None
 
-    def read(self) -> dict[str, Any]:
+    def read(self) -> dict[str, Any] | None:
         return self.ledger.read()
 
     def beside_dra(self) -> bool:
@@ -201,7 +201,7 @@ class PluginBookings:
         kubelet's checkpoint gives a pod that exists and the ledger lacks (a restart, a rebuilt ledger).
         `served`: resource -> its devices now."""
         data = self.ledger.read()
-        allocations: dict[str, dict[str, Any]] = data.get("allocations", {})
+        allocations: dict[str, dict[str, Any]] = data.get("allocations", {}) if data is not None else {}
         given = read_checkpoint(self.checkpoint_path)
         present = pods_present(self.pods_dir)
         if present is None:

@@ -628,18 +628,16 @@ class Ledger:
                 if entry is not None and is_plugin(entry) and sorted(set(known)) != entry.get("pods"):
                     entry["pods"] = sorted(set(known))
 
-    def read(self) -> dict[str, Any]:
+    def read(self) -> dict[str, Any] | None:
         """The ledger as it is now, without the lock or any housekeeping (its file is replaced whole, so a read
-        sees one version): for offers that follow it every second. Empty when missing or broken (the next
-        booking rebuilds it)."""
+        sees one version): for offers that follow it every second. None when it is missing or broken: no word
+        on what is held (the next booking rebuilds it, and the agents book theirs again)."""
         try:
             with open(self.path, "rb") as handle:
                 data = jsonlite.loads(handle.read().decode("utf-8"))
         except (OSError, ValueError, UnicodeDecodeError):
-            data = None
-        if ledger_problem(data) is not None:
-            return {"allocations": self._kept_claims()}
-        return data  # type: ignore[no-any-return]
+            return None
+        return data if ledger_problem(data) is None else None
 
     def release(self, container_id: str) -> str:
         """poststop: idempotent and quick. The booking ends here; its nodes are free once no container's
