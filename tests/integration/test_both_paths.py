@@ -284,3 +284,4 @@ def test_a_lost_ledger_does_not_put_the_plugins_devices_back_in_the_slice(node: 
     assert "gpu-0000-ab-00-0" not in node.published()
     Ledger(str(node.state)).sweep()  # rebuilt, without the plugin's booking (nothing shows it): released
     assert wait(lambda: "gpu-0000-ab-00-0" in node.published())
+

@@ -202,6 +202,10 @@ class DevicePluginAgent:
             self.metrics.devices.labels(kind, health).set(counts.get((kind, health), 0))
         self.gauged |= set(counts)
         changes: list[str] = []
+        if not self.started.is_set():  # the first list the kubelet gets already leaves out what claims hold
+            data = self.bookings.read()
+            if data is not None:
+                self.held = {kind: held_by_claims(data, devices) for kind, devices in by_kind.items()}
         with self.lock:
             self.base = by_kind
             for kind, devices in by_kind.items():
