@@ -15,6 +15,7 @@ A missing prerequisite fails, never skips. The cluster is always taken down (`cl
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -121,8 +122,18 @@ class Node(Cluster):
             return pod is not None and pod["status"].get("phase") == "Running" and \
                 all(c.get("ready") for c in pod["status"].get("containerStatuses", []))
 
-        until(up, timeout, f"pod {name} Running ({self.stuck()})", every=0.3)
+        try:
+            until(up, timeout, f"pod {name} Running", every=0.3)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; {self.diagnosis()}") from None
         return round(time.monotonic() - start, 2)
+
+    def diagnosis(self) -> str:
+        """What each path holds and offers now, for a failure's message."""
+        bookings = {b: (e.get("exclusive"), e.get("pods")) for b, e in self.ledger().items()}
+        pods_dirs = sorted(os.listdir("/var/lib/kubelet/pods")) if os.path.isdir("/var/lib/kubelet/pods") else None
+        return (f"stuck: {self.stuck()}; ledger: {bookings}; slices: {self.published()}; allocatable "
+                f"{self.allocatable()}; pod dirs {pods_dirs}; pods {sorted(self.phases())}")
 
     def pending_reason(self, name: str, timeout: float = 60) -> str:
         def reason() -> str | None:
@@ -180,6 +191,22 @@ def record(name: str, value: float) -> None:
     FIGURES.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
 
 
+def keep_logs(made: Node) -> None:
+    """For the report: cluster-down.sh --purge removes the logs."""
+    keep = REPO / "build" / "both-paths-logs"
+    shutil.rmtree(keep, ignore_errors=True)
+    keep.mkdir(parents=True, exist_ok=True)
+    for log in ("devinject-dra-driver.log", "kubelet.log", "kube-scheduler.log"):
+        if (KUBE_DIR / "logs" / log).exists():
+            shutil.copy(KUBE_DIR / "logs" / log, keep / log)
+    agent = made.agent() if made.node else None
+    if agent is not None:
+        (keep / "device-plugin.log").write_text(made.kubectl(
+            "-n", "devinject-system", "logs", agent["metadata"]["name"], "-c", "device-plugin", check=False))
+    if (STATE / "ledger.json").exists():
+        shutil.copy(STATE / "ledger.json", keep / "ledger.json")
+
+
 @pytest.fixture(scope="module")
 def node(image: Path) -> Iterator[Node]:  # noqa: F811 - the imported fixture
     made = Node()
@@ -207,6 +234,10 @@ def node(image: Path) -> Iterator[Node]:  # noqa: F811 - the imported fixture
         yield made
     finally:
         made.stop_driver()
+        try:
+            keep_logs(made)
+        except Exception as err:  # the cluster is taken down whatever happens here
+            print(f"keeping the logs: {err}")
         down = run([str(KUBE / "cluster-down.sh"), "--purge"], 600, env=made.env)
         shutil.rmtree(TEST_ROOT, ignore_errors=True)
         assert down.returncode == 0, f"cluster-down.sh --purge failed:\n{down.stdout[-2000:]}{down.stderr[-2000:]}"
@@ -238,15 +269,28 @@ def test_half_by_each_path_then_more_than_is_left_by_each(node: Node) -> None:
     time.sleep(5)
     phases = node.phases()
     assert not phases["dp-extra"]["spec"].get("nodeName") and not phases["dra-extra"]["spec"].get("nodeName")
-    # a GPU freed by a device-plugin pod reaches the pending claim; one freed by a claim, the pending pod
+    free_across(node, "dp-extra", "dp-0", "dra-extra", "dra-0", "dp-more")
+
+
+def free_across(node: Node, plugin_pending: str, plugin_pod: str, claim_pending: str, claim_pod: str,
+                plugin_next: str) -> None:
+    """A GPU freed by a device-plugin pod reaches the pending claim's pod; one freed by a claim, a pending
+    device-plugin pod. One pending pod at a time: a GPU freed while both paths wait goes to whichever asks
+    first (the kubelet gives a device it freed again at once), which is no stuck pod either."""
+    node.delete(plugin_pending)
     start = time.monotonic()
-    node.delete("dp-0")
-    node.running("dra-extra", timeout=120)
+    node.delete(plugin_pod)
+    node.running(claim_pending, timeout=120)
     record("plugin_gpu_to_claim_s", round(time.monotonic() - start, 2))
-    assert not node.phases()["dp-extra"]["spec"].get("nodeName")
+    # the scheduler counts the new claim's GPU out of the device plugin's once the kubelet says so
     start = time.monotonic()
-    node.delete("dra-0")
-    node.running("dp-extra", timeout=120)
+    node.await_allocatable(3, 60, "the new claim's GPU out of the kubelet's count")
+    record("claim_to_allocatable_s", round(time.monotonic() - start, 2))
+    node.plugin_pod(plugin_next)
+    assert f"Insufficient {GPU}" in node.pending_reason(plugin_next)
+    start = time.monotonic()
+    node.delete(claim_pod)
+    node.running(plugin_next, timeout=120)
     record("claim_gpu_to_plugin_pod_s", round(time.monotonic() - start, 2))
     seen = node.assert_never_shared()
     assert len(seen) == 8 and len(set().union(*seen.values())) == 8
@@ -288,12 +332,7 @@ def test_across_a_restart_of_both_agents_and_a_ledger_rebuild(node: Node) -> Non
     assert "cannot allocate all claims" in node.pending_reason("dra-late")
     assert node.assert_never_shared() == before
     # freed across the paths again: a plugin pod's GPU to the claim, a claim's to the plugin pod
-    node.delete("dp-1")
-    node.running("dra-late", timeout=120)
-    node.delete("dra-1")
-    node.running("dp-late", timeout=120)
-    seen = node.assert_never_shared()
-    assert len(seen) == 8 and len(set().union(*seen.values())) == 8
+    free_across(node, "dp-late", "dp-1", "dra-late", "dra-1", "dp-later")
     for name in list(node.created):
         node.delete(name)
     until(lambda: len(node.published()) == 8, 60, "every GPU back in the slices")
