@@ -241,24 +241,28 @@ def _class_key(place: Place, level: str) -> tuple[object, ...]:
     return ("sys",)
 
 
-def place_devices(places: list[Place], count: int, must_include: tuple[str, ...] = ()) -> list[str]:
+def place_devices(places: list[Place], count: int, must_include: tuple[str, ...] = (), *,
+                  highest: bool = False) -> list[str]:
     """`count` PCI addresses from `places` (the available devices) whose worst pair is as close as any choice
-    allows, including every address in `must_include`; ties go to the lowest addresses. [] when impossible."""
+    allows, including every address in `must_include`; ties go to the lowest addresses (`highest`: to the
+    highest). [] when impossible."""
     by_address = {p.address: p for p in places}
     if count > len(places) or len(must_include) > count or any(a not in by_address for a in must_include):
         return []
+    order = {address: n for n, address in enumerate(sorted(by_address, reverse=highest))}
     for level in (PIX, PXB, PHB, NODE, SYS):
         classes: dict[tuple[object, ...], list[Place]] = {}
-        for item in sorted(places, key=lambda p: p.address):
+        for item in sorted(places, key=lambda p: order[p.address]):
             classes.setdefault(_class_key(item, level), []).append(item)
         fitting = [members for members in classes.values() if len(members) >= count and
                    all(a in {m.address for m in members} for a in must_include)]
         if fitting:
-            members = min(fitting, key=lambda group: group[0].address)
+            members = min(fitting, key=lambda group: order[group[0].address])
             chosen = [by_address[a] for a in must_include]
             rest = [m for m in members if m.address not in must_include]
-            while len(chosen) < count:  # the next closest to what is already chosen, then the lowest address
-                best = min(rest, key=lambda m: (max((RANK[relation(m, c)] for c in chosen), default=0), m.address))
+            while len(chosen) < count:  # the next closest to what is already chosen, then the first in order
+                best = min(rest, key=lambda m: (max((RANK[relation(m, c)] for c in chosen), default=0),
+                                                order[m.address]))
                 chosen.append(best)
                 rest.remove(best)
             return sorted(c.address for c in chosen)

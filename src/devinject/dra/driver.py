@@ -56,7 +56,7 @@ from devinject.dra.slices import (
     offers,
     resource_slices,
 )
-from devinject.nodestate.ledger import HEALTH_FILE
+from devinject.nodestate.ledger import HEALTH_FILE, LEDGER_FILE, Ledger, clashes, describe, held_nodes, is_plugin
 from devinject.specs.generate import GenerateOptions, driver_version
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class DraOptions:
     health: str = "auto"  # auto | check | follow: whether this process runs the node's health loop
     watch: WatchOptions | None = None  # the loop's timings and kernel log (default: watch's, over `generate`)
     fatal_effect: str = NO_SCHEDULE  # the taints' effect for a fatal fault: NoSchedule or NoExecute
+    ledger_poll: float = 0.5  # seconds between looks at the ledger (the device plugin's bookings)
 
     def watch_options(self) -> WatchOptions:
         """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own."""
@@ -161,6 +162,41 @@ def _now_rfc3339() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def offer_holding(offer: Offer, policy: dict[str, str]) -> tuple[set[str], set[str]]:
+    """The nodes a claim on `offer` would book (exclusive, shared), as the preparer books them: a partition
+    shares the nodes its siblings use (its parent GPU's), a kind whose profile shares every device shares
+    them all."""
+    nodes: set[str] = {node_id_of(n) for n in offer.nodes if n.major is not None and n.minor is not None}
+    if policy.get(offer.kind, "exclusive") == "shared":
+        return set(), set(nodes)
+    if offer.partition is None:
+        return set(nodes), set()
+    siblings = {node_id_of(n) for p in offer.device.partitions if p != offer.partition for n in p.nodes
+                if n.major is not None and n.minor is not None}
+    first = offer.partition.nodes[0]
+    shared = {n for n in nodes if n in siblings or (first.major is not None and n == node_id_of(first))}
+    return nodes - shared, shared
+
+
+def plugin_held(data: dict[str, Any], offered: list[Offer], policy: dict[str, str]) -> dict[tuple[str, str], str]:
+    """(pool, device) -> who holds it through the device plugin: the offers a claim could not be prepared on
+    now, left out of the slices so that the scheduler places claims elsewhere."""
+    held = held_nodes(data, is_plugin)
+    if not held[0] and not held[1]:
+        return {}
+    plugin = {cid: e for cid, e in data.get("allocations", {}).items() if is_plugin(e)}
+    out: dict[tuple[str, str], str] = {}
+    for offer in offered:
+        exclusive, shared = offer_holding(offer, policy)
+        if not clashes(exclusive, shared, held):
+            continue
+        for cid, entry in plugin.items():
+            if clashes(exclusive, shared, (set(entry["exclusive"]), set(entry.get("shared", [])))):
+                out[(offer.pool, offer.name)] = describe(cid, entry)
+                break
+    return out
+
+
 class DraDriver:
     def __init__(self, opts: DraOptions, publisher: Publisher,
                  get_claim: Callable[[str, str], dict[str, Any]] | None = None) -> None:
@@ -183,6 +219,10 @@ class DraDriver:
         self.wake = threading.Event()  # the loop published a verdict: publish the slices now
         self._health_thread: threading.Thread | None = None
         self.rediscover = threading.Event()  # the loop found other devices: discover again before publishing
+        self.publishing = threading.Lock()  # one publish at a time: the rescan's and the ledger follower's
+        self._held: dict[tuple[str, str], str] = {}  # offers the device plugin holds now: not in the slices
+        self._ledger_seen: object = None
+        self._held_desired: dict[tuple[str, str], str] = {}  # what desired() last left out for the plugin
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate)
         self.metrics = DraMetrics()
@@ -250,8 +290,27 @@ class DraDriver:
         live = {(o.pool, o.name, t.key) for o in published for t in o.taints}
         self._since = {k: v for k, v in self._since.items() if k in live}
         self.health.update(verdicts)
-        self._offered_now = published
-        return resource_slices(self.opts.driver, self.opts.node_name, published)
+        held = self._plugin_held(published)
+        self._offered_now = [o for o in published if (o.pool, o.name) not in held]
+        self._held_desired = held
+        return resource_slices(self.opts.driver, self.opts.node_name, self._offered_now)
+
+    def _plugin_held(self, offered: list[Offer]) -> dict[tuple[str, str], str]:
+        """The offers the device plugin holds now (ledger.json), left out of the slices so that the scheduler
+        places claims elsewhere. A ledger missing or broken says nothing of what the plugin holds: what it
+        held stays out until the ledger is rebuilt and the plugin's bookings are back in it (each agent books
+        its own again)."""
+        from devinject.nodestate.profilefacts import sharing_policy
+
+        data = Ledger(self.opts.state_dir).read()
+        present = {(o.pool, o.name) for o in offered}
+        held = plugin_held(data, offered, sharing_policy(self.opts.state_dir)) if data is not None else \
+            {k: v for k, v in self._held.items() if k in present}
+        for key in sorted(set(held) - set(self._held)):
+            log.info("%s/%s leaves the slice: held by %s", key[0], key[1], held[key])
+        for key in sorted(set(self._held) - set(held)):
+            log.info("%s/%s is back in the slice: the device plugin released it", key[0], key[1])
+        return held
 
     def _tainted(self, offer: Offer, reasons: tuple[str, ...]) -> Offer:
         if not reasons:
@@ -265,11 +324,19 @@ class DraDriver:
         if rediscover or self._inventory is None:
             self.discover()
             self.preparer.rebook()
+        with self.publishing:
+            return self._publish()
+
+    def _publish(self) -> bool:
+        """Publish the slices as they should be now (health.json's taints, less what the device plugin
+        holds), when they changed (`publishing` held)."""
         desired = self.desired()
+        held = self._held_desired
         if desired == self.published:
+            self._held = held
             return False
         self.publisher.publish(copy.deepcopy(desired))  # it sets generations and keeps taint times: not ours
-        self.published = desired
+        self.published, self._held = desired, held
         self.metrics.published(Counter(o.kind for o in self._offered_now))
         self.metrics.record_taints(Counter(t.key.split("/", 1)[-1] for o in self._offered_now for t in o.taints))
         return True
@@ -327,7 +394,36 @@ class DraDriver:
                  "on" if watch.uevents else "off", self.opts.fatal_effect)
         return True
 
+    def follow_ledger_once(self) -> bool:
+        """Publish again when the ledger changed and with it what the device plugin holds: a device it gave a
+        pod leaves the slices within `ledger_poll` seconds, and is back as soon as it is released. True when
+        published."""
+        try:
+            st = os.stat(os.path.join(self.opts.state_dir, LEDGER_FILE))
+            seen: object = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            seen = None
+        if seen == self._ledger_seen or self.published is None:
+            return False
+        self._ledger_seen = seen
+        with self.publishing:
+            return self._publish()
+
+    def _follow_ledger(self, stop: threading.Event) -> None:
+        while not stop.wait(self.opts.ledger_poll):
+            try:
+                self.follow_ledger_once()
+            except DevinjectError as err:
+                self._ledger_seen = None  # try again at the next look
+                log.warning("publishing ResourceSlices after a ledger change: %s", err.message)
+            except Exception:  # the follower must outlive any one failure
+                self._ledger_seen = None
+                log.exception("following the ledger")
+
     def start(self) -> None:
+        if not os.path.exists(self.preparer.checkpoint.path):
+            # there from the start: the device plugin on this node sees a DRA driver beside it (docs/dra.md)
+            self.preparer.checkpoint.save({})
         removed = self.preparer.clean_orphans()
         if removed:
             log.info("%d half-prepared claim(s) cleaned up", len(removed))
@@ -353,6 +449,8 @@ class DraDriver:
 
         threading.Thread(target=wake_on_stop, name="stop", daemon=True).start()
         next_scan = 0.0
+        follower = threading.Thread(target=self._follow_ledger, args=(stop,), name="ledger", daemon=True)
+        follower.start()
         try:
             while not stop.is_set():
                 due = time.monotonic() >= next_scan

@@ -25,7 +25,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -33,7 +33,8 @@ from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
-from devinject.core.identity import DeviceKey, QualifiedName, device_key, qualified
+from devinject.core.identity import DeviceKey, QualifiedName, device_key, node_id_of, qualified
+from devinject.core.model import DeviceNode
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
@@ -42,6 +43,7 @@ from devinject.discovery.topology import Place, place_of
 from devinject.kubelet.allocation import HEALTHY as HEALTHY_NAME
 from devinject.kubelet.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.kubelet.allocation import PluginDevice
+from devinject.kubelet.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
 from devinject.kubelet.metrics import Metrics, serve
 from devinject.kubelet.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 
@@ -79,24 +81,36 @@ def stream_changes(resource: str, before: dict[str, PluginDevice], after: dict[s
         old, new = before.get(device_id), after.get(device_id)
         if new is None:
             lines.append(f"{resource}: ListAndWatch: {device_id} removed")
-        elif old is None or old.healthy != new.healthy:
-            health = HEALTHY_NAME if new.healthy else UNHEALTHY_NAME
-            lines.append(f"{resource}: ListAndWatch: {device_id} {health}" + ("" if old else " (new)"))
+        elif old is None or old.offered != new.offered:
+            health = HEALTHY_NAME if new.offered else UNHEALTHY_NAME
+            why = f" ({new.held})" if new.held and new.healthy else ""
+            lines.append(f"{resource}: ListAndWatch: {device_id} {health}{why}" + ("" if old else " (new)"))
     return lines
 
 
-Offer = tuple[str, QualifiedName, Place]  # a device ID, its CDI name, where it sits
+# a device ID, its CDI name, where it sits, its nodes and those of them it shares (as the ledger books them)
+Offer = tuple[str, QualifiedName, Place, tuple[str, ...], tuple[str, ...]]
+
+
+def _ids(nodes: tuple[DeviceNode, ...]) -> tuple[str, ...]:
+    return tuple(node_id_of(n) for n in nodes if n.major is not None and n.minor is not None)
 
 
 def pci_offers(found: FoundDevice, host: Host) -> tuple[str, DeviceKey, list[Offer]]:
     """A PCI device's kind, key and what it offers: the device by its PCI address, or a partitioned GPU's
-    partitions (MIG, AMD CPX), never the whole GPU."""
+    partitions (MIG, AMD CPX), never the whole GPU. A partition shares the nodes its siblings use too (the
+    parent GPU's node, shared capabilities), as the DRA driver books them."""
     kind = found.profile.kind
     place = place_of(host, found)
     if found.partitions:
-        offers = [(f"{found.address}-{p.key}", qualified(kind, p.name), place) for p in found.partitions]
+        offers: list[Offer] = []
+        for p in found.partitions:
+            siblings = {n for other in found.partitions if other != p for n in _ids(other.nodes)}
+            nodes = _ids(p.nodes)
+            shared = tuple(n for n in nodes if n in siblings or n == nodes[0])
+            offers.append((f"{found.address}-{p.key}", qualified(kind, p.name), place, nodes, shared))
     else:
-        offers = [(found.address, qualified(kind, str(found.index)), place)]
+        offers = [(found.address, qualified(kind, str(found.index)), place, _ids(found.nodes), ())]
     return kind, device_key(kind, found.address), offers
 
 
@@ -105,7 +119,8 @@ def channel_offers(channel: ChannelDevice) -> tuple[str, DeviceKey, list[Offer]]
     channel N), CDI name `kind=N`; no PCIe place and no NUMA node (a place of its own: none is closer)."""
     device_id = f"channel-{channel.number}"
     kind = channel.profile.kind
-    return kind, channel.key, [(device_id, qualified(kind, channel.name), Place(device_id, (device_id,), None, ""))]
+    return kind, channel.key, [(device_id, qualified(kind, channel.name), Place(device_id, (device_id,), None, ""),
+                                _ids((channel.node,)), ())]
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,10 @@ class PluginOptions:
     fallback: bool = True  # devices/mounts/envs in Allocate answers, for runtimes without CDI
     metrics_address: str | None = None  # host:port of /metrics, /healthz, /readyz
     kubelet_poll: float = 1.0
+    # the kubelet's pod directories (a booking ends with its pod's); default: `pods` beside the plugin directory
+    pods_dir: str | None = None
+    ledger_poll: float = 0.5  # seconds between looks at the ledger, the kubelet's checkpoint and its pods
+    pod_grace: float = UNKNOWN_POD_GRACE  # seconds a booking waits for the checkpoint to name its pod
 
 
 def endpoint_for(resource: str) -> str:
@@ -152,6 +171,10 @@ class DevicePluginAgent:
         self.waiting: tuple[str, float, float] | None = None  # what for, since, last said (monotonic)
         self.registering: str | None = None  # the kind whose Register call is on its way
         self.stream_lost = False  # that kind's stream of this registration ended before Register returned
+        pods_dir = opts.pods_dir or os.path.join(os.path.dirname(opts.plugin_dir.rstrip("/")), "pods")
+        self.bookings = PluginBookings(opts.watch.state_dir, opts.plugin_dir, pods_dir, grace=opts.pod_grace)
+        self.base: dict[str, dict[str, PluginDevice]] = {}  # by kind: as the health loop published them
+        self.held: dict[str, dict[str, str]] = {}  # by kind: device ID -> the DRA claim that holds it
 
     # --- from the health loop --------------------------------------------------------------------------
     def _published(self, watcher: Watcher) -> None:
@@ -165,8 +188,8 @@ class DevicePluginAgent:
             track = watcher.tracks.get(key)
             healthy = track is None or track.published == HEALTHY
             offered = by_kind.setdefault(kind, {})
-            for device_id, cdi_name, place in offers:
-                offered[device_id] = PluginDevice(device_id, cdi_name, healthy, place)
+            for device_id, cdi_name, place, nodes, shared in offers:
+                offered[device_id] = PluginDevice(device_id, cdi_name, healthy, place, nodes, shared)
             health = HEALTHY if healthy else UNHEALTHY
             counts[(kind, health)] = counts.get((kind, health), 0) + 1
             before = self.health_seen.get(key)
@@ -179,10 +202,16 @@ class DevicePluginAgent:
             self.metrics.devices.labels(kind, health).set(counts.get((kind, health), 0))
         self.gauged |= set(counts)
         changes: list[str] = []
+        if not self.started.is_set():  # the first list the kubelet gets already leaves out what claims hold
+            data = self.bookings.read()
+            if data is not None:
+                self.held = {kind: held_by_claims(data, devices) for kind, devices in by_kind.items()}
         with self.lock:
+            self.base = by_kind
             for kind, devices in by_kind.items():
                 if self.opts.watch.generate.kinds and kind not in self.opts.watch.generate.kinds:
                     continue
+                devices = self._with_held(kind, devices)
                 state = self.states.get(kind)
                 if state is None:
                     state = self.states[kind] = ResourceState(self.opts.resource_names.get(kind, kind), kind)
@@ -201,6 +230,55 @@ class DevicePluginAgent:
         if not self.started.is_set():
             self._say_started()
             self.started.set()
+
+    def _with_held(self, kind: str, devices: dict[str, PluginDevice]) -> dict[str, PluginDevice]:
+        held = self.held.get(kind, {})
+        return {i: replace(d, held=held.get(i, "")) for i, d in devices.items()}
+
+    # --- the other path: the node's ledger -------------------------------------------------------------
+    def follow_ledger_once(self) -> None:
+        """Learn and release the plugin's bookings, and offer a device a DRA claim holds as Unhealthy (healthy
+        again once released), so that the kubelet's allocatable drops by it and the kubelet never picks it."""
+        if not self.bookings.due(time.time()):
+            return
+        with self.lock:
+            served = {state.resource: self.base.get(kind, {}) for kind, state in self.states.items()}
+        self.bookings.reconcile(served)
+        data = self.bookings.read()
+        if data is None:
+            return  # missing or broken: what claims hold is not known until it is rebuilt, so nothing changes
+        changes: list[str] = []
+        with self.lock:
+            for kind, state in self.states.items():
+                base = self.base.get(kind, {})
+                held = held_by_claims(data, base)
+                if held == self.held.get(kind, {}):
+                    continue
+                self.held[kind] = held
+                listed = state.devices
+                devices = self._with_held(kind, base)
+                if state.update(devices, state.spec):
+                    changes += stream_changes(state.resource, listed, devices)
+        for line in changes:
+            log.info("%s", line)
+
+    def _follow_ledger(self) -> None:
+        while not self.started.wait(0.5):
+            if self.stopping.is_set():
+                return
+        while not self.stopping.is_set():
+            try:
+                self.follow_ledger_once()
+            except Exception:  # the loop must outlive any one failure
+                log.exception("device plugin bookings")
+            self.stopping.wait(self.opts.ledger_poll)
+
+    def _book(self, resource: str, devices: list[PluginDevice]) -> None:
+        self.bookings.book(resource, devices)
+
+    def _held_now(self, devices: dict[str, PluginDevice]) -> dict[str, str]:
+        data = self.bookings.read()
+        return held_by_claims(data, devices) if data is not None else {}
 
     def _say_started(self) -> None:
         with self.lock:
@@ -290,7 +368,9 @@ class DevicePluginAgent:
             if server is None:
                 service = DevicePluginService(state, fallback=self.opts.fallback, stopping=self.stopping,
                                               on_allocate=self._allocated, on_stream_end=self._stream_ended,
-                                              grant_dir=self.opts.watch.state_dir)
+                                              grant_dir=self.opts.watch.state_dir,
+                                              book=self._book, held_now=self._held_now,
+                                              beside_dra=self.bookings.beside_dra)
                 server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource))
                 self.servers[kind] = server
             if not server.alive():
@@ -400,11 +480,14 @@ class DevicePluginAgent:
             self.metrics_bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         supervisor = threading.Thread(target=self._supervise, name="kubelet", daemon=True)
         supervisor.start()
+        follower = threading.Thread(target=self._follow_ledger, name="ledger", daemon=True)
+        follower.start()
         try:
             self.watcher.run(stop)
         finally:
             self.stopping.set()
             supervisor.join(timeout=5)
+            follower.join(timeout=5)
             for server in self.servers.values():
                 server.stop()
             if http is not None:

@@ -35,6 +35,14 @@ class PluginDevice:
     cdi_name: str  # kind=index
     healthy: bool
     place: Place
+    nodes: tuple[str, ...] = ()  # its device nodes ("c 195:0"), as the ledger books them
+    shared: tuple[str, ...] = ()  # those of them others may hold too (a MIG instance's parent GPU)
+    held: str = ""  # why the other path (a DRA claim) holds it: offered Unhealthy, never allocated
+
+    @property
+    def offered(self) -> bool:
+        """Healthy in the kubelet's list: healthy and not held through DRA."""
+        return self.healthy and not self.held
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +67,9 @@ def _chosen(devices: dict[str, PluginDevice], ids: list[str]) -> list[PluginDevi
     sick = [i for i in ids if not devices[i].healthy]
     if sick:
         raise AllocationError(f"device {sick[0]} is unhealthy; not allocated")
+    held = [i for i in ids if devices[i].held]
+    if held:
+        raise AllocationError(f"device {held[0]} is {devices[held[0]].held}; not allocated")
     if len(set(ids)) != len(ids):
         raise AllocationError(f"device IDs repeated in one request: {', '.join(ids)}")
     return [devices[i] for i in ids]
@@ -110,12 +121,19 @@ def answer(resource: str, spec: Spec, devices: dict[str, PluginDevice], ids: lis
 
 
 def preferred(devices: dict[str, PluginDevice], available: list[str], must_include: list[str],
-              size: int) -> list[str]:
+              size: int, avoid: set[str] | frozenset[str] = frozenset(), *, from_top: bool = False) -> list[str]:
     """The `size` available devices closest in the PCIe/NUMA tree (same switch before same NUMA node before
-    across sockets), including `must_include`; the kubelet's own choice (the first ones) if that fails."""
+    across sockets), including `must_include`; the kubelet's own choice (the first ones) if that fails.
+    `avoid`: devices the other path holds now (the kubelet's list may not show it yet), left out while
+    enough others are available. `from_top`: ties go to the highest IDs, away from the lowest ones the
+    scheduler's DRA allocator takes first (it takes a slice's devices in order), so that the two paths on one
+    node meet only over the last free devices."""
+    free = [i for i in available if i not in avoid or i in must_include]
+    if len(free) >= size:
+        available = free
     places = [replace(devices[i].place, address=i) for i in available if i in devices]  # by ID: MIG siblings
-    chosen = place_devices(places, size, tuple(i for i in must_include if i in devices))
+    chosen = place_devices(places, size, tuple(i for i in must_include if i in devices), highest=from_top)
     if chosen:
         return chosen
     rest = [i for i in available if i not in must_include]
-    return [*must_include, *rest][:size]
+    return [*must_include, *(reversed(rest) if from_top else rest)][:size]

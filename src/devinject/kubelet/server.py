@@ -60,15 +60,21 @@ class ResourceState:
 
 def device_message(device: PluginDevice) -> api.Device:
     topology = api.TopologyInfo(nodes=[api.NUMANode(ID=device.place.numa)]) if device.place.numa is not None else None
-    return api.Device(ID=device.id, health=HEALTHY if device.healthy else UNHEALTHY, topology=topology)
+    return api.Device(ID=device.id, health=HEALTHY if device.offered else UNHEALTHY, topology=topology)
 
 
 class DevicePluginService(api_grpc.DevicePluginServicer):
     def __init__(self, state: ResourceState, *, fallback: bool = True, stopping: threading.Event | None = None,
                  on_allocate: Callable[[str, int | None], None] | None = None,
-                 on_stream_end: Callable[[str], None] | None = None, grant_dir: str | None = None) -> None:
+                 on_stream_end: Callable[[str], None] | None = None, grant_dir: str | None = None,
+                 book: Callable[[str, list[PluginDevice]], None] | None = None,
+                 held_now: Callable[[dict[str, PluginDevice]], dict[str, str]] | None = None,
+                 beside_dra: Callable[[], bool] | None = None) -> None:
         self.state = state
         self.grant_dir = grant_dir  # the state dir grants are written in (nodestate/grants.py); None: none
+        self.book = book  # the ledger's booking of what Allocate hands out (AllocationError: refused)
+        self.held_now = held_now  # devices the other path holds, read at the call
+        self.beside_dra = beside_dra  # a DRA driver serves this node too: pick from the other end
         self.fallback = fallback
         self.stopping = stopping or threading.Event()
         self.on_allocate = on_allocate
@@ -114,9 +120,13 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
     def GetPreferredAllocation(self, request: api.PreferredAllocationRequest,
                                context: grpc.ServicerContext) -> api.PreferredAllocationResponse:
         _, devices, _ = self.state.snapshot()
+        avoid = {i for i, d in devices.items() if d.held}
+        if self.held_now is not None:
+            avoid |= set(self.held_now(devices))
         return api.PreferredAllocationResponse(container_responses=[
             api.ContainerPreferredAllocationResponse(deviceIDs=preferred(
-                devices, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+                devices, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size, avoid,
+                from_top=self.beside_dra is not None and self.beside_dra()))
             for r in request.container_requests])
 
     def Allocate(self, request: api.AllocateRequest, context: grpc.ServicerContext) -> api.AllocateResponse:
@@ -136,6 +146,9 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
                     cdi_devices=[api.CDIDevice(name=name) for name in given.cdi_devices],
                     devices=[api.DeviceSpec(container_path=c, host_path=h, permissions=p) for c, h, p in given.devices],
                     mounts=[api.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in given.mounts]))
+            if self.book is not None:  # all of the request's devices or none, under the ledger's lock
+                self.book(self.state.resource, [devices[i] for c in request.container_requests
+                                                for i in c.devices_ids])
         except AllocationError as err:
             log.warning("%s: Allocate refused: %s", self.state.resource, err.message)
             if self.on_allocate is not None:

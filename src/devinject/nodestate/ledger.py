@@ -26,6 +26,7 @@ from devinject.nodestate import events
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
     from typing import Any, NamedTuple
 
     from devinject.core.identity import NodeId, QualifiedName
@@ -105,13 +106,67 @@ def ledger_problem(data: object) -> str | None:
             return f"allocation {cid}: pod is not a string"
         if not _strings(entry.get("pods", [])):
             return f"allocation {cid}: pods is not a list of strings"
+        if not isinstance(entry.get("plugin", ""), str):
+            return f"allocation {cid}: plugin is not a string"
     return None
 
 
 def claim_bookings(data: dict[str, Any]) -> dict[str, Any]:
-    """The bookings of claims (DRA: `pods`, the pods a claim is reserved for): held for no process of their
-    own, so no live evidence shows them when a lost ledger is rebuilt; kept in CLAIMS_FILE as well."""
+    """The bookings held for pods rather than for a process: DRA claims' (`pods`, the pods a claim is reserved
+    for) and the device plugin's (`plugin`, its resource; `pods`, the pod the kubelet gave the device to, once
+    known). No live evidence shows them when a lost ledger is rebuilt (a pod's containers may not run yet);
+    kept in CLAIMS_FILE as well."""
     return {name: entry for name, entry in data.get("allocations", {}).items() if "pods" in entry}
+
+
+PLUGIN_PREFIX = "device-plugin:"  # the device plugin's bookings: device-plugin:<resource>:<device ID>
+
+
+def plugin_booking_id(resource: str, device_id: str) -> str:
+    return f"{PLUGIN_PREFIX}{resource}:{device_id}"
+
+
+def plugin_device_id(booking_id: str) -> str:
+    """The device ID of a `device-plugin:<resource>:<ID>` booking (a resource name has no colon; an ID, a PCI
+    address, has)."""
+    return booking_id.split(":", 2)[2] if booking_id.count(":") >= 2 else ""
+
+
+def is_plugin(entry: dict[str, Any]) -> bool:
+    """A booking the device plugin made in Allocate: a device the kubelet gave a pod."""
+    return isinstance(entry.get("plugin"), str)
+
+
+def is_claim(entry: dict[str, Any]) -> bool:
+    """A DRA claim's booking (held for the pods it is reserved for)."""
+    return "pods" in entry and not is_plugin(entry)
+
+
+def held_nodes(data: dict[str, Any], which: Callable[[dict[str, Any]], bool]) -> tuple[set[str], set[str]]:
+    """The nodes the bookings `which` picks hold: (exclusive, shared)."""
+    exclusive: set[str] = set()
+    shared: set[str] = set()
+    for entry in data.get("allocations", {}).values():
+        if which(entry):  # reclaiming too: a booking refuses them until their holders are gone
+            exclusive.update(entry.get("exclusive", ()))
+            shared.update(entry.get("shared", ()))
+    return exclusive, shared
+
+
+def clashes(exclusive: Iterable[str], shared: Iterable[str], held: tuple[set[str], set[str]]) -> set[str]:
+    """The nodes of a holding (exclusive, shared) that clash with what others hold (held_nodes): exclusive
+    against anything held, shared against what is held exclusively."""
+    return set(exclusive) & (held[0] | held[1]) | set(shared) & held[0]
+
+
+def describe(booking_id: str, entry: dict[str, Any]) -> str:
+    """Who holds a device, for an error a person reads (the kubelet's event, the driver's log)."""
+    if is_plugin(entry):
+        pods = entry.get("pods") or ["not known yet"]
+        return (f"the device plugin: {entry['plugin']} device {plugin_device_id(booking_id)}, "
+                f"pod {', '.join(pods)}")
+    state = entry.get("state", "active")
+    return f"container {booking_id} ({state}, pid {entry.get('pid')})"
 
 
 def same_pod(booking: dict[str, Any], other: dict[str, Any]) -> bool:
@@ -483,6 +538,8 @@ class Ledger:
                     continue  # evidence of this very container from an earlier run of its hook
                 if same_pod(booking, entry):
                     continue  # a claim and a container of a pod it is reserved for
+                if for_pods is None and is_plugin(entry):
+                    continue  # the kubelet's accounting keeps its own pods apart: the hook books their containers
                 # exclusive against anything held; shared against what another holds exclusively
                 clash = (set(exclusive) & set(entry["exclusive"] + entry.get("shared", []))
                          | set(shared) & set(entry["exclusive"]))
@@ -492,12 +549,95 @@ class Ledger:
                     if entry.get("pod") in reserved["pods"]:
                         clash -= set(reserved["exclusive"])  # not what it shares with others (a MIG parent)
                 if clash:
-                    state = entry.get("state", "active")
-                    raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by container "
-                                      f"{other_id} ({state}, pid {entry.get('pid')})")
+                    raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by "
+                                      f"{describe(other_id, entry)}")
             allocations[container_id] = booking
             self.event("allocated", container=container_id, devices=list(names))
         return Booking(self, container_id, new=True)
+
+    def book_plugin(self, resource: str, devices: dict[str, Claim], pods: dict[str, list[str]] | None = None,
+                    policy: dict[str, str] | None = None) -> list[str]:
+        """The device plugin's Allocate: book each device the kubelet gives a pod (device ID -> its nodes) for
+        the node (pid 1), all or none, as `device-plugin:<resource>:<ID>` (`plugin`: the resource; `pods`: the
+        pod, once the kubelet's checkpoint names it). Refused: a device a DRA claim or another of the plugin's
+        bookings holds, or an unhealthy one. Containers' bookings (the hook's) are no clash either way: they
+        are the pods' own containers, and the kubelet keeps its pods apart. A device of this resource booked
+        before is replaced (the kubelet gives a device again only when its accounting freed it); given `pods`
+        (a rebook from the kubelet's checkpoint), a booking there already only learns its pods. The IDs newly
+        booked."""
+        if policy is None:
+            from devinject.nodestate.profilefacts import sharing_policy
+
+            policy = sharing_policy(self.state_dir, profile_dirs=self.profile_dirs)
+        wanted: dict[str, tuple[Claim, list[str], list[str]]] = {}
+        for device_id, claim in devices.items():
+            nodes, sharing = {str(n) for n in claim.nodes}, {str(n) for n in claim.shared}
+            if policy.get(claim.name.partition("=")[0], "exclusive") == "shared":
+                nodes, sharing = set(), nodes
+            wanted[plugin_booking_id(resource, device_id)] = (claim, sorted(nodes - sharing), sorted(sharing))
+        every = {n for _, ex, sh in wanted.values() for n in ex + sh}
+        trusted_dir(self.state_dir, error=LedgerError)
+        unhealthy = self._unhealthy_nodes() & every
+        if unhealthy:
+            raise LedgerError(f"{resource}: device node {sorted(unhealthy)[0]} is unhealthy; not allocated")
+        start_time = process_start_time(1, self.proc)
+        if start_time is None:
+            raise LedgerError(f"{self.proc}/1: the node's init is not visible; not allocated")
+        booked: list[str] = []
+        with self.locked() as data:
+            self.reclaim(data, wanted=every)
+            allocations = data["allocations"]
+            for booking_id, (claim, exclusive, shared) in wanted.items():
+                existing = allocations.get(booking_id)
+                if pods is not None and existing is not None:
+                    continue  # known: only its pods are learned, below
+                for other_id, entry in allocations.items():
+                    if other_id in wanted or "pods" not in entry:
+                        continue  # this request's own devices; a container's booking
+                    clash = clashes(exclusive, shared, (set(entry["exclusive"]), set(entry.get("shared", []))))
+                    if clash:
+                        raise LedgerError(f"{claim.name} ({resource} device {plugin_device_id(booking_id)}): "
+                                          f"device {sorted(clash)[0]} is held by {describe(other_id, entry)}")
+            for booking_id, (claim, exclusive, shared) in wanted.items():
+                device_id = plugin_device_id(booking_id)
+                existing = allocations.get(booking_id)
+                if pods is not None and existing is not None:
+                    existing["pods"] = sorted(set(existing.get("pods", [])) | set(pods.get(device_id, [])))
+                    continue
+                allocations[booking_id] = {
+                    "devices": [claim.name], "exclusive": exclusive, "shared": shared, "pid": 1,
+                    "start_time": start_time, "time": time.time(), "state": "active", "own_pid_ns": False,
+                    "plugin": resource, "pods": sorted(set((pods or {}).get(device_id, [])))}
+                booked.append(device_id)
+                self.event("allocated", container=booking_id, devices=[claim.name])
+        return booked
+
+    def plugin_update(self, pods: dict[str, list[str]], released: Iterable[str] = ()) -> None:
+        """The device plugin's round: the pods its bookings (by booking ID) were given to, as the kubelet's
+        checkpoint says, and the bookings whose pods are gone (freed at once: a pod's directory goes after
+        its containers have ended)."""
+        with self.locked() as data:
+            allocations = data["allocations"]
+            for booking_id in released:
+                entry = allocations.get(booking_id)
+                if entry is not None and is_plugin(entry):
+                    del allocations[booking_id]
+                    self.event("released", container=booking_id, devices=entry.get("devices"))
+            for booking_id, known in pods.items():
+                entry = allocations.get(booking_id)
+                if entry is not None and is_plugin(entry) and sorted(set(known)) != entry.get("pods"):
+                    entry["pods"] = sorted(set(known))
+
+    def read(self) -> dict[str, Any] | None:
+        """The ledger as it is now, without the lock or any housekeeping (its file is replaced whole, so a read
+        sees one version): for offers that follow it every second. None when it is missing or broken: no word
+        on what is held (the next booking rebuilds it, and the agents book theirs again)."""
+        try:
+            with open(self.path, "rb") as handle:
+                data = jsonlite.loads(handle.read().decode("utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        return data if ledger_problem(data) is None else None
 
     def release(self, container_id: str) -> str:
         """poststop: idempotent and quick. The booking ends here; its nodes are free once no container's
