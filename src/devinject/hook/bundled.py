@@ -5,8 +5,8 @@ it), so everything else is refused in one line rather than failing on a missing 
 
 import sys
 
-USAGE = ("devinject: error: the node hook runs only `cdi-hook create-symlinks|update-ldcache|links-and-ldcache ...` and `--version` "
-         "(the other commands are the agent's: run them in its image)")
+USAGE = ("devinject: error: the node hook runs only `cdi-hook create-symlinks|update-ldcache|links-and-ldcache ...` "
+         "and `--version` (the other commands are the agent's: run them in its image)")
 
 
 def main(argv: list[str] | None = None) -> int:
