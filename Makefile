@@ -81,6 +81,7 @@ mutation: venv
 bench: venv
 	$(BIN)/python bench/bench_generate.py
 	$(BIN)/python bench/bench_hook.py
+	$(BIN)/python bench/bench_cdi_hooks.py
 	$(BIN)/python bench/bench_hook_imports.py
 	$(BIN)/python bench/bench_specs.py
 	$(BIN)/python bench/bench_watch.py

@@ -413,8 +413,9 @@ def _lean_command(name: str, short: str, summary: str) -> None:
 _lean_command("hook", "OCI hook: inject the devices a container asks for.",
               "The OCI hook (prestart, createRuntime, poststop): give a container the CDI devices it asks for, "
               "with cgroup grants and the device ledger (see install-hook).")
-_lean_command("cdi-hook", "The specs' hooks: create-symlinks, update-ldcache.",
-              "The generated specs' createContainer hooks: create-symlinks, update-ldcache.")
+_lean_command("cdi-hook", "The specs' hooks: symlinks and the linker cache.",
+              "The generated specs' createContainer hooks: create-symlinks, update-ldcache, links-and-ldcache "
+              "(both in one process).")
 
 
 @cli.command("install-hook")

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None, *, site_dirs: bool = False) -> int:
         status = run_via_server(args)
         if status is not None:
             return status
-    if site_dirs:
+    if site_dirs and args[:1] != ["cdi-hook"]:  # a cdi-hook imports no third-party package
         from devinject.hook.sitedirs import package_dirs
 
         sys.path += package_dirs()

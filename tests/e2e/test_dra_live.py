@@ -308,16 +308,16 @@ def test_pod_to_running_against_the_reference_driver(cluster: Cluster) -> None:
         until(lambda: cluster.json("resourceslices", "--field-selector", "spec.driver=test-driver.cdi.k8s.io")["items"],
               60, "the reference driver's slice")
         ours, theirs = [], []
-        for n in range(3):
+        for n in range(5):  # interleaved, a median of 5 each: this machine is shared and noisy
             ours.append(time_to_running(cluster, f"ours-{n}", "gpu.devinject.io"))
             cluster.delete_pod(f"ours-{n}")
             theirs.append(time_to_running(cluster, f"theirs-{n}", "test-driver.devinject.io"))
             cluster.delete_pod(f"theirs-{n}")
         ours.sort()
         theirs.sort()
-        record("pod_running_devinject_s", round(ours[1], 2))
-        record("pod_running_reference_s", round(theirs[1], 2))
-        record("pod_running_ratio", round(ours[1] / theirs[1], 2))
+        record("pod_running_devinject_s", round(ours[2], 2))
+        record("pod_running_reference_s", round(theirs[2], 2))
+        record("pod_running_ratio", round(ours[2] / theirs[2], 2))
     finally:
         peer.send_signal(signal.SIGTERM)
         try:

@@ -48,20 +48,21 @@ def test_every_library_of_the_driver_version_and_the_exceptions(gpu: Spec) -> No
                  "libnvidia-rtcore.so.550.54.14", "libnvoptix.so.550.54.14", "libnvidia-ngx.so.550.54.14",
                  "libnvidia-egl-gbm.so.1.1.1", "vdpau/libvdpau_nvidia.so.550.54.14", "libcuda.so.550.54.14"):
         assert f"{LIB}/{name}" in mounted, name
-    links = [a for h in gpu.edits.hooks if "create-symlinks" in h.args for a in h.args if "::" in a]
+    links = [a for h in gpu.edits.hooks if "--link" in h.args for a in h.args if "::" in a]
     assert f"libcuda.so.1::{LIB}/libcuda.so" in links  # -lcuda for Triton and torch.compile
     assert f"libGLX_nvidia.so.550.54.14::{LIB}/libGLX_nvidia.so.0" in links
     assert f"libGLX_nvidia.so.0::{LIB}/libGLX_indirect.so.0" in links  # declared by the profile
     assert f"libvdpau_nvidia.so.550.54.14::{LIB}/vdpau/libvdpau_nvidia.so.1" in links
-    (ldcache,) = [h.args for h in gpu.edits.hooks if "update-ldcache" in h.args]
-    assert ldcache[3:] == ("--folder", LIB, "--folder", f"{LIB}/vdpau",
-                           "--forward-compat", "/usr/local/cuda/compat:libcuda.so:550.54.14")
+    (ldcache,) = [h.args for h in gpu.edits.hooks if "--folder" in h.args]
+    assert ldcache[2] == "links-and-ldcache"  # the links and the cache: one hook, one process
+    assert ldcache[-6:] == ("--folder", LIB, "--folder", f"{LIB}/vdpau",
+                            "--forward-compat", "/usr/local/cuda/compat:libcuda.so:550.54.14")
 
 
 def test_graphics_as_nvidia_generates_them(gpu: Spec) -> None:
     """docs/driver-fidelity.md: the GBM backend and X server module links, the DRM output class, nvidia-xconfig,
     and the libraries NVIDIA's `*.so.<version>` glob includes (nvidia-settings' GTK 3 and Wayland clients)."""
-    links = [a for h in gpu.edits.hooks if "create-symlinks" in h.args for a in h.args if "::" in a]
+    links = [a for h in gpu.edits.hooks if "--link" in h.args for a in h.args if "::" in a]
     xorg = "/usr/lib/xorg/modules/extensions"
     for link in (f"../libnvidia-allocator.so.1::{LIB}/gbm/nvidia-drm_gbm.so",  # as graphics.go makes it
                  f"libglxserver_nvidia.so.550.54.14::{xorg}/libglxserver_nvidia.so",

@@ -85,3 +85,15 @@ def test_preferred_keeps_devices_close_and_falls_back_to_the_kubelets_order() ->
     # IDs the plugin does not know: the kubelet's own choice, must-include first
     assert preferred(DEVICES, ["a", "b", "c"], ["c"], 2) == ["c", "a"]
     assert annotation_key("nvidia.com/gpu") == "cdi.k8s.io/devinject_nvidia.com_gpu"
+
+
+def test_the_links_of_a_merged_links_and_ldcache_hook_are_mounted_as_well() -> None:
+    """`allocate: both` for a spec naming one links-and-ldcache hook (links and the linker cache, one process),
+    in the launcher form generate writes: the same SONAME links as mounts as from a create-symlinks hook."""
+    merged = LINKS._replace(path="/usr/bin/python3", args=(
+        "/usr/bin/python3", "-IS", "/usr/lib/python3/dist-packages/devinject/hook/launcher.py", "cdi-hook",
+        "links-and-ldcache", *LINKS.args[3:], "--folder", LIB))
+    spec = SPEC._replace(edits=SPEC.edits._replace(hooks=(merged,)))
+    mounts = {c: (h, ro) for c, h, ro in answer("vendor.com/gpu", spec, DEVICES, ["0000:01:00.0"]).mounts}
+    assert mounts[f"{LIB}/libx.so.9"] == (f"/host{LIB}/libx.so.9.1", True)
+    assert mounts[f"{LIB}/libx.so"] == (f"/host{LIB}/libx.so.9.1", True)

@@ -129,7 +129,7 @@ def test_each_cdi_hook_subcommand_help_lists_every_flag_the_generated_specs_use(
             args = hook["args"]
             if args[1:2] == ["cdi-hook"]:
                 used.setdefault(args[2], set()).update(a for a in args[3:] if a.startswith("--"))
-    assert used["update-ldcache"] == {"--folder", "--forward-compat"}, used  # the fixture uses both
+    assert used["links-and-ldcache"] == {"--link", "--folder", "--forward-compat"}, used  # the fixture uses all
     overview = run("cdi-hook", "--help")
     assert overview.returncode == 0
     for command, flags in used.items():

@@ -1,5 +1,8 @@
 import os
+import shutil
 import stat
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,8 +56,10 @@ def test_host_paths_carry_the_root_container_paths_do_not():
 
 def test_soname_links_and_ldcache_hooks_are_generated():
     hooks = _specs("hgx-h100")["nvidia.com/gpu"].edits.hooks
-    assert [h.args[2] for h in hooks] == ["create-symlinks", "update-ldcache"]
+    assert [h.args[2] for h in hooks] == ["links-and-ldcache"]  # one process per container for both
     assert "libcuda.so.550.54.14::/usr/lib/x86_64-linux-gnu/libcuda.so.1" in hooks[0].args
+    assert hooks[0].args[-4:] == ("--folder", "/usr/lib/x86_64-linux-gnu",
+                                  "--forward-compat", "/usr/local/cuda/compat:libcuda.so:550.54.14")
     assert all(h.path == HOOK and h.hook_name == "createContainer" and h.env for h in hooks)
 
 
@@ -192,3 +197,58 @@ def test_driver_root_takes_driver_files_from_there_and_nodes_from_the_host(host_
         assert gpu.edits.hooks == expected.hooks  # container paths: the same links and folders
     with pytest.raises(ConfigError, match="--driver-root"):
         generate_specs(GenerateOptions(root=str(root), hook_path=HOOK, driver_root="/run/absent"))
+
+
+def test_a_spec_names_one_hook_per_need_and_none_when_nothing_is_needed():
+    """links and the linker cache: one process; only one of them: its own subcommand; neither: no hook."""
+    by_command = {kind: [h.args[2] for h in spec.edits.hooks] for kind, spec in _specs("gaudi2").items()}
+    assert by_command["habana.ai/gaudi"] == ["update-ldcache"]  # libraries, no links to make
+    assert [h.args[2] for h in _specs("workstation")["intel.com/gpu"].edits.hooks] == []  # no libraries
+    amd = _specs("mi300x")["amd.com/gpu"]
+    assert [h.args[2] for h in amd.edits.hooks] == ["links-and-ldcache"]
+    assert {h.args[2] for d in amd.devices for h in d.edits.hooks} == {"create-symlinks"}  # the DRM by-path links
+
+
+def test_a_library_directory_without_libraries_asks_for_no_linker_cache(tmp_path):
+    host = tmp_path / "host"
+    shutil.copytree(HOSTS / "ascend-910b", host, symlinks=True)
+    folders = lambda: [a for h in _root_specs(host)["huawei.com/npu"].edits.hooks for a in h.args  # noqa: E731
+                       if a.startswith("/usr/local/Ascend")]
+    assert "/usr/local/Ascend/driver/lib64/common" in folders()
+    (host / "usr/local/Ascend/driver/lib64/common/libc_sec.so").unlink()
+    assert "/usr/local/Ascend/driver/lib64/common" not in folders()
+    assert "/usr/local/Ascend/driver/lib64/driver" in folders()
+
+
+def _root_specs(root):
+    return {s.kind: s for s in generate_specs(GenerateOptions(root=str(root), hook_path=HOOK))}
+
+
+def test_the_default_hook_and_this_installation_s_console_script_run_lean(tmp_path):
+    """As install-hook writes the OCI hook: this interpreter on the hook launcher with -IS (no `site`), by
+    default and for a --hook-path that is this installation's own console script; any other path as given."""
+    from devinject.specs.generate import hook_command
+
+    launcher = str(Path(generate_specs.__code__.co_filename).parent.parent / "hook" / "launcher.py")
+    assert hook_command(None) == (sys.executable, (sys.executable, "-IS", launcher))
+    ours = tmp_path / "devinject"
+    ours.write_text(f"#!{sys.executable}\nimport sys\nfrom devinject.entry import main\nsys.exit(main())\n")
+    assert hook_command(str(ours)) == hook_command(None)
+    assert hook_command(str(ours), target_root="/host") == (str(ours), ("devinject",))  # another host's path
+    other = tmp_path / "other"
+    other.write_text("#!/usr/bin/python3\nimport sys\nfrom devinject.entry import main\nsys.exit(main())\n")
+    assert hook_command(str(other)) == (str(other), ("devinject",))
+    assert hook_command("/opt/devinject/hook/bin/devinject") == ("/opt/devinject/hook/bin/devinject", ("devinject",))
+    spec = {s.kind: s for s in generate_specs(GenerateOptions(root=str(HOSTS / "hgx-h100")))}["nvidia.com/gpu"]
+    (hook,) = spec.edits.hooks
+    assert (hook.path, hook.args[:5]) == (sys.executable, (sys.executable, "-IS", launcher, "cdi-hook",
+                                                           "links-and-ldcache"))
+
+
+def test_the_merged_hook_does_not_raise_the_cdi_version():
+    merged = _specs("hgx-h100")["nvidia.com/gpu"].edits.hooks
+    assert [h.args[2] for h in merged] == ["links-and-ldcache"]
+    spec = Spec("a.com/b", (Device("gpu-a", ContainerEdits(device_nodes=(DeviceNode("/dev/x", type="c", major=1,
+                                                                                    minor=2),))),),
+                edits=ContainerEdits(hooks=merged))
+    assert required_version(spec) == "0.3.0"

@@ -146,3 +146,35 @@ def test_forward_compat_argument_and_version_order():
             parse_forward_compat(bad)
     with pytest.raises(HookError, match="unexpected argument"):
         parse_cdi_hook(["create-symlinks", "--folder", "/x"])
+
+
+def test_the_hook_runs_a_merged_cdi_hook_and_the_launcher_form_inline():
+    """A spec's `links-and-ldcache` hook, named as generate names it by default (this interpreter on the hook
+    launcher), is one of devinject's own: the OCI hook makes its links and linker cache itself."""
+    import sys
+
+    from devinject.hook.plan import LAUNCHER_SUFFIX, ForwardCompat
+
+    launcher = f"/usr/lib/python3/dist-packages{LAUNCHER_SUFFIX}"
+    hook = Hook("createContainer", sys.executable, (sys.executable, "-IS", launcher, "cdi-hook", "links-and-ldcache",
+                                                    "--link", "libx.so.1.0::/usr/lib/libx.so.1", "--folder", "/usr/lib",
+                                                    "--forward-compat", "/compat:libx.so:1.0"))
+    steps = plan(ContainerEdits(hooks=(hook,)))
+    assert steps.links == (Symlink("libx.so.1.0", "/usr/lib/libx.so.1"),)
+    assert steps.ldcache_folders == ("/usr/lib",)
+    assert steps.forward_compat == (ForwardCompat("/compat", "libx.so", "1.0"),)
+    assert steps.warnings == ()
+    other = hook._replace(args=(sys.executable, "-IS", "/opt/other/launcher.py", "cdi-hook", "create-symlinks"))
+    assert "skipped" in plan(ContainerEdits(hooks=(other,))).warnings[0]
+
+
+def test_a_merged_cdi_hook_takes_both_commands_flags_and_the_single_ones_keep_theirs():
+    from devinject.hook.plan import parse_cdi_hook
+
+    command, values = parse_cdi_hook(["links-and-ldcache", "--link", "a::/l", "--folder=/usr/lib",
+                                      "--forward-compat", "/c:libx.so:1.0"])
+    assert command == "links-and-ldcache"
+    assert values == {"--link": ["a::/l"], "--folder": ["/usr/lib"], "--forward-compat": ["/c:libx.so:1.0"]}
+    for single, foreign in (("create-symlinks", "--folder"), ("update-ldcache", "--link")):
+        with pytest.raises(HookError, match="unexpected argument"):
+            parse_cdi_hook([single, foreign, "/x"])

@@ -29,7 +29,11 @@ def test_a_relative_devinject_names_itself_by_its_absolute_path(tmp_path: Path) 
     assert not relative.startswith("/")
     done = run("generate", "--root", GAUDI, "--output", "-", cwd=str(REPO), argv0=relative)
     assert done.returncode == 0, done.stderr
-    assert f"path: {DEVINJECT}\n" in done.stdout and "/usr/local/bin/devinject" not in done.stdout
+    # this installation's own program by its absolute path: its interpreter on the hook launcher (-IS), as
+    # generate names the hooks by default (specs/generate.hook_command), never a guessed /usr/local/bin/devinject
+    launcher = str(REPO / "src" / "devinject" / "hook" / "launcher.py")
+    assert f"path: {sys.executable}\n" in done.stdout and f"- {launcher}\n" in done.stdout, done.stdout
+    assert "/usr/local/bin/devinject" not in done.stdout
 
 
 @pytest.mark.parametrize(("hook", "says"), [

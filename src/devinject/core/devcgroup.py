@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 from devinject.core.errors import HookError
-from devinject.core.mountinfo import parse_mountinfo
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -65,6 +64,8 @@ def find_device_cgroup(mountinfo: str, proc_cgroup: str) -> DeviceCgroup | None:
     # Only cgroup mounts and what is mounted on /sys/fs/cgroup are parsed: a node running many containers
     # has thousands of other mounts, and this runs on every container start.
     wanted = (line for line in mountinfo.splitlines() if " - cgroup" in line or f" {CGROUP_ROOT} " in line)
+    from devinject.core.mountinfo import parse_mountinfo  # here: the plan's AllowDevice alone needs none of it
+
     mounts = parse_mountinfo("\n".join(wanted))
     paths = parse_proc_cgroup(proc_cgroup)
     at_root = [m for m in mounts if m.mount_point == CGROUP_ROOT]

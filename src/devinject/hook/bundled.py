@@ -5,8 +5,8 @@ it), so everything else is refused in one line rather than failing on a missing 
 
 import sys
 
-USAGE = ("devinject: error: the node hook runs only `cdi-hook create-symlinks|update-ldcache ...` and `--version` "
-         "(the other commands are the agent's: run them in its image)")
+USAGE = ("devinject: error: the node hook runs only `cdi-hook create-symlinks|update-ldcache|links-and-ldcache ...` "
+         "and `--version` (the other commands are the agent's: run them in its image)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
+    """The launcher's whole run: `main`, then an exit without the interpreter's teardown of every loaded module
+    (as entry.launch): everything the cdi-hook writes is written and closed by then."""
+    import posix
+
     status = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    raise SystemExit(status)
+    posix._exit(status)

@@ -14,8 +14,7 @@ import stat
 
 from devinject.core import atomicfile
 from devinject.core.errors import HookError, UnsafePathError
-from devinject.core.mountinfo import parse_mountinfo
-from devinject.hook import linkercache, syscalls
+from devinject.hook import linkercache
 from devinject.hook.plan import BindMount, ForwardCompat, MakeNode, Plan, Symlink, newer_than
 from devinject.hook.safepath import _O_PATH, Created, Root
 
@@ -25,6 +24,23 @@ if TYPE_CHECKING:
     from typing import NamedTuple
 else:
     from devinject.core.records import NamedTuple
+
+
+class _Syscalls:
+    """hook/syscalls.py (the C library: mount, open_tree...), imported when a node or a mount first needs it:
+    a cdi-hook makes only links and the linker cache, and its start does not pay for the C library."""
+
+    def __getattr__(self, name: str) -> object:
+        from devinject.hook import syscalls as module
+
+        globals()["syscalls"] = module
+        return getattr(module, name)
+
+
+if TYPE_CHECKING:
+    from devinject.hook import syscalls
+else:
+    syscalls = _Syscalls()
 
 
 class LinkerCache(NamedTuple):
@@ -146,7 +162,7 @@ class Undo:
 
 
 # MS_RDONLY, MS_NOSUID, MS_NODEV and MS_NOEXEC have the same bits as MOUNT_ATTR_RDONLY ... _NOEXEC.
-_MOUNT_ATTRS = syscalls.MS_RDONLY | syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOEXEC
+_MOUNT_ATTRS = 0x1 | 0x2 | 0x4 | 0x8
 
 
 def _proc_fd(fd: int) -> str:
@@ -330,6 +346,8 @@ class Executor(Steps):
             return False  # no statx mount id and no fdinfo (not Linux or no /proc): nothing to go on
         if mount_id not in self._shared:  # a mount not seen yet (one attached since): read the table again
             mountinfo = _read_proc("/proc/self/mountinfo").decode("utf-8", "replace")
+            from devinject.core.mountinfo import parse_mountinfo
+
             self._shared.update((m.mount_id, m.shared) for m in parse_mountinfo(mountinfo, mount_id=mount_id))
         return self._shared.get(mount_id, False)
 

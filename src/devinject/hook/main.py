@@ -14,7 +14,7 @@ import time
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError, HookError
 from devinject.core.paths import DEFAULT_SPEC_DIRS, DEFAULT_STATE_DIR
-from devinject.hook import fastjson, fastlibc
+from devinject.hook import fastjson
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--l
                       [--env-requests | --no-env-requests] [--no-ledger] [--dry-run]
                       [--server SOCKET | --no-server]
                       [--stage prestart|createRuntime|poststop] < state.json
-       devinject cdi-hook create-symlinks|update-ldcache ... < state.json   (devinject cdi-hook --help)"""
+       devinject cdi-hook create-symlinks|update-ldcache|links-and-ldcache ... < state.json   (cdi-hook --help)"""
 FLAGS = f"""The OCI hook: reads the container's state on stdin and gives it the CDI devices it asks for (its
 cdi.k8s.io/* annotations; env requests only when turned on). Runtimes run it; `devinject install-hook` installs it.
 
@@ -402,25 +402,30 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
 
 
 def run_cdi_hook(args: list[str], stdin_fd: int = 0) -> list[str]:
-    """A CDI createContainer hook: already inside the container's mount namespace, before pivot_root."""
-    from devinject.hook.executor import Executor
+    """A CDI createContainer hook: already inside the container's mount namespace, before pivot_root. One with
+    nothing to make (no link, no library directory) returns before it reads the container's state."""
     from devinject.hook.plan import Plan, parse_cdi_hook, parse_forward_compat, parse_link
+
+    _, values = parse_cdi_hook(args)
+    links = tuple(dict.fromkeys(parse_link(v) for v in values["--link"]))
+    folders = tuple(dict.fromkeys(v for v in values["--folder"] if v.startswith("/")))
+    compat = tuple(dict.fromkeys(parse_forward_compat(v) for v in values["--forward-compat"]))
+    if not links and not folders:
+        return []
+    from devinject.hook.executor import Executor
     from devinject.hook.state import load_bundle, parse_state, read_stdin
 
-    command, values = parse_cdi_hook(args)
     bundle = load_bundle(parse_state(read_stdin(stdin_fd)))
-    if command == "create-symlinks":
-        steps = Plan(links=tuple(parse_link(v) for v in values["--link"]))
-    else:
-        steps = Plan(ldcache_folders=tuple(v for v in values["--folder"] if v.startswith("/")),
-                     forward_compat=tuple(parse_forward_compat(v) for v in values["--forward-compat"]))
-    return Executor(bundle.rootfs).apply(steps)
+    return Executor(bundle.rootfs).apply(Plan(links=links, ldcache_folders=folders, forward_compat=compat))
 
 
 def main(argv: list[str]) -> int:
-    fastjson.install()  # the hook's JSON codec and C library: the standard ones cost imports on every start
-    fastlibc.install()
+    fastjson.install()  # the hook's JSON codec: the standard one costs imports on every start
     command, args = argv[0], argv[1:]
+    if command != "cdi-hook":  # and its C library: a cdi-hook makes links and a linker cache, no C call
+        from devinject.hook import fastlibc
+
+        fastlibc.install()
     started = time.monotonic()
     opts = HookOptions()
     record: dict[str, object] = {"command": command, "time": time.time()}

@@ -9,15 +9,14 @@ import stat as statmod
 
 from devinject.core.devcgroup import AllowDevice as AllowDevice  # a device cgroup rule: the plan's, the ledger's
 from devinject.core.errors import HookError
-from devinject.core.identity import node_id
-from devinject.core.model import ContainerEdits, DeviceNode, Hook, NetDevice
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the CDI model only as types: a cdi-hook's start imports neither
     from collections.abc import Callable
     from typing import NamedTuple
 
     from devinject.core.identity import NodeId
+    from devinject.core.model import ContainerEdits, DeviceNode, Hook, NetDevice
 
     StatFn = Callable[[str], os.stat_result]
 else:
@@ -103,6 +102,8 @@ def _fill_node(node: DeviceNode, stat_fn: StatFn, uid: int, gid: int) -> MakeNod
 def node_identity(node: DeviceNode, stat_fn: StatFn = os.stat) -> NodeId:
     """`c 195:0`: what the ledger books. Numbers a spec leaves out come from the host node, as for mknod,
     so a node written without major/minor (as other generators write them) is still one device."""
+    from devinject.core.identity import node_id
+
     filled = _fill_node(node, stat_fn, 0, 0)
     return node_id(filled.type, filled.major, filled.minor)
 
@@ -122,21 +123,33 @@ def _bind(host_path: str, container_path: str, options: tuple[str, ...], mount_t
 
 
 def _devinject_hook_args(hook: Hook) -> list[str] | None:
-    """Args after `cdi-hook` when this is a hook devinject generated, else None."""
+    """Args after `cdi-hook` when this is a hook devinject generated, else None: `devinject cdi-hook ...` (a
+    console script, the node hook's launcher) or `PYTHON -IS .../devinject/hook/launcher.py cdi-hook ...`."""
     args = list(hook.args)
     if len(args) >= 3 and posixpath.basename(args[0]) == "devinject" and args[1] == "cdi-hook":
         return args[2:]
+    if len(args) >= 5 and args[1] == "-IS" and args[2].endswith(LAUNCHER_SUFFIX) and args[3] == "cdi-hook":
+        return args[4:]
     return None
 
 
+LAUNCHER_SUFFIX = "/devinject/hook/launcher.py"  # the hook launcher, as generate names it in a spec
+
+
+_LINK_FLAG = ("--link", "TARGET::LINK", "make LINK (an absolute path in the container) a symlink to TARGET")
+_FOLDER_FLAG = ("--folder", "DIR", "a directory of the driver's libraries in the container")
+_FORWARD_COMPAT_FLAG = ("--forward-compat", "DIR:LIBRARY:VERSION",
+                        "DIR first when the image's LIBRARY.<version> there is newer than VERSION, the host driver's")
 CDI_HOOK_COMMANDS = {  # subcommand -> (what it does, its flags: (flag, value, meaning)); parsing and --help read it
     "create-symlinks": ("Make symlinks in the container, as the host's driver has them (the soname links).", (
-        ("--link", "TARGET::LINK", "make LINK (an absolute path in the container) a symlink to TARGET"),
+        _LINK_FLAG,
     )),
     "update-ldcache": ("Add library directories to the container's linker cache (ld.so.cache, or musl's path).", (
-        ("--folder", "DIR", "a directory of the driver's libraries in the container"),
-        ("--forward-compat", "DIR:LIBRARY:VERSION",
-         "DIR first when the image's LIBRARY.<version> there is newer than VERSION, the host driver's"),
+        _FOLDER_FLAG, _FORWARD_COMPAT_FLAG,
+    )),
+    "links-and-ldcache": ("Make the symlinks, then add the library directories to the linker cache: "
+                          "create-symlinks and update-ldcache in one process.", (
+        _LINK_FLAG, _FOLDER_FLAG, _FORWARD_COMPAT_FLAG,
     )),
 }
 
@@ -158,22 +171,24 @@ def cdi_hook_usage(command: str | None = None) -> str:
 
 
 def parse_cdi_hook(args: list[str]) -> tuple[str, dict[str, list[str]]]:
-    """`create-symlinks --link T::L ...` or `update-ldcache --folder F ... [--forward-compat DIR:LIB:VERSION]`
-    -> (subcommand, values by flag)."""
+    """`create-symlinks --link T::L ...`, `update-ldcache --folder F ... [--forward-compat DIR:LIB:VERSION]` or
+    `links-and-ldcache` with the flags of both -> (subcommand, values by flag: every flag of the table, a
+    subcommand's own flags or not, so that callers need not ask which it was)."""
     if not args:
-        raise HookError("cdi-hook: subcommand missing (create-symlinks or update-ldcache)")
+        raise HookError("cdi-hook: subcommand missing (create-symlinks, update-ldcache or links-and-ldcache)")
     command, rest = args[0], args[1:]
     if command not in CDI_HOOK_COMMANDS:
         raise HookError(f"cdi-hook: unknown subcommand {command!r}")
-    values: dict[str, list[str]] = {flag: [] for flag, _, _ in CDI_HOOK_COMMANDS[command][1]}
+    own = {flag for flag, _, _ in CDI_HOOK_COMMANDS[command][1]}
+    values: dict[str, list[str]] = {flag: [] for flag in ("--link", "--folder", "--forward-compat")}
     i = 0
     while i < len(rest):
         arg = rest[i]
         flag, eq, value = arg.partition("=")
-        if flag in values and eq:
+        if flag in own and eq:
             values[flag].append(value)
             i += 1
-        elif arg in values and i + 1 < len(rest):
+        elif arg in own and i + 1 < len(rest):
             values[arg].append(rest[i + 1])
             i += 2
         else:
@@ -237,12 +252,10 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
         if args is None:
             warnings.append(f"hook {hook.path} ({hook.hook_name}) skipped: only devinject's own hooks run inline")
             continue
-        command, values = parse_cdi_hook(args)
-        if command == "create-symlinks":
-            links += [parse_link(v) for v in values["--link"]]
-        else:
-            folders += [v for v in values["--folder"] if v.startswith("/")]
-            compat += [parse_forward_compat(v) for v in values["--forward-compat"]]
+        _, values = parse_cdi_hook(args)
+        links += [parse_link(v) for v in values["--link"]]
+        folders += [v for v in values["--folder"] if v.startswith("/")]
+        compat += [parse_forward_compat(v) for v in values["--forward-compat"]]
     allow = tuple(dict.fromkeys(AllowDevice(n.type, n.major, n.minor, _access(d.permissions))
                                 for n, d in zip(nodes, edits.device_nodes, strict=True)))
     result = Plan(tuple(nodes), tuple(mounts), tuple(dict.fromkeys(links)), tuple(dict.fromkeys(folders)), allow,

@@ -76,11 +76,11 @@ def _chosen(devices: dict[str, PluginDevice], ids: list[str]) -> list[PluginDevi
 
 
 def _links(edits: ContainerEdits) -> list[tuple[str, str]]:
-    """(link, target) pairs the spec's create-symlinks hook makes, targets absolute."""
+    """(link, target) pairs the spec's create-symlinks (or links-and-ldcache) hook makes, targets absolute."""
     pairs = []
     for hook in edits.hooks:
         args = list(hook.args)
-        if "create-symlinks" not in args:
+        if "create-symlinks" not in args and "links-and-ldcache" not in args:
             continue
         for flag, value in itertools.pairwise(args):
             if flag == "--link" and "::" in value:

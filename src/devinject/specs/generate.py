@@ -94,6 +94,34 @@ def default_hook_path() -> str:
     return os.path.abspath(found) if found else "/usr/local/bin/devinject"
 
 
+def _launcher() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hook", "launcher.py")
+
+
+def _is_this_installation(path: str) -> bool:
+    """Whether `path` is this installation's own `devinject` console script: its `#!` names this interpreter
+    and it runs devinject's entry. Read here, so only for a spec read on this machine (no --target-root)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4096)
+    except OSError:
+        return False
+    first, _, rest = head.partition(b"\n")
+    return first == b"#!" + os.fsencode(sys.executable) and b"from devinject.entry import main" in rest
+
+
+def hook_command(hook_path: str | None, *, target_root: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """How a spec's CDI hooks run devinject: (the hook's path, its argv before `cdi-hook`). By default, and for
+    a --hook-path that is this installation's console script, this interpreter on the hook launcher with
+    `-IS`, as `install-hook` writes the OCI hook: no `site` (a virtual environment's `site` and `.pth` files
+    cost a container start ~30 ms per hook here, bench/bench_cdi_hooks.py) and nothing imported but the
+    cdi-hook's own modules. Any other --hook-path (the node hook's launcher, a path as another host names
+    it) runs as given."""
+    if hook_path is None or (target_root is None and _is_this_installation(hook_path)):
+        return sys.executable, (sys.executable, "-IS", _launcher())
+    return hook_path, ("devinject",)
+
+
 class Rerooter:
     """Host paths as the runtime that reads the spec will open them; container paths as the host names them.
 
@@ -198,15 +226,37 @@ def _link_target(library: LocatedFile) -> str:
     return posixpath.basename(library.real) if same_dir else library.real
 
 
-def _cdi_hook(hook_path: str, command: str, flag: str, values: list[str]) -> Hook:
-    """A createContainer hook running one of devinject's own `cdi-hook` subcommands."""
-    args = ["devinject", "cdi-hook", command]
-    for value in values:
-        args += [flag, value]
-    return Hook("createContainer", hook_path, tuple(args), HOOK_ENV, HOOK_TIMEOUT)
+def _cdi_hook(command: tuple[str, tuple[str, ...]], subcommand: str, *flags: tuple[str, list[str]]) -> Hook:
+    """A createContainer hook running one of devinject's own `cdi-hook` subcommands (`command`: hook_command's)."""
+    path, argv = command
+    args = [*argv, "cdi-hook", subcommand]
+    for flag, values in flags:
+        for value in values:
+            args += [flag, value]
+    return Hook("createContainer", path, tuple(args), HOOK_ENV, HOOK_TIMEOUT)
 
 
-def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path: str,
+def _library_hook(command: tuple[str, tuple[str, ...]], links: list[str], folders: list[str],
+                  forward_compat: list[str]) -> tuple[Hook, ...]:
+    """The spec-level hook: one process per container for the links and the linker cache together (each hook
+    is an interpreter's start), the single-purpose subcommand when only one is needed, none when neither is."""
+    if links and folders:
+        return (_cdi_hook(command, "links-and-ldcache", ("--link", links), ("--folder", folders),
+                          ("--forward-compat", forward_compat)),)
+    if links:
+        return (_cdi_hook(command, "create-symlinks", ("--link", links)),)
+    if folders:
+        return (_cdi_hook(command, "update-ldcache", ("--folder", folders), ("--forward-compat", forward_compat)),)
+    return ()
+
+
+def _holds_library(files: Host, directory: str) -> bool:
+    """Whether a library directory of the profile's holds a shared library: one that holds none needs no
+    linker cache change in the container."""
+    return any(".so" in name and not files.is_dir(posixpath.join(directory, name)) for name in files.listdir(directory))
+
+
+def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, command: tuple[str, tuple[str, ...]],
                  ldcache: list[LdCacheEntry] | None, driver: tuple[Host, Rerooter] | None = None) -> ContainerEdits:
     """The kind's spec-level edits: shared device nodes from the host; driver files (libraries, binaries,
     firmware and other files) from `driver` (a driver root) or else the host too."""
@@ -238,20 +288,19 @@ def common_edits(view: HostView, profile: Profile, rerooter: Rerooter, hook_path
     links = [f"{_link_target(lib)}::{lib.path}" for lib in libraries if lib.real != lib.path]
     links += _development_links(files, libraries, profile.links, driver_files, version)
     folders = sorted({posixpath.dirname(lib.real) for lib in libraries} | {
-        d for d in profile.library_dirs if d in mounts})
-    hooks = [_cdi_hook(hook_path, command, flag, values) for command, flag, values in (
-        ("create-symlinks", "--link", links), ("update-ldcache", "--folder", folders)) if values]
+        d for d in profile.library_dirs if d in mounts and _holds_library(files, d)})
+    forward_compat = []
     if profile.forward_compat and version and folders:  # e.g. CUDA's: an image's newer libcuda comes first
         compat_dir, compat_lib = profile.forward_compat
-        hooks[-1] = hooks[-1]._replace(
-            args=(*hooks[-1].args, "--forward-compat", f"{compat_dir}:{compat_lib}:{version}"))
+        forward_compat.append(f"{compat_dir}:{compat_lib}:{version}")
+    hooks = _library_hook(command, links, folders, forward_compat)
     ordered_mounts = sorted(_without_nested([_with_options(m, profile) for m in mounts.values()]),
                             key=lambda m: (m.container_path.count("/"), m.container_path))
     return ContainerEdits(
         env=profile.env,
         device_nodes=tuple(rerooter.node(n) for n in shared_nodes(view, profile)),
         mounts=tuple(ordered_mounts),
-        hooks=tuple(hooks),
+        hooks=hooks,
     )
 
 
@@ -322,7 +371,8 @@ def _drm_by_path(item: FoundDevice, opts: GenerateOptions) -> tuple[Hook, ...]:
                 links.append(f"../{name}::/dev/dri/by-path/pci-{item.address}-{suffix}")
     if not links:
         return ()
-    return (_cdi_hook(opts.hook_path or default_hook_path(), "create-symlinks", "--link", links),)
+    return (_cdi_hook(hook_command(opts.hook_path, target_root=opts.target_root), "create-symlinks",
+                      ("--link", links)),)
 
 
 def channel_spec(view: HostView, profile: Profile, common: ContainerEdits, rerooter: Rerooter,
@@ -421,7 +471,7 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
     """One spec per kind with devices; devices whose `kind=address` is in `opts.exclude` are left out."""
     view = view or HostView(host)
     rerooter = Rerooter(host, opts.target_root)
-    hook_path = opts.hook_path or default_hook_path()
+    command = hook_command(opts.hook_path, target_root=opts.target_root)
     driver = _driver_files(host, opts)
     wants_cache = any(p.libraries or p.driver_libraries for p in profiles)
     ldcache = read_ldcache(driver[0] if driver else host) if wants_cache else []
@@ -434,13 +484,13 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
         devices = by_kind.pop(profile.kind, [])
         if not devices:
             continue
-        common = common_edits(view, profile, rerooter, hook_path, ldcache, driver)
+        common = common_edits(view, profile, rerooter, command, ldcache, driver)
         spec = build_spec(profile, devices, common, rerooter, opts)
         if spec is not None:
             specs.append(spec)
     for profile in profiles:
         if profile.channels is not None:
-            common = common_edits(view, profile, rerooter, hook_path, ldcache, driver)
+            common = common_edits(view, profile, rerooter, command, ldcache, driver)
             channel = channel_spec(view, profile, common, rerooter, opts)
             if channel is not None:
                 specs.append(channel)

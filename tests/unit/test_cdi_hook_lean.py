@@ -1,0 +1,73 @@
+"""A spec's CDI hook as generate writes it by default (specs/generate.py hook_command): this interpreter on the
+hook launcher, `-IS`. Run as a runtime runs it, on a container state: one process makes the links and the
+linker cache, imports only what that needs (held here, as tests/e2e/test_hook_edges.py holds the OCI hook's),
+and one with nothing to make returns before it reads its state."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from devinject.core.ldcache import parse_ldcache
+from devinject.specs.generate import hook_command
+
+LIBDIR = "/usr/lib/x86_64-linux-gnu"
+# Every devinject module a `links-and-ldcache` run imports: the CDI model, the C library (fastlibc, _ctypes),
+# the mount table and the mount syscalls are not among them.
+CDI_HOOK_MODULES = {
+    "devinject", "devinject.entry", "devinject.hook", "devinject.hook.main", "devinject.hook.fastjson",
+    "devinject.hook.plan", "devinject.hook.executor", "devinject.hook.safepath", "devinject.hook.linkercache",
+    "devinject.hook.state", "devinject.core", "devinject.core.jsonlite", "devinject.core.errors",
+    "devinject.core.paths", "devinject.core.records", "devinject.core.devcgroup", "devinject.core.atomicfile",
+    "devinject.core.ldcache", "devinject.core.elfinfo", "devinject.core.identity", "devinject.core.deadline",
+}
+NOT_IMPORTED = ("_ctypes", "ctypes", "json", "typing", "re", "enum", "dataclasses", "pathlib", "subprocess",
+                "collections", "functools", "contextlib", "signal", "socket", "site", "yaml", "click")
+
+
+def _container(tmp_path: Path) -> tuple[Path, Path]:
+    rootfs = tmp_path / "bundle" / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    libdir = rootfs / LIBDIR.lstrip("/")
+    libdir.mkdir(parents=True)
+    libz = os.path.realpath(f"{LIBDIR}/libz.so.1")
+    shutil.copy(libz, libdir / os.path.basename(libz))
+    (rootfs.parent / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"}}))
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": os.getpid(),
+                                 "bundle": str(rootfs.parent)}))
+    return state, rootfs
+
+
+def _run_as_the_spec_names_it(args: list[str], stdin: Path | None, *extra: str) -> subprocess.CompletedProcess[str]:
+    path, argv = hook_command(None)
+    with open(stdin or os.devnull, "rb") as source:
+        return subprocess.run([path, *extra, *argv[1:], "cdi-hook", *args], capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin"}, stdin=source, cwd="/", timeout=60)
+
+
+def test_one_process_makes_the_links_and_the_linker_cache_importing_only_what_it_needs(tmp_path: Path) -> None:
+    state, rootfs = _container(tmp_path)
+    real = os.path.basename(os.path.realpath(f"{LIBDIR}/libz.so.1"))
+    done = _run_as_the_spec_names_it(["links-and-ldcache", "--link", f"{real}::{LIBDIR}/libz.so.1",
+                                      "--folder", LIBDIR], state, "-X", "importtime")
+    assert done.returncode == 0, done.stderr
+    assert os.readlink(rootfs / LIBDIR.lstrip("/") / "libz.so.1") == real
+    entries = {e.soname: e.path for e in parse_ldcache((rootfs / "etc/ld.so.cache").read_bytes())}
+    assert entries == {"libz.so.1": f"{LIBDIR}/libz.so.1"}  # the link made first, then the cache read it
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line} - {"package"}
+    assert {m for m in imported if m.split(".")[0] == "devinject"} == CDI_HOOK_MODULES
+    assert not [m for m in imported if m.split(".")[0] in NOT_IMPORTED], sorted(imported)
+
+
+def test_a_cdi_hook_with_nothing_to_make_returns_before_reading_its_state(tmp_path: Path) -> None:
+    for args in (["links-and-ldcache"], ["create-symlinks"], ["update-ldcache", "--forward-compat", "/c:libx.so:1"]):
+        done = _run_as_the_spec_names_it(args, None, "-X", "importtime")  # no state on stdin: not read
+        assert (done.returncode, [line for line in done.stderr.splitlines() if "import time" not in line]) == (0, [])
+        assert "devinject.hook.executor" not in done.stderr
+    bad = _run_as_the_spec_names_it(["links-and-ldcache", "--link", "bad"], None)
+    assert bad.returncode == 1 and "is not TARGET::/ABSOLUTE/LINK" in bad.stderr  # checked before returning
