@@ -584,3 +584,42 @@ def test_a_gpu_discovery_lost_before_the_loop_judged_it_is_tainted_once_it_does(
         "published": "unhealthy", "reasons": ["0000:18:00.0: driver unbound"]}}}))
     assert driver.refresh(rediscover=False)
     assert taints_of(api) == [(f"{DRIVER}/unbound", "", "NoSchedule")]
+
+
+def test_a_slow_api_answer_for_one_claim_does_not_delay_an_unrelated_prepare(driver: DraDriver, api: FakeApi,
+                                                                             dirs: dict[str, str]) -> None:
+    """The API server is asked with no lock held: while one claim's read hangs (an API server slow to answer,
+    or retrying), another claim is prepared and unprepared at once, and a prepared claim is answered from the
+    checkpoint. The driver used to read claims under the prepare lock: an unrelated NodePrepareResources
+    waited for the slow answer (11.9 s on the real cluster)."""
+    import threading
+
+    slow, fast, known = ("slow", "0b7f8e7c-5555-4c1b-9a55-000000000001"), \
+        ("fast", "0b7f8e7c-5555-4c1b-9a55-000000000002"), ("known", "0b7f8e7c-5555-4c1b-9a55-000000000003")
+    api.add(slow[0], slow[1], [(GPU_POOL, "gpu-0000-18-00-0")])
+    api.add(fast[0], fast[1], [(GPU_POOL, "gpu-0000-2a-00-0")])
+    api.add(known[0], known[1], [(GPU_POOL, "gpu-0000-3a-00-0")])
+    assert prepare(driver, known).claims[known[1]].error == ""
+    asked, release = threading.Event(), threading.Event()
+    answer = api.get_claim
+
+    def get_claim(namespace: str, name: str) -> dict[str, Any]:
+        if name == "slow":
+            asked.set()
+            release.wait(20)
+        return answer(namespace, name)
+
+    driver.preparer.get_claim = get_claim  # type: ignore[method-assign]
+    waiting = threading.Thread(target=prepare, args=(driver, slow))
+    waiting.start()
+    try:
+        assert asked.wait(5)
+        started = time.monotonic()
+        assert prepare(driver, fast).claims[fast[1]].error == ""
+        assert prepare(driver, known).claims[known[1]].error == ""
+        assert unprepare(driver, fast).claims[fast[1]].error == ""
+        assert time.monotonic() - started < 2
+    finally:
+        release.set()
+        waiting.join(20)
+    assert sorted(driver.preparer.prepared()) == sorted([slow[1], known[1]])

@@ -238,15 +238,29 @@ class Preparer:
         return booking_id(self.driver, uid)
 
     # --- prepare ----------------------------------------------------------------------------------------
+    def _known(self, uid: str) -> tuple[dict[str, dict[str, object]], list[PreparedDevice] | None]:
+        """The checkpoint's claims, and what `uid` was prepared as when it was (and its spec is still there)."""
+        claims = self.checkpoint.load()
+        entry = claims.get(uid)
+        if entry is not None and os.path.exists(self.spec_path(uid)):
+            return claims, [_device(d) for d in entry["devices"]]  # type: ignore[attr-defined]
+        return claims, None
+
     def prepare(self, namespace: str, name: str, uid: str) -> list[PreparedDevice]:
         with self.lock:
-            path = self.spec_path(uid)  # the uid checked before anything is read or written
+            self.spec_path(uid)  # the uid checked before anything is read or written
             _checked_name(namespace, name)
-            claims = self.checkpoint.load()
-            entry = claims.get(uid)
-            if entry is not None and os.path.exists(path):
-                return [_device(d) for d in entry["devices"]]  # type: ignore[attr-defined]
-            claim = self.get_claim(namespace, name)
+            _, known = self._known(uid)
+        if known is not None:
+            return known
+        # the API server is asked with no lock held: a slow answer for one claim delays no other claim's prepare
+        # or unprepare, and a prepared claim is answered from the checkpoint while the API server is away
+        claim = self.get_claim(namespace, name)
+        with self.lock:
+            claims, known = self._known(uid)  # a call of the kubelet's that came in meanwhile prepared it
+            if known is not None:
+                return known
+            path = self.spec_path(uid)
             results = allocated(claim, self.driver, namespace, name, uid)
             pods = reserved_pods(claim)
             inventory = self.inventory()
@@ -348,41 +362,54 @@ class Preparer:
         is read again from the API server once (a checkpoint from before pods were recorded, or a pod that
         joined a shared claim) and booked with the pods it is reserved for now. The number of claims whose
         booking was refused (logged)."""
+        # three steps, the API server asked in the middle with no lock held (prepares go on meanwhile)
+        ask: dict[str, tuple[dict[str, object], LedgerError | None]] = {}
+        refused = 0
         with self.lock:
-            claims = self.checkpoint.load()
-            refused = 0
-            learned = False
-            for uid, entry in claims.items():
-                booked = tuple(Claim(str(n), tuple(nodes), tuple(shared))
-                               for n, nodes, shared in entry.get("ledger") or [])  # type: ignore[attr-defined]
+            for uid, entry in self.checkpoint.load().items():
+                booked = _booked(entry)
                 if not booked:
                     continue
-                asked = "pods" not in entry  # checkpointed before claims recorded their pods: asked once
-                if asked:
-                    now = self._reserved_pods(uid, entry)
-                    if now is not None:
-                        entry["pods"], learned = list(now), True
+                if "pods" not in entry:  # checkpointed before claims recorded their pods: asked first
+                    ask[uid] = (entry, None)
+                    continue
+                try:
+                    self.ledger.book(self.booking(uid), NODE_PID, booked,
+                                     for_pods=tuple(entry.get("pods") or ()))  # type: ignore[arg-type]
+                except LedgerError as err:
+                    ask[uid] = (entry, err)
+        if not ask:
+            return 0
+        answers = {uid: self._reserved_pods(uid, entry) for uid, (entry, _) in ask.items()}
+        with self.lock:
+            claims = self.checkpoint.load()
+            changed = False
+            for uid, (asked, first) in ask.items():
+                found = claims.get(uid)
+                if found is None or found.get("ledger") != asked.get("ledger"):
+                    continue  # unprepared (or prepared anew) meanwhile
+                entry = found
+                now = answers[uid]
                 pods: tuple[str, ...] = tuple(entry.get("pods") or ())  # type: ignore[arg-type]
                 try:
-                    try:
-                        self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods)
-                    except LedgerError:
-                        now = None if asked else self._reserved_pods(uid, entry)  # asked this round already
-                        if now is None or set(now) <= set(pods):
-                            raise
-                        self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=now)
-                        entry["pods"] = list(now)
-                        self.checkpoint.save(claims)
+                    if first is None:  # a checkpoint without pods: booked with what the API says, if it could
+                        if now is not None:
+                            entry["pods"], pods, changed = list(now), now, True
+                    elif now is None or set(now) <= set(pods):
+                        raise first
+                    else:
+                        pods = now
+                    self.ledger.book(self.booking(uid), NODE_PID, _booked(entry), for_pods=pods)
+                    if first is not None:
+                        entry["pods"], changed = list(now or ()), True
                 except LedgerError as err:
                     refused += 1
                     log.warning("claim %s/%s (%s): its devices are not in the ledger: %s", entry.get("namespace"),
                                 entry.get("name"), uid, err.message)
-                except CheckpointError as err:  # booked; what it learned of its pods is kept another round
-                    log.warning("claim %s/%s (%s): %s", entry.get("namespace"), entry.get("name"), uid, err.message)
-            if learned:
+            if changed:
                 try:
                     self.checkpoint.save(claims)
-                except CheckpointError as err:
+                except CheckpointError as err:  # booked; what it learned of its pods is kept another round
                     log.warning("%s", err.message)
             return refused
 
@@ -471,6 +498,11 @@ def _checked_name(namespace: str, name: str) -> None:
         raise PrepareError(f"claim namespace {namespace[:80]!r} is not a namespace name; refused")
     if not (0 < len(name) <= 253 and set(name) <= _NAME_CHARS and ".." not in name and name[0] not in ".-"):
         raise PrepareError(f"claim name {name[:80]!r} is not a resource name; refused")
+
+
+def _booked(entry: dict[str, object]) -> tuple[Claim, ...]:
+    return tuple(Claim(str(n), tuple(nodes), tuple(shared))
+                 for n, nodes, shared in entry.get("ledger") or [])  # type: ignore[attr-defined]
 
 
 def _device(entry: dict[str, object]) -> PreparedDevice:
