@@ -789,7 +789,7 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
                       registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan,
                       health=health_mode, watch=watch, fatal_effect=fatal_taint_effect,
                       metrics_address=metrics_address or None)
-    DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name)).run(_stop_on_signals())
+    DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name, watch=True)).run(_stop_on_signals())
 
 
 def _check_kubeconfig(path: str) -> None:

@@ -93,7 +93,7 @@ def test_daemonset_runs_a_command_line_dra_driver_accepts(tmp_path: Path) -> Non
 def test_rbac_is_what_the_driver_does() -> None:
     (role,) = by_kind("ClusterRole")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
-    assert rules == {(("resource.k8s.io",), ("resourceslices",)): {"list", "create", "update", "delete"},
+    assert rules == {(("resource.k8s.io",), ("resourceslices",)): {"list", "watch", "create", "update", "delete"},
                      (("resource.k8s.io",), ("resourceclaims",)): {"get"}}
     (binding,) = by_kind("ClusterRoleBinding")
     (account,) = by_kind("ServiceAccount")

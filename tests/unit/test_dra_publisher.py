@@ -5,10 +5,16 @@ ResourceApi: created at generation 1, left alone while nothing changed, replaced
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from devinject.discovery.node import Node
-from devinject.dra.publisher import SlicePublisher
+from devinject.dra.kubeapi import ApiError
+from devinject.dra.publisher import PublishError, SlicePublisher
 from devinject.dra.slices import DRIVER, offers, resource_slices
 from tests.conftest import HOSTS
 
@@ -73,3 +79,153 @@ def test_generations_bump_only_on_change_and_stale_slices_go() -> None:
     pub.publish(only_gpus)
     assert ("delete", "dra-devinject-io-node1-nvidia-com-rdma-0") in fake.calls
     assert set(fake.objects) == {"dra-devinject-io-node1-nvidia-com-gpu-0"}
+
+
+# --- the API's copy, not memory: a watch of the node's slices ------------------------------------------------
+class WatchedApi(FakeResourceApi):
+    """FakeResourceApi with a watch: every change (the driver's or someone else's) is an event, as the API
+    server sends them; `down` makes every call fail as a dead API server's would, and ends the watch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[dict[str, Any]] = []
+        self.changed = threading.Condition()
+        self.down = False
+        self.requests: list[str] = []
+
+    def _check(self, what: str) -> None:
+        self.requests.append(what)
+        if self.down:
+            raise ApiError(f"{what}: [Errno 111] Connection refused", retry=True)
+
+    def _event(self, kind: str, body: dict[str, Any]) -> None:
+        with self.changed:
+            self.events.append({"type": kind, "object": json.loads(json.dumps(body))})
+            self.changed.notify_all()
+
+    def list_resource_slice(self, field_selector: str, **_: object) -> dict[str, Any]:
+        self._check("list")
+        listed = super().list_resource_slice(field_selector)
+        return {**listed, "metadata": {"resourceVersion": str(self.version)}}
+
+    def create_resource_slice(self, body: dict[str, Any], **_: object) -> dict[str, Any]:
+        self._check("create")
+        if body["metadata"]["name"] in self.objects:
+            raise ApiError("POST: 409 already exists", 409, "409 already exists")
+        stored = super().create_resource_slice(body)
+        self._event("ADDED", stored)
+        return stored
+
+    def replace_resource_slice(self, name: str, body: dict[str, Any], **_: object) -> dict[str, Any]:
+        self._check("replace")
+        if body["metadata"]["resourceVersion"] != self.objects[name]["metadata"]["resourceVersion"]:
+            raise ApiError("PUT: 409 conflict", 409, "409 the object has been modified")
+        stored = super().replace_resource_slice(name, body)
+        self._event("MODIFIED", stored)
+        return stored
+
+    def delete_resource_slice(self, name: str, **_: object) -> dict[str, Any]:
+        self._check("delete")
+        gone = super().delete_resource_slice(name)
+        self._event("DELETED", gone)
+        return gone
+
+    def someone_deletes(self, name: str) -> None:
+        self.version += 1
+        gone = self.objects.pop(name)
+        gone["metadata"]["resourceVersion"] = str(self.version)
+        self._event("DELETED", gone)
+
+    def someone_edits(self, name: str) -> None:
+        edited = json.loads(json.dumps(self.objects[name]))
+        edited["spec"]["devices"] = edited["spec"]["devices"][:1]
+        self.version += 1
+        edited["metadata"]["resourceVersion"] = str(self.version)
+        self.objects[name] = edited
+        self._event("MODIFIED", edited)
+
+    def watch_resource_slice(self, field_selector: str, resource_version: str) -> Iterator[dict[str, Any]]:
+        self._check("watch")
+        seen = next((i for i, e in enumerate(self.events)
+                     if int(e["object"]["metadata"]["resourceVersion"]) > int(resource_version or 0)),
+                    len(self.events))
+        while True:
+            with self.changed:
+                self.changed.wait_for(lambda seen=seen: len(self.events) > seen or self.down,  # type: ignore[misc]
+                                      timeout=0.2)
+                if self.down:
+                    raise ApiError("watch: connection reset", retry=True)
+                pending, seen = self.events[seen:], len(self.events)
+            yield from pending
+
+
+@pytest.fixture
+def watched() -> Iterator[tuple[SlicePublisher, WatchedApi]]:
+    pub = SlicePublisher(None, DRIVER, "node1", watch=True)
+    fake = WatchedApi()
+    pub.api = fake
+    yield pub, fake
+    pub.close()
+
+
+def settled(fake: WatchedApi, expected: list[dict[str, Any]], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    want = {s["metadata"]["name"]: json.dumps(s["spec"]["devices"], sort_keys=True) for s in expected}
+    while {n: json.dumps(o["spec"]["devices"], sort_keys=True) for n, o in fake.objects.items()} != want:
+        assert time.monotonic() < deadline, sorted(fake.objects)
+        time.sleep(0.02)
+
+
+def test_a_slice_someone_else_deletes_or_edits_is_restored_at_once_by_the_watch(
+        watched: tuple[SlicePublisher, WatchedApi]) -> None:
+    pub, fake = watched
+    pub.publish(slices())
+    settled(fake, slices())
+    gpu = "dra-devinject-io-node1-nvidia-com-gpu-0"
+    fake.someone_deletes(gpu)
+    settled(fake, slices(), timeout=5)
+    assert fake.objects[gpu]["spec"]["pool"]["generation"] == 2  # the pool changed: the scheduler re-reads it
+    fake.someone_edits(gpu)
+    settled(fake, slices(), timeout=5)
+    assert fake.objects[gpu]["spec"]["pool"]["generation"] == 3
+
+
+def test_an_idle_node_costs_the_api_server_the_watch_alone(watched: tuple[SlicePublisher, WatchedApi]) -> None:
+    pub, fake = watched
+    pub.publish(slices())
+    settled(fake, slices())
+    time.sleep(0.5)
+    before = list(fake.requests)
+    assert before.count("watch") == 1
+    for _ in range(20):
+        pub.publish(slices())  # every rescan, nothing changed: compared with the watch's copy, no call
+    time.sleep(1)
+    assert fake.requests == before
+
+
+def test_an_api_server_away_costs_a_delay_and_the_slices_are_back_when_it_is(
+        watched: tuple[SlicePublisher, WatchedApi]) -> None:
+    pub, fake = watched
+    pub.publish(slices())
+    settled(fake, slices())
+    with fake.changed:
+        fake.down = True
+        fake.changed.notify_all()
+    rdma = "dra-devinject-io-node1-nvidia-com-rdma-0"
+    fake.objects.pop(rdma)  # lost meanwhile (etcd restored from a backup): no event comes for it
+    with pytest.raises(PublishError, match="Connection refused"):
+        pub.publish(slices(drop="gpu-0000-18-00-0"))
+    time.sleep(0.5)
+    fake.down = False
+    settled(fake, slices(drop="gpu-0000-18-00-0"), timeout=15)  # the watch lists again and publishes
+
+
+def test_a_write_refused_as_stale_is_done_again_on_a_fresh_list() -> None:
+    pub = SlicePublisher(None, DRIVER, "node1")
+    fake = WatchedApi()
+    pub.api = fake
+    pub.publish(slices())
+    pub.cache = {name: json.loads(json.dumps(item)) for name, item in fake.objects.items()}  # a copy...
+    fake.someone_edits("dra-devinject-io-node1-nvidia-com-gpu-0")  # ...that no event reached
+    pub.publish(slices(drop="gpu-0000-18-00-0"))
+    settled(fake, slices(drop="gpu-0000-18-00-0"))
