@@ -5,9 +5,11 @@ ResourceApi: created at generation 1, left alone while nothing changed, replaced
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -229,3 +231,23 @@ def test_a_write_refused_as_stale_is_done_again_on_a_fresh_list() -> None:
     fake.someone_edits("dra-devinject-io-node1-nvidia-com-gpu-0")  # ...that no event reached
     pub.publish(slices(drop="gpu-0000-18-00-0"))
     settled(fake, slices(drop="gpu-0000-18-00-0"))
+
+
+def test_without_a_watch_a_slice_someone_else_deleted_is_restored_within_one_rescan(tmp_path: Path) -> None:
+    """The driver compared what it would publish with what it had published (its memory): a slice deleted
+    by someone else stayed deleted until the node's devices changed."""
+    from tests.integration.test_dra_driver import make_driver
+
+    pub, fake = publisher()
+    dirs = {name: str(tmp_path / name) for name in ("plugins", "registry", "cdi", "state")}
+    os.makedirs(dirs["state"])
+    driver = make_driver(dirs, pub)  # type: ignore[arg-type]
+    driver.refresh()
+    published = dict(fake.objects)
+    name = sorted(published)[0]
+    del fake.objects[name]
+    assert not driver.refresh()  # the node did not change...
+    assert sorted(fake.objects) == sorted(published)  # ...but the API's copy did: restored
+    fake.calls.clear()
+    driver.refresh()
+    assert fake.calls == []

@@ -332,14 +332,16 @@ class DraDriver:
         holds), when they changed (`publishing` held)."""
         desired = self.desired()
         held = self._held_desired
-        if desired == self.published:
-            self._held = held
-            return False
+        changed = desired != self.published
+        # compared with the API's slices (the publisher's watch keeps a copy; without one it lists), not with
+        # what was published last: a slice someone else deleted or edited is restored within a rescan
         self.publisher.publish(copy.deepcopy(desired))  # it sets generations and keeps taint times: not ours
         self.published, self._held = desired, held
-        self.metrics.published(Counter(o.kind for o in self._offered_now))
-        self.metrics.record_taints(Counter(t.key.split("/", 1)[-1] for o in self._offered_now for t in o.taints))
-        return True
+        if changed:
+            self.metrics.published(Counter(o.kind for o in self._offered_now))
+            self.metrics.record_taints(Counter(t.key.split("/", 1)[-1] for o in self._offered_now
+                                               for t in o.taints))
+        return changed
 
     def alive(self) -> bool:
         """/healthz: the loop turned within three rounds (and a minute for a slow API server)."""
