@@ -93,6 +93,7 @@ class WatchedApi(FakeResourceApi):
         self.events: list[dict[str, Any]] = []
         self.changed = threading.Condition()
         self.down = False
+        self.fail_writes = 0  # the next writes answered 503
         self.requests: list[str] = []
 
     def _check(self, what: str) -> None:
@@ -112,6 +113,9 @@ class WatchedApi(FakeResourceApi):
 
     def create_resource_slice(self, body: dict[str, Any], **_: object) -> dict[str, Any]:
         self._check("create")
+        if self.fail_writes:
+            self.fail_writes -= 1
+            raise ApiError("POST: 503 unavailable", 503, "503 unavailable", retry=True)
         if body["metadata"]["name"] in self.objects:
             raise ApiError("POST: 409 already exists", 409, "409 already exists")
         stored = super().create_resource_slice(body)
@@ -190,6 +194,18 @@ def test_a_slice_someone_else_deletes_or_edits_is_restored_at_once_by_the_watch(
     fake.someone_edits(gpu)
     settled(fake, slices(), timeout=5)
     assert fake.objects[gpu]["spec"]["pool"]["generation"] == 3
+
+
+def test_a_restore_that_fails_is_tried_again_with_the_watch_still_open(
+        watched: tuple[SlicePublisher, WatchedApi]) -> None:
+    """No second event comes to set off another try: the watch backs off, lists again and restores."""
+    pub, fake = watched
+    pub.publish(slices())
+    settled(fake, slices())
+    fake.fail_writes = 1
+    fake.someone_deletes("dra-devinject-io-node1-nvidia-com-rdma-0")
+    settled(fake, slices(), timeout=10)
+    assert fake.fail_writes == 0
 
 
 def test_an_idle_node_costs_the_api_server_the_watch_alone(watched: tuple[SlicePublisher, WatchedApi]) -> None:

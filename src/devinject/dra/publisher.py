@@ -194,14 +194,14 @@ class SlicePublisher:
     # --- the watch ------------------------------------------------------------------------------------------
     def _reconcile(self) -> None:
         """Publish again when the API's slices are no longer what was published (nothing is written when they
-        are)."""
+        are). A failure ends the watch: it backs off, lists again and tries again, the watch kept alive or not."""
         with self.lock:
             if self.desired is None or self.cache is None:
                 return
             try:
                 self._publish()
             except PublishError as err:
-                log.warning("restoring ResourceSlices: %s (again at the next change or rescan)", err.message)
+                raise PublishError(f"restoring ResourceSlices: {err.message}", err.status) from None
 
     def _watch(self) -> None:
         version: str | None = None
