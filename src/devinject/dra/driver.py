@@ -320,7 +320,8 @@ class DraDriver:
 
     def refresh(self, rediscover: bool = True) -> bool:
         """Rediscover (unless told not to: a verdict to publish at once), book the prepared claims again (a
-        ledger rebuilt meanwhile knows none), publish when the slices changed; True when published."""
+        ledger rebuilt meanwhile knows none), publish (the publisher writes what the API's slices lack); True
+        when the slices changed."""
         if rediscover or self._inventory is None:
             self.discover()
             self.preparer.rebook()
