@@ -415,7 +415,8 @@ def test_a_mig_instance_and_its_whole_gpu_are_never_both_allocated(cluster: Clus
     mig = subprocess.Popen(
         [DEVINJECT, "dra-driver", "--host-root", str(REPO / "tests" / "fixtures" / "hosts" / "dgx-a100-mig"),
          "--node-name", cluster.node, "--kubeconfig", str(KUBE_DIR / "admin.kubeconfig"), "--state-dir", str(state),
-         "--hook-path", DEVINJECT, "--driver-name", MIG_DRIVER, "--rescan", "2"],
+         "--hook-path", DEVINJECT, "--driver-name", MIG_DRIVER, "--rescan", "2",
+         "--metrics-address", "127.0.0.1:0"],  # beside the first driver, which has the default port
         stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     log.close()
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,3 +74,21 @@ def test_bad_options_are_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2  # a usage error (a bad option value), not a runtime failure
     assert done.stderr.strip().splitlines() == ["devinject: error: --driver-name 'Not.Lower': must be lower case "
                                                 "(a DNS subdomain)"]
+
+
+def test_a_metrics_port_in_use_fails_the_start_before_any_socket_is_made(tmp_path: Path) -> None:
+    """A second driver on a node whose metrics port is taken stops in one line, leaving no registration socket
+    behind for the kubelet to find dead (it made its sockets first and left them)."""
+    (tmp_path / "state").mkdir(mode=0o755)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(KUBECONFIG)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run(args(tmp_path, "--kubeconfig", str(kubeconfig), "--metrics-address", address),
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [f"devinject: error: --metrics-address {address}: cannot listen: "
+                                                "Address already in use"]
+    assert not any((tmp_path / "registry").glob("*.sock")) and not any((tmp_path / "plugins").rglob("*.sock"))

@@ -430,11 +430,16 @@ class DraDriver:
         removed = self.preparer.clean_orphans()
         if removed:
             log.info("%d half-prepared claim(s) cleaned up", len(removed))
-        self.servers.start()
-        if self.opts.metrics_address:
+        if self.opts.metrics_address:  # first: a port in use fails the start before any socket is made
             self.http = serve(self.opts.metrics_address, self.metrics, self.alive, self.ready)
             host, port = self.http.server_address[:2]
             self.metrics_bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            self.servers.start()
+        except BaseException:
+            if self.http is not None:
+                self.http.shutdown()
+            raise
         log.info("devinject %s dra-driver %s on node %s: registration %s, DRA service %s, CDI specs in %s, "
                  "metrics %s", __version__, self.opts.driver, self.opts.node_name, self.servers.registration_path,
                  self.servers.endpoint, self.opts.cdi_dir, f"on {self.metrics_bound}" if self.metrics_bound else "off")
