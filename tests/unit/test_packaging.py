@@ -18,7 +18,7 @@ def _pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-def _lower_bound(package: str) -> tuple[int, ...]:
+def lower_bound(package: str) -> tuple[int, ...]:
     (spec,) = [d for d in _pyproject()["project"]["dependencies"] if re.match(rf"{package}\b", d)]
     match = re.search(r">=\s*([\d.]+)", spec)
     assert match, f"{spec}: no lower bound"
@@ -39,7 +39,7 @@ def test_grpcio_pin_admits_no_version_the_generated_stubs_refuse():
     versions = {re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", p.read_text()).group(1)  # type: ignore[union-attr]
                 for p in GENERATED if p.name.endswith("_grpc.py")}
     assert len(versions) == 1, versions  # one `make proto` run generated them all
-    assert _lower_bound("grpcio") >= tuple(int(p) for p in versions.pop().split("."))
+    assert lower_bound("grpcio") >= tuple(int(p) for p in versions.pop().split("."))
 
 
 def test_protobuf_pin_admits_no_version_the_generated_messages_refuse():
@@ -49,7 +49,7 @@ def test_protobuf_pin_admits_no_version_the_generated_messages_refuse():
                 for p in GENERATED if not p.name.endswith("_grpc.py")}
     assert len(versions) == 1, versions
     (needed,) = versions
-    assert _lower_bound("protobuf") >= needed
+    assert lower_bound("protobuf") >= needed
     (spec,) = [d for d in _pyproject()["project"]["dependencies"] if d.startswith("protobuf")]
     # the runtime check refuses another major version too (gencode 7.x under protobuf 8 is an error)
     assert f"<{needed[0] + 1}" in spec.replace(" ", ""), spec
@@ -58,4 +58,4 @@ def test_protobuf_pin_admits_no_version_the_generated_messages_refuse():
 def test_the_image_pins_satisfy_the_package_pins():
     pins = dict(re.findall(r"^([\w-]+)==([\d.]+)", (REPO / "deploy/image/requirements.txt").read_text(), re.M))
     for package in ("grpcio", "protobuf"):
-        assert tuple(int(p) for p in pins[package].split(".")) >= _lower_bound(package), package
+        assert tuple(int(p) for p in pins[package].split(".")) >= lower_bound(package), package
