@@ -88,7 +88,9 @@ def problems_of(tmp_path: Path, data: object) -> list[str]:
     return [p.split(": ", 1)[1] for p in validate_paths([str(path)])[1]]
 
 
-@pytest.mark.parametrize(("change", "message"), [
+# What the reference refuses: a change to spec_for("1.1.0") and the message it gets (test_cdi_schemas.py
+# checks the JSON Schemas refuse them too).
+REFUSED = [
     (lambda s: s.update(cdiVersion="0.6.0"), "cdiVersion: 0.6.0 is too low for the fields used "
                                              "(netDevices needs 1.1.0)"),
     (lambda s: s["devices"][0]["containerEdits"]["intelRdt"].update(enableCMT=True),
@@ -115,7 +117,10 @@ def problems_of(tmp_path: Path, data: object) -> list[str]:
      "devices[0].containerEdits.intelRdt.closID: expected a string, got a number"),
     (lambda s: s.update(extra=1), "extra: unknown field (known here: cdiVersion, kind, annotations, devices, "
                                   "containerEdits)"),
-])
+]
+
+
+@pytest.mark.parametrize(("change", "message"), REFUSED)
 def test_what_the_reference_refuses_is_refused_in_words(tmp_path: Path, change, message: str) -> None:
     data = spec_for("1.1.0")
     change(data)
@@ -124,9 +129,12 @@ def test_what_the_reference_refuses_is_refused_in_words(tmp_path: Path, change, 
     assert not any("None" in p or "NoneType" in p for p in problems)
 
 
+EMPTY_SPEC_EDITS = ("cdiVersion: 0.5.0\nkind: vendor.example/acc\ncontainerEdits:\ndevices:\n- name: '0'\n"
+                    "  containerEdits:\n    deviceNodes: [{path: /dev/vendor0}]\n")
+
+
 def test_an_empty_spec_level_container_edits_is_no_edits(tmp_path: Path) -> None:
-    text = ("cdiVersion: 0.5.0\nkind: vendor.example/acc\ncontainerEdits:\ndevices:\n- name: '0'\n"
-            "  containerEdits:\n    deviceNodes: [{path: /dev/vendor0}]\n")
+    text = EMPTY_SPEC_EDITS
     assert problems_of(tmp_path, text) == []
     (tmp_path / "cdi").mkdir()
     (tmp_path / "cdi" / "x.yaml").write_text(text)
@@ -166,11 +174,14 @@ def test_a_v_prefix_on_cdi_version_reads_as_the_reference_reads_it(tmp_path: Pat
     assert resolved.edits.device_nodes[0].path == "/dev/vendor0"
 
 
-@pytest.mark.parametrize(("written", "message"), [
+PREFIXED = [
     ("vv1.1.0", "cdiVersion: 'vv1.1.0' is not a released CDI version"),
     ("V1.1.0", "cdiVersion: 'V1.1.0' is not a released CDI version"),
     ("v0.6.0", "cdiVersion: v0.6.0 is too low for the fields used (netDevices needs 1.1.0)"),
-])
+]
+
+
+@pytest.mark.parametrize(("written", "message"), PREFIXED)
 def test_a_prefixed_version_is_still_checked(tmp_path: Path, written: str, message: str) -> None:
     problems = problems_of(tmp_path, {**spec_for("1.1.0"), "cdiVersion": written})
     assert any(p.startswith(message) for p in problems), problems
@@ -183,11 +194,15 @@ def test_removed_intel_rdt_fields_are_refused_under_a_prefixed_version_too(tmp_p
             in problems_of(tmp_path, data))
 
 
-@pytest.mark.parametrize(("clos_id", "valid"), [
+CLOS_IDS = [
     ("/", True),  # the root class of service (container-edits.go: `case c == "/":`)
     ("gpu", True), ("a" * 4095, True),
     ("a" * 4096, False), (".", False), ("..", False), ("a/b", False), ("//", False), ("a\nb", False),
-], ids=["root", "name", "longest", "too-long", "dot", "dotdot", "slash", "two-slashes", "newline"])
+]
+
+
+@pytest.mark.parametrize(("clos_id", "valid"), CLOS_IDS, ids=[
+    "root", "name", "longest", "too-long", "dot", "dotdot", "slash", "two-slashes", "newline"])
 def test_clos_id_as_the_reference_checks_it(tmp_path: Path, clos_id: str, valid: bool) -> None:
     data = spec_for("1.1.0")
     data["devices"][0]["containerEdits"]["intelRdt"]["closID"] = clos_id  # type: ignore[index]

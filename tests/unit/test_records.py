@@ -63,3 +63,75 @@ def test_it_is_built_from_public_parts_only():
     accessor = Point.__dict__["x"]
     assert isinstance(accessor, property) and accessor.__doc__ == "field 0: x"
     assert type(accessor.fget).__module__ == "operator"
+
+
+RECORD_MODULE = '''
+from devinject.core.records import NamedTuple
+
+
+class Slot(NamedTuple):
+    index: int
+    name: "str" = "x"
+    tags: tuple[str, ...] = ()
+'''
+
+
+@pytest.mark.parametrize("future", [True, False], ids=["string-annotations", "module-default-annotations"])
+def test_fields_whatever_the_module_annotations_mode(tmp_path, monkeypatch, future):
+    """A module without `from __future__ import annotations` gets the same record as one with it."""
+    import importlib
+
+    name = f"record_mode_{'future' if future else 'default'}"
+    (tmp_path / f"{name}.py").write_text(("from __future__ import annotations\n" if future else "") + RECORD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    slot = importlib.import_module(name).Slot
+    assert slot._fields == ("index", "name", "tags") and slot._field_defaults == {"name": "x", "tags": ()}
+    assert slot(3) == (3, "x", ()) and slot(3, tags=("a",)).tags == ("a",)
+
+
+def test_a_record_without_fields_is_refused_loudly():
+    with pytest.raises(TypeError, match="Nothing: a record needs annotated fields"):
+        class Nothing(NamedTuple):
+            def method(self) -> int:
+                return 1
+
+
+def test_lazy_annotations_are_read_through_annotationlib(monkeypatch):
+    """Python 3.14 (PEP 649/749) puts an annotate function in the class namespace, no `__annotations__`: the
+    names come from annotationlib, asked for forward references (nothing is evaluated). annotationlib stands
+    in here with the calls 3.14 has, so the path runs on every interpreter the project supports."""
+    import sys
+    import types
+    from enum import IntEnum
+
+    class Format(IntEnum):
+        VALUE = 1
+        FORWARDREF = 3
+
+    asked: list[int] = []
+
+    def annotate(fmt: int) -> dict[str, object]:
+        asked.append(fmt)
+        return {"index": "Undefined", "name": "str"}  # `Undefined` would fail to evaluate
+
+    fake = types.ModuleType("annotationlib")
+    fake.Format = Format  # type: ignore[attr-defined]
+    fake.get_annotate_from_class_namespace = lambda ns: ns.get("__annotate_func__")  # type: ignore[attr-defined]
+    fake.call_annotate_function = lambda fn, fmt: fn(fmt)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "annotationlib", fake)
+    lazy = type(NamedTuple)("Lazy", (NamedTuple,), {"__annotate_func__": annotate, "name": "n"})
+    assert lazy._fields == ("index", "name") and lazy(1) == (1, "n") and asked == [Format.FORWARDREF]
+    assert "__annotate_func__" not in vars(lazy)
+
+
+@pytest.mark.skipif(not __import__("shutil").which("python3.14"), reason="no python3.14 on this machine")
+def test_on_python_3_14_both_modes(tmp_path):
+    import subprocess
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    for header in ("from __future__ import annotations\n", ""):
+        script = header + RECORD_MODULE + "print(Slot._fields)\n"
+        done = subprocess.run(["python3.14", "-c", script], capture_output=True, text=True, timeout=60,
+                              env={"PYTHONPATH": str(src)})
+        assert done.stdout.strip() == "('index', 'name', 'tags')", done.stderr

@@ -17,7 +17,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-_NOT_COPIED = {"__annotations__", "__dict__", "__weakref__", "__orig_bases__"}
+_NOT_COPIED = {"__annotations__", "__annotate__", "__annotate_func__", "__annotations_cache__", "__dict__",
+               "__weakref__", "__orig_bases__"}
 
 
 def _make_new(name: str, fields: tuple[str, ...], defaults: dict[str, object]) -> Callable[..., tuple[object, ...]]:
@@ -63,6 +64,29 @@ def _asdict(self: tuple[object, ...]) -> dict[str, object]:
     return dict(zip(_fields(self), self, strict=True))
 
 
+def _field_names(name: str, namespace: dict[str, object]) -> tuple[str, ...]:
+    """The annotated names of a class body, whatever the module's annotations mode: a dict in
+    `__annotations__` (`from __future__ import annotations`, or eager annotations before Python 3.14), or, from
+    3.14 on (PEP 649/749), an annotate function, asked for names only (FORWARDREF: nothing is evaluated)."""
+    annotations = namespace.get("__annotations__")
+    if annotations is None:
+        from importlib import import_module
+
+        try:  # Python 3.14+; imported only for a module with lazy annotations
+            annotationlib = import_module("annotationlib")
+        except ImportError:
+            pass
+        else:
+            annotate = annotationlib.get_annotate_from_class_namespace(namespace)
+            if annotate is not None:
+                annotations = annotationlib.call_annotate_function(annotate, annotationlib.Format.FORWARDREF)
+    if not isinstance(annotations, dict) or not annotations:
+        # A record without fields is always a mistake (a body of methods only, or annotations this cannot
+        # read): refused here rather than built as an empty tuple that fails far from its definition.
+        raise TypeError(f"{name}: a record needs annotated fields (`name: type`), found none")
+    return tuple(annotations)
+
+
 def _getnewargs(self: tuple[object, ...]) -> tuple[object, ...]:
     return tuple(self)
 
@@ -71,8 +95,7 @@ class _Meta(type):
     def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, object]) -> type:
         if not bases:  # the `NamedTuple` marker class itself
             return super().__new__(mcls, name, bases, namespace)
-        annotations = namespace.get("__annotations__", {})
-        fields: tuple[str, ...] = tuple(annotations) if isinstance(annotations, dict) else ()
+        fields = _field_names(name, namespace)
         defaults = {f: namespace[f] for f in fields if f in namespace}
         seen_default = False
         for field in fields:

@@ -1,0 +1,61 @@
+"""What an install from the wheel needs: every data file under src/devinject in package-data, and runtime
+pins no lower than what the generated gRPC modules refuse to import under."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "src/devinject"
+GENERATED = sorted((PACKAGE / "kubelet/api").glob("*_pb2*.py")) + sorted((PACKAGE / "dra/api").glob("*_pb2*.py"))
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def lower_bound(package: str) -> tuple[int, ...]:
+    (spec,) = [d for d in _pyproject()["project"]["dependencies"] if re.match(rf"{package}\b", d)]
+    match = re.search(r">=\s*([\d.]+)", spec)
+    assert match, f"{spec}: no lower bound"
+    return tuple(int(p) for p in match.group(1).split("."))
+
+
+def test_every_data_file_in_the_package_is_package_data():
+    tracked = subprocess.run(["git", "ls-files", "src/devinject"], cwd=REPO, capture_output=True, text=True,
+                             check=True, timeout=30).stdout.split()
+    data = [Path(p).relative_to("src/devinject").as_posix() for p in tracked if not p.endswith(".py")]
+    assert data, "git ls-files found nothing: not a checkout?"
+    globs = _pyproject()["tool"]["setuptools"]["package-data"]["devinject"]
+    missing = [p for p in data if not any(fnmatch.fnmatchcase(p, g) for g in globs)]
+    assert missing == [], f"not in [tool.setuptools.package-data]: {missing}"
+
+
+def test_grpcio_pin_admits_no_version_the_generated_stubs_refuse():
+    versions = {re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", p.read_text()).group(1)  # type: ignore[union-attr]
+                for p in GENERATED if p.name.endswith("_grpc.py")}
+    assert len(versions) == 1, versions  # one `make proto` run generated them all
+    assert lower_bound("grpcio") >= tuple(int(p) for p in versions.pop().split("."))
+
+
+def test_protobuf_pin_admits_no_version_the_generated_messages_refuse():
+    pattern = re.compile(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),"
+                         r"\s*(\d+),")
+    versions = {tuple(int(g) for g in pattern.search(p.read_text()).groups())  # type: ignore[union-attr]
+                for p in GENERATED if not p.name.endswith("_grpc.py")}
+    assert len(versions) == 1, versions
+    (needed,) = versions
+    assert lower_bound("protobuf") >= needed
+    (spec,) = [d for d in _pyproject()["project"]["dependencies"] if d.startswith("protobuf")]
+    # the runtime check refuses another major version too (gencode 7.x under protobuf 8 is an error)
+    assert f"<{needed[0] + 1}" in spec.replace(" ", ""), spec
+
+
+def test_the_image_pins_satisfy_the_package_pins():
+    pins = dict(re.findall(r"^([\w-]+)==([\d.]+)", (REPO / "deploy/image/requirements.txt").read_text(), re.M))
+    for package in ("grpcio", "protobuf"):
+        assert tuple(int(p) for p in pins[package].split(".")) >= lower_bound(package), package
