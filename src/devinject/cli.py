@@ -655,6 +655,9 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
     names = {opt.lstrip("-").replace("-", "_"): p.name for p in known.values() for opt in p.opts if p.name}
     defaults: dict[str, Any] = {}
     for key, value in data.items():
+        if ctx.command.name == "device-plugin" and key in ("sharing", "version"):
+            _sharing_section(ctx, path, str(key), value)  # NVIDIA's device plugin's shape, carried over
+            continue
         name = names.get(str(key).replace("-", "_"))
         if name is None or name == "config":
             raise ConfigFileError(f"{path}: unknown option {key!r}")
@@ -672,6 +675,20 @@ def _check_metrics_address(address: str) -> None:
         _, sep, port = address.rpartition(":")
         if not sep or not port.isdigit():
             raise UsageError(f"--metrics-address {address!r}: expected HOST:PORT")
+
+
+def _sharing_section(ctx: click.Context, path: str, key: str, value: object) -> None:
+    """The device plugin's config: `sharing:` (time-slicing, docs/sharing.md) and NVIDIA's `version: v1`."""
+    if key == "version":
+        if value != "v1":
+            raise ConfigFileError(f"{path}: version: expected v1 (the version of NVIDIA's config shape), got {value!r}")
+        return
+    from devinject.kubelet.sharing import SharingConfigError, parse_sharing
+
+    try:
+        ctx.meta["devinject.sharing"] = parse_sharing(value, path)
+    except SharingConfigError as err:
+        raise ConfigFileError(err.message) from None
 
 
 @cli.command("device-plugin")
@@ -702,8 +719,11 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
         names[kind] = name
     _check_metrics_address(metrics_address)
     watch, node = _watch_options(**options)
+    from devinject.kubelet.sharing import SharingConfig
+
+    sharing = click.get_current_context().meta.get("devinject.sharing", SharingConfig())
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
-                         metrics_address=metrics_address or None)
+                         metrics_address=metrics_address or None, sharing=sharing)
     DevicePluginAgent(opts, node=node).run(_stop_on_signals())
 
 

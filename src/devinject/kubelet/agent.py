@@ -46,6 +46,7 @@ from devinject.kubelet.allocation import PluginDevice
 from devinject.kubelet.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
 from devinject.kubelet.metrics import Metrics, serve
 from devinject.kubelet.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
+from devinject.kubelet.sharing import SharingConfig, TimeSliced, replicated
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,16 @@ class PluginOptions:
     pods_dir: str | None = None
     ledger_poll: float = 0.5  # seconds between looks at the ledger, the kubelet's checkpoint and its pods
     pod_grace: float = UNKNOWN_POD_GRACE  # seconds a booking waits for the checkpoint to name its pod
+    sharing: SharingConfig = field(default_factory=SharingConfig)  # time-slicing (kubelet/sharing.py)
+
+    def resource_of(self, kind: str) -> str:
+        """The resource a kind is served as: --resource-name's, then renamed when time-sliced."""
+        resource = self.resource_names.get(kind, kind)
+        return self.sharing.served_as(resource, kind)
+
+    def time_sliced(self, kind: str) -> TimeSliced | None:
+        """The time-slicing entry of a kind's resource, if it is time-sliced."""
+        return self.sharing.time_sliced(self.resource_names.get(kind, kind), kind)
 
 
 def endpoint_for(resource: str) -> str:
@@ -201,6 +212,10 @@ class DevicePluginAgent:
         for kind, health in set(counts) | self.gauged:  # set, never cleared: a scrape must not see a gap
             self.metrics.devices.labels(kind, health).set(counts.get((kind, health), 0))
         self.gauged |= set(counts)
+        for kind, devices in by_kind.items():
+            sliced = self.opts.time_sliced(kind)
+            if sliced is not None:  # each device as its replicas, with its health
+                by_kind[kind] = replicated(devices, sliced.replicas)
         changes: list[str] = []
         if not self.started.is_set():  # the first list the kubelet gets already leaves out what claims hold
             data = self.bookings.read()
@@ -214,7 +229,7 @@ class DevicePluginAgent:
                 devices = self._with_held(kind, devices)
                 state = self.states.get(kind)
                 if state is None:
-                    state = self.states[kind] = ResourceState(self.opts.resource_names.get(kind, kind), kind)
+                    state = self.states[kind] = ResourceState(self.opts.resource_of(kind), kind)
                     self.metrics.served(kind, state.resource, (HEALTHY, UNHEALTHY))
                     self.due.setdefault(kind, (time.time(), "it was found"))
                 listed = state.devices
@@ -370,7 +385,10 @@ class DevicePluginAgent:
                                               on_allocate=self._allocated, on_stream_end=self._stream_ended,
                                               grant_dir=self.opts.watch.state_dir,
                                               book=self._book, held_now=self._held_now,
-                                              beside_dra=self.bookings.beside_dra)
+                                              beside_dra=self.bookings.beside_dra,
+                                              fail_requests_greater_than_one=(
+                                                  self.opts.sharing.fail_requests_greater_than_one
+                                                  and self.opts.time_sliced(kind) is not None))
                 server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource))
                 self.servers[kind] = server
             if not server.alive():
