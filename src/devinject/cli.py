@@ -319,6 +319,16 @@ def _graphviz_svg(dot_text: str) -> str:
     return done.stdout
 
 
+def _sharing_cell(record: Any) -> str:
+    """How a device is shared now: `time-slicing 2/4` (containers holding it / its replicas), `mps`, or its
+    profile's `exclusive` / `shared`."""
+    if record.sharing == "time-slicing" and record.replicas:
+        pods_only = ("dra-claim:", "device-plugin:")  # bookings for pods, not containers
+        held = len([h for h in record.holders if not str(h.container or "").startswith(pods_only)])
+        return f"time-slicing {held}/{record.replicas}"
+    return str(record.sharing)
+
+
 @cli.command("list")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -342,10 +352,10 @@ def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs:
     if not rows:
         note(node.why_no_devices())
         return
-    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "PAIRED WITH", "NODES")
+    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "SHARING", "HELD BY", "PAIRED WITH", "NODES")
     table = [header] + [
         (r.name, r.pci_address or "-", r.model, "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
-         r.health, ",".join(h.container or "?" for h in r.holders) or "-",
+         r.health, _sharing_cell(r), ",".join(h.container or "?" for h in r.holders) or "-",
          ",".join(name for name, _ in r.paired_with) or "-", " ".join(path for path, _, _ in r.nodes))
         for r in rows
     ]
@@ -356,7 +366,7 @@ def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs:
         at += 1
         for part in parts:
             table.insert(at, (f"  {r.kind}={part.name}", "-", f"{part.kind.upper()} {part.key}", "-", "-", "-", "-",
-                              "-", " ".join(n.path for n in part.nodes)))
+                              "-", "-", " ".join(n.path for n in part.nodes)))
             at += 1
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:

@@ -14,6 +14,7 @@ import pytest
 
 from devinject.kubelet.api import v1beta1_pb2 as api
 from devinject.kubelet.sharing import SharingConfig, TimeSliced
+from devinject.nodestate.profilefacts import time_slicing
 from tests.integration.fake_kubelet import FakeKubelet
 from tests.integration.test_device_plugin import GPU_PATH, GPUS, Running, plugin_dir, start_agent
 
@@ -56,7 +57,7 @@ def _prefer(stub: object, available: list[str], size: int, must: list[str] | Non
 
 
 def test_the_kubelet_sees_replicas_under_the_shared_name(shared_node) -> None:  # type: ignore[no-untyped-def]
-    kubelet, _ = shared_node
+    kubelet, running = shared_node
     assert "nvidia.com/gpu" not in kubelet.plugins  # renamed: only the shared resource is offered
     request = kubelet.plugins[SHARED].request
     assert request.endpoint == "devinject-nvidia.com-gpu.shared.sock"
@@ -64,6 +65,8 @@ def test_the_kubelet_sees_replicas_under_the_shared_name(shared_node) -> None:  
     assert sorted(devices) == sorted(f"{gpu}::{k}" for gpu in GPUS for k in range(REPLICAS))
     assert devices["0000:18:00.0::3"] == ("Healthy", [0]) and devices["0000:db:00.0::0"] == ("Healthy", [1])
     assert len(kubelet.latest("nvidia.com/rdma")) == 8  # not time-sliced: one device each, as before
+    # and the ledger (the hook) knows: each GPU is booked shared by at most 4 containers
+    assert time_slicing(running.agent.opts.watch.state_dir) == {"nvidia.com/gpu": REPLICAS}
 
 
 def test_a_taken_out_gpu_takes_all_its_replicas_out_together(shared_node) -> None:  # type: ignore[no-untyped-def]

@@ -33,6 +33,7 @@ from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
+from devinject.core.errors import DevinjectError
 from devinject.core.identity import DeviceKey, QualifiedName, device_key, node_id_of, qualified
 from devinject.core.model import DeviceNode
 from devinject.discovery.channels import ChannelDevice
@@ -47,6 +48,7 @@ from devinject.kubelet.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_b
 from devinject.kubelet.metrics import Metrics, serve
 from devinject.kubelet.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 from devinject.kubelet.sharing import SharingConfig, TimeSliced, replicated
+from devinject.nodestate.profilefacts import write_time_slicing
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +188,7 @@ class DevicePluginAgent:
         self.bookings = PluginBookings(opts.watch.state_dir, opts.plugin_dir, pods_dir, grace=opts.pod_grace)
         self.base: dict[str, dict[str, PluginDevice]] = {}  # by kind: as the health loop published them
         self.held: dict[str, dict[str, str]] = {}  # by kind: device ID -> the DRA claim that holds it
+        self.sliced_written: dict[str, int] | None = None  # the time-sliced kinds last recorded for the ledger
 
     # --- from the health loop --------------------------------------------------------------------------
     def _published(self, watcher: Watcher) -> None:
@@ -242,9 +245,27 @@ class DevicePluginAgent:
                         changes += stream_changes(state.resource, listed, {})
         for line in changes:
             log.info("%s", line)
+        self._say_time_slicing(by_kind)
         if not self.started.is_set():
             self._say_started()
             self.started.set()
+
+    def _say_time_slicing(self, by_kind: dict[str, dict[str, PluginDevice]]) -> None:
+        """The kinds this plugin time-slices, in the state dir for the ledger (and the hook): a time-sliced
+        device is booked shared, by at most its replicas' containers."""
+        sliced = {kind: entry.replicas for kind in by_kind if (entry := self.opts.time_sliced(kind)) is not None
+                  and (not self.opts.watch.generate.kinds or kind in self.opts.watch.generate.kinds)}
+        if sliced == self.sliced_written:
+            return
+        try:
+            write_time_slicing(self.opts.watch.state_dir, sliced)
+        except (OSError, DevinjectError) as err:
+            self._say_once(logging.ERROR, "%s: cannot record the time-sliced kinds: %s", self.opts.watch.state_dir,
+                           getattr(err, "message", None) or getattr(err, "strerror", None) or err)
+            return
+        self.sliced_written = sliced
+        for kind, replicas in sorted(sliced.items()):
+            log.info("%s: each device time-sliced %d ways, offered as %s", kind, replicas, self.opts.resource_of(kind))
 
     def _with_held(self, kind: str, devices: dict[str, PluginDevice]) -> dict[str, PluginDevice]:
         held = self.held.get(kind, {})
