@@ -151,7 +151,7 @@ class MpsDaemons:
         deadline = time.monotonic() + START_TIMEOUT
         control = os.path.join(daemon.pipe_dir, "control")  # the socket clients connect to: it is serving
         while not os.path.exists(control) and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.005)
         start = process_start_time(process.pid, self.proc)
         if process.poll() is not None or start is None or not os.path.exists(control):
             status = process.poll()

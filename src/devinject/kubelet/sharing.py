@@ -116,7 +116,7 @@ def parse_sharing(value: object, source: str) -> SharingConfig:
         if not isinstance(rename, str):
             raise SharingConfigError(f"{source}: {at}.rename: expected a resource name, got {rename!r}")
         if rename and "/" not in rename:
-            rename = f"{name.partition('/')[0]}/{rename}"  # NVIDIA's plugin: a bare name keeps the domain
+            rename = f"{name.partition('/')[0]}/{rename}"  # a bare name takes the resource's domain
         if rename and _resource_name_problem(rename):
             raise SharingConfigError(f"{source}: {at}.rename: {_resource_name_problem(rename)}, got {rename!r}")
         resolved = rename or (name + SHARED_SUFFIX if rename_by_default else name)
