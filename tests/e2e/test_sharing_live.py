@@ -6,11 +6,13 @@ them reaches its GPU through its device cgroup."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,3 +95,38 @@ def test_replicas_spread_over_the_gpus_and_each_pod_reaches_its_own(kubelet: Pat
     finally:
         for name in [*names, "shared-two"]:
             remove_pod(kubelet, name)
+
+
+def test_under_runc_the_hook_lets_a_time_sliced_gpu_hold_its_replicas_and_no_more(bundle) -> None:  # type: ignore[no-untyped-def]
+    """The hook's booking on a runc node, where the device plugin time-slices nvidia.com/gpu 2 ways (its
+    sharing.json in the state dir): two containers on GPU 0 both start, a third is refused by the ledger with
+    the count, and once one is deleted (its poststop) the third starts."""
+    from devinject.nodestate.profilefacts import write_time_slicing
+    from tests.e2e.conftest import container_name
+    from tests.e2e.test_ledger_live import _start_detached
+
+    write_time_slicing(str(bundle.state_dir), {"nvidia.com/gpu": 2})
+    first, second, third = container_name(), container_name(), container_name()
+    bundle.save(["sleep", "60"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})
+    try:
+        assert _start_detached(bundle, first).returncode == 0
+        started = _start_detached(bundle, second)
+        assert started.returncode == 0, started.stderr  # exclusive before: "is held by container <first>"
+        refused = _start_detached(bundle, third)
+        assert refused.returncode != 0 and "time-sliced 2 ways and held by 2 containers" in refused.stderr, \
+            refused.stderr
+        subprocess.run(["runc", "delete", "-f", third], capture_output=True, timeout=30)
+        subprocess.run(["runc", "kill", first, "KILL"], capture_output=True, timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and '"stopped"' not in subprocess.run(
+                ["runc", "state", first], capture_output=True, text=True, timeout=30).stdout:
+            time.sleep(0.05)
+        subprocess.run(["runc", "delete", first], check=True, timeout=30)  # its poststop releases the GPU
+        allowed = _start_detached(bundle, third)
+        assert allowed.returncode == 0, allowed.stderr
+        ledger = json.loads((bundle.state_dir / "ledger.json").read_text())["allocations"]
+        assert {c for c in (second, third) if c in ledger} == {second, third}
+        assert all(ledger[c]["shared"] and not ledger[c]["exclusive"] for c in (second, third))
+    finally:
+        for name in (first, second, third):
+            subprocess.run(["runc", "delete", "-f", name], capture_output=True, timeout=30)
