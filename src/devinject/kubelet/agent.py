@@ -258,7 +258,7 @@ class DevicePluginAgent:
         if sliced == self.sliced_written:
             return
         try:
-            write_time_slicing(self.opts.watch.state_dir, sliced)
+            write_time_slicing(self.opts.watch.state_dir, sliced, {k: self.opts.resource_of(k) for k in sliced})
         except (OSError, DevinjectError) as err:
             self._say_once(logging.ERROR, "%s: cannot record the time-sliced kinds: %s", self.opts.watch.state_dir,
                            getattr(err, "message", None) or getattr(err, "strerror", None) or err)

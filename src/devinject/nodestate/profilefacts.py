@@ -84,12 +84,29 @@ def time_slicing(state_dir: str) -> dict[str, int]:
     return {k: v for k, v in kinds.items() if isinstance(k, str) and type(v) is int and 1 <= v <= MAX_REPLICAS}
 
 
-def write_time_slicing(state_dir: str, kinds: dict[str, int]) -> None:
-    """The device plugin's word on which kinds it time-slices (OSError is the caller's)."""
-    if time_slicing(state_dir) == kinds and os.path.exists(os.path.join(state_dir, SHARING_FILE)):
-        return
+def write_time_slicing(state_dir: str, kinds: dict[str, int], resources: dict[str, str] | None = None) -> None:
+    """The device plugin's word on which kinds it time-slices, and the resource each is served as (`doctor`
+    looks for its socket by it). OSError is the caller's."""
+    data = {"time-slicing": kinds, "resources": resources or {}}
+    try:
+        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as handle:
+            if jsonlite.loads(handle.read()) == data:
+                return
+    except (OSError, ValueError):
+        pass
     trusted_dir(state_dir)
-    jsonlite.replace_file(os.path.join(state_dir, SHARING_FILE), {"time-slicing": kinds}, sort_keys=True)
+    jsonlite.replace_file(os.path.join(state_dir, SHARING_FILE), data, sort_keys=True)
+
+
+def served_resources(state_dir: str) -> dict[str, str]:
+    """kind -> the resource the device plugin serves it as when it renamed it (time-slicing)."""
+    try:
+        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as handle:
+            names = jsonlite.loads(handle.read()).get("resources", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {k: v for k, v in names.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(names, dict) else {}
 
 
 def sharing_policy(state_dir: str, root: str = "/", profile_dirs: tuple[str, ...] = (), *,
