@@ -109,7 +109,7 @@ def test_a_claim_without_config_stays_exclusive_and_time_slicing_is_recorded(dri
     answer = prepare(driver, ("plain", "uid-plain"), ("sliced", "uid-sliced"))
     assert answer.claims["uid-plain"].error == "" and answer.claims["uid-sliced"].error == ""
     checkpoint = driver.preparer.prepared()
-    assert checkpoint["uid-plain"]["sharing"] == {} and checkpoint["uid-plain"]["mps"] == []
+    assert checkpoint["uid-plain"]["sharing"] == {} and checkpoint["uid-plain"]["mps"] == {}
     assert checkpoint["uid-sliced"]["sharing"] == {"gpus": {"strategy": "TimeSlicing", "interval": "Short"}}
     env = claim_spec(dirs, "uid-sliced")["devices"][0]["containerEdits"].get("env", [])  # type: ignore[index]
     assert not [e for e in env if e.startswith("CUDA_MPS")]  # no daemon for time-slicing
@@ -189,3 +189,30 @@ def test_a_sharing_claim_that_cannot_be_prepared_leaves_nothing(driver: DraDrive
     assert cdi_files(dirs) == [] and driver.preparer.prepared() == {}
     assert "dra-claim" not in json.dumps(Ledger(dirs["state"]).snapshot())
     assert daemon_pid(dirs, GPU) is None and not Path(dirs["state"], "mps", GPU).exists()
+
+
+def test_a_broken_daemon_record_finds_the_running_daemon_again(driver: DraDriver, api: FakeApi,
+                                                               dirs: dict[str, str]) -> None:
+    """daemons.json corrupt: the daemon running from our pipe directory is found in /proc and adopted (no
+    second daemon over its pipe), serving the checkpoint's claim again; unprepared, it stops."""
+    api.add("mps", "uid-mps", [(GPU_POOL, "gpu-0000-18-00-0")], config=gpu_config(**MPS))
+    prepare(driver, ("mps", "uid-mps"))
+    pid = daemon_pid(dirs, GPU)
+    record = Path(dirs["state"], "mps", "daemons.json")
+    record.write_text('{"0000:18:00.0": {"pid": "x"')
+    driver.refresh()
+    assert daemon_pid(dirs, GPU) == pid and alive(pid)
+    assert json.loads(record.read_text())[GPU]["holders"] == ["uid-mps"]
+    assert json.loads(record.read_text())[GPU]["visible"].startswith("GPU-")
+    assert unprepare(driver, ("mps", "uid-mps")).claims["uid-mps"].error == ""
+    assert not alive(pid) and not Path(dirs["state"], "mps", GPU).exists()
+
+
+def test_a_daemon_no_prepared_claim_needs_is_stopped(driver: DraDriver, api: FakeApi, dirs: dict[str, str]) -> None:
+    """A crash between the steps (the daemon started, the checkpoint lost): the driver's round stops it."""
+    api.add("mps", "uid-mps", [(GPU_POOL, "gpu-0000-18-00-0")], config=gpu_config(**MPS))
+    prepare(driver, ("mps", "uid-mps"))
+    pid = daemon_pid(dirs, GPU)
+    Path(driver.preparer.checkpoint.path).write_text('{"version": 1, "claims": {}}')
+    driver.refresh()
+    assert not alive(pid) and daemon_pid(dirs, GPU) is None and not Path(dirs["state"], "mps", GPU).exists()

@@ -53,12 +53,48 @@ class MpsDaemons:
 
     # --- state --------------------------------------------------------------------------------------------
     def _load(self) -> dict[str, dict[str, object]]:
+        """The recorded daemons; when the record is missing or broken, the daemons running from our
+        directories, found in /proc (a second daemon must never be started over a live one's pipe)."""
         try:
             with open(os.path.join(self.base, STATE), encoding="utf-8") as handle:
                 data = jsonlite.loads(handle.read())
+        except FileNotFoundError:
+            return self._found() if os.path.isdir(self.base) else {}
         except (OSError, ValueError):
-            return {}  # none recorded, or unreadable: the daemons are found again by their pids below
-        return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
+            data = None
+        if not isinstance(data, dict) or not all(_entry_ok(v) for v in data.values()):
+            log.warning("%s: broken; the MPS daemons are found again from /proc", os.path.join(self.base, STATE))
+            return self._found()
+        return data
+
+    def _found(self) -> dict[str, dict[str, object]]:
+        """GPU -> the daemon running with its pipe directory under ours (its holders are the checkpoint's
+        claims again, at the driver's next round)."""
+        found: dict[str, dict[str, object]] = {}
+        try:
+            pids = [int(n) for n in os.listdir(self.proc) if n.isdigit()]
+        except OSError:
+            return found
+        for pid in pids:
+            try:
+                with open(f"{self.proc}/{pid}/cmdline", "rb") as handle:
+                    argv = handle.read(4096).split(b"\0")
+                if self.control.encode() not in argv[:2]:  # as we start it: the binary, or a script's interpreter
+                    continue
+                there, here = os.stat(f"{self.proc}/{pid}/root"), os.stat(f"{self.proc}/self/root")
+                if (there.st_dev, there.st_ino) != (here.st_dev, here.st_ino):
+                    continue  # another root: a container's process naming itself so is not our daemon
+                with open(f"{self.proc}/{pid}/environ", "rb") as handle:
+                    env = dict(e.split(b"=", 1) for e in handle.read(65536).split(b"\0") if b"=" in e)
+            except OSError:
+                continue
+            pipe = env.get(b"CUDA_MPS_PIPE_DIRECTORY", b"").decode(errors="replace")
+            gpu = os.path.basename(os.path.dirname(pipe))
+            start = process_start_time(pid, self.proc)
+            if start is not None and pipe == self.daemon(gpu).pipe_dir:
+                visible = env.get(b"CUDA_VISIBLE_DEVICES", b"").decode(errors="replace")
+                found[gpu] = {"pid": pid, "start_time": start, "visible": visible, "holders": []}
+        return found
 
     def _save(self, data: dict[str, dict[str, object]]) -> None:
         make_dirs(self.base, 0o755)
@@ -78,6 +114,8 @@ class MpsDaemons:
     def acquire(self, gpu: str, holder: str, visible: str) -> Daemon:
         """The daemon for `gpu` (started if none runs), now serving `holder` (a claim); `visible` is what
         CUDA_VISIBLE_DEVICES names the GPU by on the host (its index or UUID)."""
+        if not visible:
+            raise MpsError(f"{gpu}: no name for the GPU to give its MPS daemon (CUDA_VISIBLE_DEVICES)")
         data = self._load()
         entry = data.get(gpu) or {}
         daemon = self.daemon(gpu)
@@ -188,6 +226,12 @@ class MpsDaemons:
             _reap(pid)
         shutil.rmtree(os.path.join(self.base, daemon.gpu), ignore_errors=True)
         log.info("MPS daemon of %s stopped", daemon.gpu)
+
+
+def _entry_ok(entry: object) -> bool:
+    return (isinstance(entry, dict) and type(entry.get("pid")) is int and type(entry.get("start_time")) is int
+            and isinstance(entry.get("holders"), list) and all(isinstance(h, str) for h in entry["holders"])
+            and isinstance(entry.get("visible", ""), str))
 
 
 def _reap(pid: int) -> None:

@@ -325,10 +325,12 @@ class Preparer:
                 _remove(path)
                 raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
             started: list[str] = []
+            visible: dict[str, str] = {}  # GPU -> what the daemon's CUDA_VISIBLE_DEVICES names it by
             try:
                 for gpu, (_, _) in mps_gpus.items():  # after the booking: the GPU is this claim's
                     offer = next(o for o in offers if o.found is not None and o.device.address == gpu)
-                    self.mps.acquire(gpu, uid, offer.device.uuid or str(offer.device.index))
+                    visible[gpu] = offer.device.uuid or str(offer.device.index)
+                    self.mps.acquire(gpu, uid, visible[gpu])
                     started.append(gpu)
             except MpsError as err:
                 for gpu in started:
@@ -344,7 +346,7 @@ class Preparer:
                            "devices": [d.to_json() for d in prepared], "pods": list(pods),
                            "ledger": [[c.name, list(c.nodes), list(c.shared)] for c in booked],
                            "sharing": {r: s.to_json() for r, s in sharing.items() if s.strategy != "Exclusive"},
-                           "mps": sorted(mps_gpus)}
+                           "mps": visible}
             try:
                 self.checkpoint.save(claims)
             except CheckpointError:
@@ -500,8 +502,13 @@ class Preparer:
         """MPS daemons follow the checkpoint: one serving no prepared claim (a crash between the steps) stops,
         one that died while a claim needs it starts again."""
         try:
+            for uid, entry in claims.items():  # a claim's daemon serves it (again, after a broken record)
+                wanted = entry.get("mps")
+                for gpu, visible in (wanted.items() if isinstance(wanted, dict) else ()):
+                    if uid not in self.mps.recorded().get(str(gpu), []):
+                        self.mps.acquire(str(gpu), uid, str(visible))
             for gpu, holders in self.mps.recorded().items():
-                for holder in holders:
+                for holder in holders or [""]:  # a daemon no claim needs: stopped
                     if holder not in claims:
                         self.mps.release(gpu, holder)
             self.mps.check()
