@@ -895,10 +895,17 @@ def who(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, 
         return
     if not rows:
         note("no process holds a device node")
+    from devinject.agent.mps import MpsDaemons
+    from devinject.nodestate.profilefacts import time_slicing
+
+    sliced = time_slicing(state_dir) if os.path.isdir(state_dir) else {}
+    mps = MpsDaemons(state_dir).running() if os.path.isdir(state_dir) else {}
     for r in rows:
         held = r.holder
+        sharing = ("  (MPS)" if r.pci_address in mps else
+                   f"  (time-sliced {sliced[r.kind]} ways)" if r.kind in sliced else "")
         click.echo(f"{r.name:32} {held.node or '-':24} pid {held.pid:<8} {held.command or '?':16} "
-                   f"{held.container or '-'}")
+                   f"{held.container or '-'}{sharing}")
 
 
 @cli.command("create-dev-char-links")

@@ -119,3 +119,19 @@ def test_list_shows_how_each_gpu_is_shared_and_by_how_many(state: str) -> None:
     rows = json.loads(run("list", "--root", str(HOSTS / "hgx-h100"), "--state-dir", state, "--kind", KIND,
                           "--json").stdout)
     assert {r["sharing"] for r in rows} == {"exclusive"}
+
+
+def test_who_says_a_held_gpu_is_time_sliced(host_copy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from tests.unit.test_cli import run
+
+    root = host_copy("workstation")
+    card = next(root.glob("sys/devices/pci0000:00/0000:00:02.0/drm/card0"))
+    (card / "dev").write_text("1:3\n")  # the iGPU's card node as /dev/null's numbers, which we can hold open
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    write_time_slicing(str(state), {"intel.com/gpu": 3})
+    with open("/dev/null"):  # held open for the scan
+        done = run("who", "--root", str(root), "--state-dir", str(state))
+    line = next(line for line in done.stdout.splitlines() if line.startswith("intel.com/gpu=0 ") and
+                f" pid {os.getpid()} " in line)
+    assert line.endswith("(time-sliced 3 ways)"), done.stdout
