@@ -85,7 +85,8 @@ def test_the_count_holds_across_a_rebuild_from_live_evidence(state: str, v1_devi
             with pytest.raises(LedgerError, match="time-sliced 2 ways and held by 2 containers"):
                 Ledger(state).book("c3", three.pid, GPU)
             rebuilt = Ledger(state).snapshot()["allocations"]
-            assert sorted(e["pid"] for e in rebuilt.values()) == sorted([one.pid, two.pid])
+            holding = [e["pid"] for e in rebuilt.values() if NODE in e["exclusive"] + e["shared"]]
+            assert sorted(holding) == sorted([one.pid, two.pid])  # (the machine's other holdings aside)
     finally:
         for group in groups:
             for _ in range(100):
