@@ -462,6 +462,7 @@ class Preparer:
                                      for_pods=tuple(entry.get("pods") or ()))  # type: ignore[arg-type]
                 except LedgerError as err:
                     ask[uid] = (entry, err)
+            self._mps_round(self.checkpoint.load())  # every round: the daemons follow the checkpoint
         if not ask:
             return 0
         answers = {uid: self._reserved_pods(uid, entry) for uid, (entry, _) in ask.items()}
@@ -495,7 +496,6 @@ class Preparer:
                     self.checkpoint.save(claims)
                 except CheckpointError as err:  # booked; what it learned of its pods is kept another round
                     log.warning("%s", err.message)
-            self._mps_round(claims)
             return refused
 
     def _mps_round(self, claims: dict[str, dict[str, object]]) -> None:
