@@ -88,6 +88,7 @@ bench: venv
 	$(BIN)/python bench/bench_health_latency.py
 	$(BIN)/python bench/bench_topology.py
 	$(BIN)/python bench/bench_dra.py
+	$(BIN)/python bench/bench_sharing.py
 
 # Rebuild the fixture hosts (needs gcc and ldconfig) and then their golden specs; HOSTS="a b" for only those
 # (hosts added as plain data have no builder and are never touched).

@@ -319,6 +319,16 @@ def _graphviz_svg(dot_text: str) -> str:
     return done.stdout
 
 
+def _sharing_cell(record: Any) -> str:
+    """How a device is shared now: `time-slicing 2/4` (containers holding it / its replicas), `mps`, or its
+    profile's `exclusive` / `shared`."""
+    if record.sharing == "time-slicing" and record.replicas:
+        pods_only = ("dra-claim:", "device-plugin:")  # bookings for pods, not containers
+        held = len([h for h in record.holders if not str(h.container or "").startswith(pods_only)])
+        return f"time-slicing {held}/{record.replicas}"
+    return str(record.sharing)
+
+
 @cli.command("list")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -342,10 +352,10 @@ def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs:
     if not rows:
         note(node.why_no_devices())
         return
-    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "HELD BY", "PAIRED WITH", "NODES")
+    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "SHARING", "HELD BY", "PAIRED WITH", "NODES")
     table = [header] + [
         (r.name, r.pci_address or "-", r.model, "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
-         r.health, ",".join(h.container or "?" for h in r.holders) or "-",
+         r.health, _sharing_cell(r), ",".join(h.container or "?" for h in r.holders) or "-",
          ",".join(name for name, _ in r.paired_with) or "-", " ".join(path for path, _, _ in r.nodes))
         for r in rows
     ]
@@ -356,7 +366,7 @@ def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs:
         at += 1
         for part in parts:
             table.insert(at, (f"  {r.kind}={part.name}", "-", f"{part.kind.upper()} {part.key}", "-", "-", "-", "-",
-                              "-", " ".join(n.path for n in part.nodes)))
+                              "-", "-", " ".join(n.path for n in part.nodes)))
             at += 1
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
@@ -655,6 +665,9 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
     names = {opt.lstrip("-").replace("-", "_"): p.name for p in known.values() for opt in p.opts if p.name}
     defaults: dict[str, Any] = {}
     for key, value in data.items():
+        if ctx.command.name == "device-plugin" and key in ("sharing", "version"):
+            _sharing_section(ctx, path, str(key), value)  # NVIDIA's device plugin's shape, carried over
+            continue
         name = names.get(str(key).replace("-", "_"))
         if name is None or name == "config":
             raise ConfigFileError(f"{path}: unknown option {key!r}")
@@ -672,6 +685,20 @@ def _check_metrics_address(address: str) -> None:
         _, sep, port = address.rpartition(":")
         if not sep or not port.isdigit():
             raise UsageError(f"--metrics-address {address!r}: expected HOST:PORT")
+
+
+def _sharing_section(ctx: click.Context, path: str, key: str, value: object) -> None:
+    """The device plugin's config: `sharing:` (time-slicing, docs/sharing.md) and NVIDIA's `version: v1`."""
+    if key == "version":
+        if value != "v1":
+            raise ConfigFileError(f"{path}: version: expected v1 (the version of NVIDIA's config shape), got {value!r}")
+        return
+    from devinject.kubelet.sharing import SharingConfigError, parse_sharing
+
+    try:
+        ctx.meta["devinject.sharing"] = parse_sharing(value, path)
+    except SharingConfigError as err:
+        raise ConfigFileError(err.message) from None
 
 
 @cli.command("device-plugin")
@@ -702,8 +729,11 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
         names[kind] = name
     _check_metrics_address(metrics_address)
     watch, node = _watch_options(**options)
+    from devinject.kubelet.sharing import SharingConfig
+
+    sharing = click.get_current_context().meta.get("devinject.sharing", SharingConfig())
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
-                         metrics_address=metrics_address or None)
+                         metrics_address=metrics_address or None, sharing=sharing)
     DevicePluginAgent(opts, node=node).run(_stop_on_signals())
 
 
@@ -865,10 +895,17 @@ def who(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, 
         return
     if not rows:
         note("no process holds a device node")
+    from devinject.agent.mps import MpsDaemons
+    from devinject.nodestate.profilefacts import time_slicing
+
+    sliced = time_slicing(state_dir) if os.path.isdir(state_dir) else {}
+    mps = MpsDaemons(state_dir).running() if os.path.isdir(state_dir) else {}
     for r in rows:
         held = r.holder
+        sharing = ("  (MPS)" if r.pci_address in mps else
+                   f"  (time-sliced {sliced[r.kind]} ways)" if r.kind in sliced else "")
         click.echo(f"{r.name:32} {held.node or '-':24} pid {held.pid:<8} {held.command or '?':16} "
-                   f"{held.container or '-'}")
+                   f"{held.container or '-'}{sharing}")
 
 
 @cli.command("create-dev-char-links")

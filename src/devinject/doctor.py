@@ -344,10 +344,20 @@ class _Context:
         except DevinjectError as err:
             raise _Broken(f"the ledger cannot be read: {err.message}",
                           "devinject list -v -v; a corrupt ledger is rebuilt by the next hook or agent") from None
+        if row is not None and row.sharing == "time-slicing" and row.replicas:
+            # a container beyond its replicas is refused by the ledger: say how many are there
+            pods_only = ("dra-claim:", "device-plugin:")  # bookings for pods, not containers
+            containers = [h for h in row.holders if not str(h.container or "").startswith(pods_only)]
+            names = ", ".join(f"{h.container} (pid {h.pid})" for h in containers) or "none"
+            full = (f"; full: another container is refused ('time-sliced {row.replicas} ways') until one ends"
+                    if len(containers) >= row.replicas else "")
+            return (f"time-sliced {row.replicas} ways by the device plugin, {len(containers)} held: {names}{full}"
+                    f"; devinject who {s.name}"), None
+        sharing = row.sharing if row is not None else s.profile.sharing
         if row is None or not row.holders:
-            return f"free ({s.profile.sharing})", None
+            return f"free ({sharing})", None
         held = ", ".join(f"{h.container or '?'} (pid {h.pid}, {h.state})" for h in row.holders)
-        return f"held by {held} ({s.profile.sharing}); devinject who {s.name}", None
+        return f"held by {held} ({sharing}); devinject who {s.name}", None
 
     def health(self, s: _Subject) -> tuple[str, str | None]:
         if self._health is None:
@@ -364,7 +374,11 @@ class _Context:
     def kubelet(self, s: _Subject) -> tuple[str, str | None]:
         base = self.options.kubelet_dir
         # the device plugin's endpoint for the kind's resource (kubelet/agent.py's endpoint_for)
-        plugin = f"{base}/device-plugins/devinject-{s.profile.kind.replace('/', '-')}.sock"
+        from devinject.nodestate.profilefacts import served_resources
+
+        resource = served_resources(self.node.state_dir).get(s.profile.kind, s.profile.kind) \
+            if self.node.state_dir else s.profile.kind  # renamed when time-sliced (<kind>.shared)
+        plugin = f"{base}/device-plugins/devinject-{resource.replace('/', '-')}.sock"
         dra = f"{base}/plugins_registry/{DRA_DRIVER}-reg.sock"
         for path, what in ((plugin, "device plugin"), (dra, "DRA driver")):
             real = self.node.host.real(path)

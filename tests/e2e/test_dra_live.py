@@ -470,10 +470,10 @@ def test_opaque_config_is_a_clear_error_in_the_pods_events_and_nothing_is_left(c
     try:
         def event() -> str | None:
             events = cluster.json("events", "--field-selector", "involvedObject.name=opaque")["items"]
-            return next((e["message"] for e in events if "opaque configuration" in e.get("message", "")), None)
+            return next((e["message"] for e in events if ".opaque: " in e.get("message", "")), None)
 
         message = until(event, 90, "the pod's event with the driver's error")
-        assert f"{DRIVER} takes no opaque configuration" in message, message
+        assert "config[0].opaque: parameters.'mode': unknown field" in message, message
         assert cluster.pod("opaque")["status"]["phase"] == "Pending"
         assert not [p for p in CDI.glob(f"{DRIVER}-*.json")], "a claim spec was left behind"
     finally:

@@ -19,7 +19,7 @@ import pytest
 from devinject.api import Node
 from devinject.doctor import DoctorOptions, diagnose
 from tests.conftest import HOSTS
-from tests.e2e.conftest import require
+from tests.e2e.conftest import require, stand_ins
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
@@ -193,3 +193,32 @@ def test_the_command_prints_one_line_per_link_and_json(live: Live):
     assert rows["nvidia.com/gpu=0000:18:00.0"]["checks"][1]["link"] == "driver"
     assert rows["nvidia.com/gpu=0000:18:00.0"]["checks"][1]["ok"] is False
     assert rows["nvidia.com/gpu=1"]["ok"] is True and len(rows) == 16
+
+
+def test_a_time_sliced_gpu_is_explained_and_its_renamed_plugin_found(live: Live):
+    """The device plugin time-slices the GPUs 2 ways as nvidia.com/gpu.shared: the ledger link counts the
+    containers on it and says when another would be refused; the kubelet link looks for the renamed socket."""
+    from devinject.nodestate.ledger import Claim, Ledger
+    from devinject.nodestate.profilefacts import write_time_slicing
+
+    live.state.mkdir(mode=0o755)
+    write_time_slicing(str(live.state), {"nvidia.com/gpu": 2}, {"nvidia.com/gpu": "nvidia.com/gpu.shared"})
+    ledger = Ledger(str(live.state))
+    with stand_ins(2) as (one, two):
+        ledger.book("ctr-1", one.pid, (Claim(NAME, ("c 195:2",)),))
+        check = next(c for c in live.diagnose()[0].checks if c.link == "ledger")
+        assert check.ok is True and "time-sliced 2 ways by the device plugin, 1 held: ctr-1" in check.detail
+        assert "full" not in check.detail
+        ledger.book("ctr-2", two.pid, (Claim(NAME, ("c 195:2",)),))
+        check = next(c for c in live.diagnose()[0].checks if c.link == "ledger")
+        assert "2 held" in check.detail and "full: another container is refused" in check.detail
+    plugins = live.root / "var/lib/kubelet/device-plugins"
+    plugins.mkdir(parents=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(str(plugins / "devinject-nvidia.com-gpu.shared.sock"))
+        server.listen(1)
+        kubelet = next(c for c in live.diagnose()[0].checks if c.link == "kubelet")
+        assert kubelet.ok is True and "gpu.shared.sock" in kubelet.detail
+    finally:
+        server.close()

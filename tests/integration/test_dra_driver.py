@@ -219,7 +219,7 @@ def test_a_spec_the_checkpoint_does_not_name_is_removed_at_start(dirs: dict[str,
 
 @pytest.mark.parametrize(("case", "expected"), [
     ("unknown", "device node1-nvidia-com-gpu/gpu-0000-ff-00-0 is not one this node offers"),
-    ("opaque", "dra.devinject.io takes no opaque configuration"),
+    ("opaque", "status.allocation.devices.config[0].opaque: parameters.'mode': unknown field"),
     ("corrupt", "corrupt checkpoint"),
     ("unallocated", "not allocated"),
     ("uid", "the API has uid"),

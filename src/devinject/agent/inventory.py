@@ -11,11 +11,13 @@ from typing import Any
 from devinject.agent.channels import channel_verdicts
 from devinject.agent.health import DEGRADED, HEALTHY, PROBE_TIMEOUT, UNHEALTHY, Verdict, check_host
 from devinject.agent.healthstate import Published, load_published, load_put_backs
+from devinject.agent.mps import MpsDaemons
 from devinject.core.identity import NodeId, device_key, node_id_of
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.node import Node
 from devinject.discovery.topology import known_numa
 from devinject.nodestate.ledger import Ledger, holders_of
+from devinject.nodestate.profilefacts import time_slicing
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class DeviceRecord:
     allocation: str  # free, allocated, reclaiming
     nodes: tuple[tuple[str, int | None, int | None], ...]  # path, major, minor
     paired_with: tuple[tuple[str, str], ...]  # (CDI name, relation) for --bundles gpu-nic
+    replicas: int | None = None  # time-slicing: how many containers may share it
 
     @property
     def name(self) -> str:
@@ -106,6 +109,7 @@ class DeviceRecord:
             "allocation": self.allocation,
             "nodes": [{"path": path, "major": major, "minor": minor} for path, major, minor in self.nodes],
             "paired_with": [{"name": name, "relation": relation} for name, relation in self.paired_with],
+            "replicas": self.replicas,
         }
 
 
@@ -172,6 +176,8 @@ def inventory(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceRecor
     by_key = {v.key: v for v in verdicts(node, timeout=timeout)}
     allocations = _allocations(node.state_dir)
     paired = _pairs(node)
+    sliced = time_slicing(node.state_dir) if node.state_dir else {}
+    mps = MpsDaemons(node.state_dir).running() if node.state_dir else {}
     rows = []
     for item in node.devices():
         pci = item.pci
@@ -182,7 +188,9 @@ def inventory(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceRecor
             names=tuple(node.names(item)), kind=item.profile.kind, pci_address=item.address,
             functions=tuple(f.address for f in item.functions), vendor=vendor,
             model=item.model or f"{vendor} {pci.device:04x}", pci_id=f"{pci.vendor:04x}:{pci.device:04x}",
-            uuid=item.uuid, numa_node=known_numa(pci.numa_node), driver=pci.driver, sharing=item.profile.sharing,
+            uuid=item.uuid, numa_node=known_numa(pci.numa_node), driver=pci.driver,
+            sharing="mps" if item.address in mps else "time-slicing" if item.profile.kind in sliced
+            else item.profile.sharing, replicas=sliced.get(item.profile.kind),
             health=verdict.status, reasons=verdict.reasons, holders=holders,
             allocation=_allocation(holders),
             nodes=tuple((n.path, n.major, n.minor) for n in item.nodes),

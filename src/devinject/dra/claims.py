@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from devinject.agent.mps import LOG_IN_CONTAINER, PIPE_IN_CONTAINER, Daemon, MpsDaemons, MpsError
 from devinject.core import jsonlite
 from devinject.core.atomicfile import replace as replace_file
 from devinject.core.errors import DevinjectError, LedgerError
@@ -26,6 +27,7 @@ from devinject.core.model import ContainerEdits, Device, Spec
 from devinject.core.spec import dump
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
+from devinject.dra.gpuconfig import MPS, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
 from devinject.nodestate.claimcheckpoints import CHECKPOINT_VERSION, NODE_PID, booking_id, checkpoint_path
 from devinject.nodestate.ledger import Claim, Ledger
@@ -124,8 +126,7 @@ class Checkpoint:
 def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
               uid: str) -> list[tuple[str, str, str]]:
     """(request, pool, device) of the claim's allocation for `driver`. PrepareError when the object is not
-    the claim the kubelet means, not allocated, or carries opaque config for `driver` (devinject defines none:
-    an option it would silently ignore is refused instead)."""
+    the claim the kubelet means, or not allocated. Its opaque config: claim_sharing."""
     what = f"claim {namespace}/{name}"
     meta = claim.get("metadata")
     got = meta.get("uid") if isinstance(meta, dict) else None
@@ -136,11 +137,6 @@ def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
     devices = allocation.get("devices") if isinstance(allocation, dict) else None
     if not isinstance(devices, dict):
         raise PrepareError(f"{what}: not allocated (status.allocation.devices is missing)")
-    for index, config in enumerate(devices.get("config") or []):
-        opaque = config.get("opaque") if isinstance(config, dict) else None
-        if isinstance(opaque, dict) and opaque.get("driver") == driver:
-            raise PrepareError(f"{what}: status.allocation.devices.config[{index}].opaque: {driver} takes no opaque "
-                               f"configuration (parameters {jsonlite.dumps(opaque.get('parameters'))} not understood)")
     out = []
     for index, result in enumerate(devices.get("results") or []):
         if not isinstance(result, dict):
@@ -165,6 +161,39 @@ def admin_access(claim: dict[str, object], driver: str) -> set[tuple[str, str]]:
     results = devices.get("results") if isinstance(devices, dict) else None
     return {(str(r.get("pool")), str(r.get("device"))) for r in (results if isinstance(results, list) else ())
             if isinstance(r, dict) and r.get("driver") == driver and r.get("adminAccess") is True}
+
+
+def claim_sharing(claim: dict[str, object], driver: str, namespace: str, name: str,
+                  requests: list[str]) -> dict[str, GpuSharing]:
+    """Each request's sharing from the claim's opaque configs for `driver` (dra/gpuconfig.py GpuConfig; any
+    other kind is refused, never silently ignored): PrepareError naming the config and the field."""
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, dict) else None
+    devices = allocation.get("devices") if isinstance(allocation, dict) else None
+    configs = devices.get("config") if isinstance(devices, dict) else None
+    try:
+        return request_sharing(configs, driver, f"claim {namespace}/{name}: status.allocation.devices", requests)
+    except GpuConfigError as err:
+        raise PrepareError(err.message) from None
+
+
+def mps_env(sharing: GpuSharing, pipe_dir: str, log_dir: str) -> ContainerEdits:
+    """What a container of an MPS claim needs: the daemon's pipe and log directories mounted where CUDA looks
+    (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY) and the claim's limits as the client's env."""
+    from devinject.core.model import Mount
+
+    env = [f"CUDA_MPS_PIPE_DIRECTORY={PIPE_IN_CONTAINER}", f"CUDA_MPS_LOG_DIRECTORY={LOG_IN_CONTAINER}"]
+    settings = sharing.mps
+    if settings is not None and settings.active_thread_percentage is not None:
+        env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={settings.active_thread_percentage}")
+    if settings is not None and (settings.pinned_memory_limit_mb is not None or settings.per_device_limit_mb):
+        limits = {"0": settings.pinned_memory_limit_mb} if settings.pinned_memory_limit_mb is not None else {}
+        limits.update(settings.per_device_limit_mb)
+        env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{k}={v}M" for k, v in sorted(limits.items())))
+    options = ("rbind", "rw", "nosuid", "nodev")
+    return ContainerEdits(env=tuple(env), mounts=(
+        Mount(host_path=pipe_dir, container_path=PIPE_IN_CONTAINER, options=options),
+        Mount(host_path=log_dir, container_path=LOG_IN_CONTAINER, options=options)))
 
 
 def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
@@ -215,8 +244,10 @@ class Preparer:
 
     def __init__(self, driver: str, cdi_dir: str, state_dir: str, inventory: Callable[[], Inventory],
                  get_claim: Callable[[str, str], dict[str, object]], generate: GenerateOptions,
-                 ledger: Ledger | None = None) -> None:
+                 ledger: Ledger | None = None, mps: MpsDaemons | None = None) -> None:
         self.driver = driver
+        driver_root = os.path.join(generate.root, (generate.driver_root or "/").lstrip("/"))
+        self.mps = mps if mps is not None else MpsDaemons(state_dir, driver_root)
         self.cdi_dir = cdi_dir
         self.inventory = inventory
         self.get_claim = get_claim
@@ -262,6 +293,7 @@ class Preparer:
                 return known
             path = self.spec_path(uid)
             results = allocated(claim, self.driver, namespace, name, uid)
+            sharing = claim_sharing(claim, self.driver, namespace, name, [r for r, _, _ in results])
             pods = reserved_pods(claim)
             inventory = self.inventory()
             offers = []
@@ -271,7 +303,10 @@ class Preparer:
                     raise PrepareError(f"claim {namespace}/{name}: device {pool}/{device} is not one this node "
                                        "offers (its ResourceSlices are older than the hardware, or not ours)")
                 offers.append(offer)
-            spec, edits = self._spec(inventory.node, uid, offers)
+            mps_gpus = self._mps_gpus(namespace, name, results, offers, sharing)
+            extra = {gpu: mps_env(sharing[request], daemon.pipe_dir, daemon.log_dir)
+                     for gpu, (request, daemon) in mps_gpus.items()}
+            spec, edits = self._spec(inventory.node, uid, offers, extra)
             text = dump(spec, "json")
             from devinject.specs.validate import validate_spec
 
@@ -289,16 +324,34 @@ class Preparer:
             except LedgerError as err:
                 _remove(path)
                 raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
+            started: list[str] = []
+            visible: dict[str, str] = {}  # GPU -> what the daemon's CUDA_VISIBLE_DEVICES names it by
+            try:
+                for gpu, (_, _) in mps_gpus.items():  # after the booking: the GPU is this claim's
+                    offer = next(o for o in offers if o.found is not None and o.device.address == gpu)
+                    visible[gpu] = offer.device.uuid or str(offer.device.index)
+                    self.mps.acquire(gpu, uid, visible[gpu])
+                    started.append(gpu)
+            except MpsError as err:
+                for gpu in started:
+                    self.mps.release(gpu, uid)
+                self.ledger.release(self.booking(uid))
+                _remove(path)
+                raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
             # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base
             prepared = [PreparedDevice((request.partition("/")[0],), offer.pool, offer.name,
                                        (f"{self.kind}={uid}-{offer.name}",))
                         for (request, _, _), offer in zip(results, offers, strict=True)]
             claims[uid] = {"namespace": namespace, "name": name, "spec": path,
                            "devices": [d.to_json() for d in prepared], "pods": list(pods),
-                           "ledger": [[c.name, list(c.nodes), list(c.shared)] for c in booked]}
+                           "ledger": [[c.name, list(c.nodes), list(c.shared)] for c in booked],
+                           "sharing": {r: s.to_json() for r, s in sharing.items() if s.strategy != "Exclusive"},
+                           "mps": visible}
             try:
                 self.checkpoint.save(claims)
             except CheckpointError:
+                for gpu in started:
+                    self.mps.release(gpu, uid)
                 self.ledger.release(self.booking(uid))
                 _remove(path)
                 raise
@@ -306,7 +359,30 @@ class Preparer:
                      ", ".join(f"{d.pool}/{d.device}" for d in prepared) or "no devices of this driver")
             return prepared
 
-    def _spec(self, node: Node, uid: str, offers: list[Offer]) -> tuple[Spec, list[ContainerEdits]]:
+    def _mps_gpus(self, namespace: str, name: str, results: list[tuple[str, str, str]], offers: list[Offer],
+                  sharing: dict[str, GpuSharing]) -> dict[str, tuple[str, Daemon]]:
+        """GPU address -> (its request, its daemon's directories) for the claim's MPS requests: whole GPUs,
+        one per claim (a CUDA client has one CUDA_MPS_PIPE_DIRECTORY, and each GPU its own daemon)."""
+        out: dict[str, tuple[str, Daemon]] = {}
+        for (request, _, _), offer in zip(results, offers, strict=True):
+            settings = sharing.get(request)
+            if settings is None or settings.strategy != MPS:
+                continue
+            if offer.found is None or offer.partition is not None:
+                raise PrepareError(f"claim {namespace}/{name}: request {request}: MPS is for whole GPUs, not "
+                                   f"{offer.name}")
+            out[offer.device.address] = (request, self.mps.daemon(offer.device.address))
+            limits = settings.mps.per_device_limit_mb if settings.mps else {}
+            if any(key != "0" for key in limits):
+                raise PrepareError(f"claim {namespace}/{name}: request {request}: defaultPerDevicePinnedMemoryLimit: "
+                                   "the claim's one MPS GPU is device 0")
+        if len(out) > 1:
+            raise PrepareError(f"claim {namespace}/{name}: MPS on {len(out)} GPUs in one claim: one GPU per MPS "
+                               "claim (each GPU has its own daemon, a container one CUDA_MPS_PIPE_DIRECTORY)")
+        return out
+
+    def _spec(self, node: Node, uid: str, offers: list[Offer],
+              extra: dict[str, ContainerEdits] | None = None) -> tuple[Spec, list[ContainerEdits]]:
         """One spec of kind `<driver>/claim`: a device `<uid>-<device>` per offer with that device's edits as
         `generate` builds them, and the edits of every kind it holds (libraries, binaries) once for all. A
         channel's device is the one its profile's channel spec (specs/generate.py channel_spec) names `N`."""
@@ -331,7 +407,10 @@ class Preparer:
             found = [d for d in (kind_spec.devices if kind_spec else ()) if d.name == wanted]
             if not found:
                 raise PrepareError(f"{offer.pool}/{offer.name}: the spec pipeline builds no device for it")
-            devices.append(Device(f"{uid}-{offer.name}", found[0].edits))
+            own = found[0].edits
+            if extra and offer.found is not None and offer.partition is None and offer.device.address in extra:
+                own = own.merge(extra[offer.device.address])  # its MPS daemon's directories and the limits
+            devices.append(Device(f"{uid}-{offer.name}", own))
             edits.append(found[0].edits)
         return versioned(Spec(kind=self.kind, devices=tuple(devices), edits=common), self.generate), edits
 
@@ -342,6 +421,11 @@ class Preparer:
             claims = self.checkpoint.load()
             entry = claims.get(uid)
             _remove(path)
+            for gpu in (entry or {}).get("mps") or []:  # type: ignore[attr-defined]
+                try:
+                    self.mps.release(str(gpu), uid)  # the last claim on its GPU stops the daemon
+                except MpsError as err:
+                    raise PrepareError(f"claim {uid}: {err.message}") from None
             try:
                 if self.ledger.release(self.booking(uid)) == "released":
                     # the pod's containers are gone: finish the release now. A booking finishes only releases
@@ -378,6 +462,7 @@ class Preparer:
                                      for_pods=tuple(entry.get("pods") or ()))  # type: ignore[arg-type]
                 except LedgerError as err:
                     ask[uid] = (entry, err)
+            self._mps_round(self.checkpoint.load())  # every round: the daemons follow the checkpoint
         if not ask:
             return 0
         answers = {uid: self._reserved_pods(uid, entry) for uid, (entry, _) in ask.items()}
@@ -412,6 +497,23 @@ class Preparer:
                 except CheckpointError as err:  # booked; what it learned of its pods is kept another round
                     log.warning("%s", err.message)
             return refused
+
+    def _mps_round(self, claims: dict[str, dict[str, object]]) -> None:
+        """MPS daemons follow the checkpoint: one serving no prepared claim (a crash between the steps) stops,
+        one that died while a claim needs it starts again."""
+        try:
+            for uid, entry in claims.items():  # a claim's daemon serves it (again, after a broken record)
+                wanted = entry.get("mps")
+                for gpu, visible in (wanted.items() if isinstance(wanted, dict) else ()):
+                    if uid not in self.mps.recorded().get(str(gpu), []):
+                        self.mps.acquire(str(gpu), uid, str(visible))
+            for gpu, holders in self.mps.recorded().items():
+                for holder in holders or [""]:  # a daemon no claim needs: stopped
+                    if holder not in claims:
+                        self.mps.release(gpu, holder)
+            self.mps.check()
+        except MpsError as err:
+            log.warning("MPS: %s", err.message)
 
     def _reserved_pods(self, uid: str, entry: dict[str, object]) -> tuple[str, ...] | None:
         """The pods the claim is reserved for now, by the API server; None when it cannot say (logged)."""

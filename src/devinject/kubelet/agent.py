@@ -33,6 +33,7 @@ from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
+from devinject.core.errors import DevinjectError
 from devinject.core.identity import DeviceKey, QualifiedName, device_key, node_id_of, qualified
 from devinject.core.model import DeviceNode
 from devinject.discovery.channels import ChannelDevice
@@ -46,6 +47,8 @@ from devinject.kubelet.allocation import PluginDevice
 from devinject.kubelet.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
 from devinject.kubelet.metrics import Metrics, serve
 from devinject.kubelet.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
+from devinject.kubelet.sharing import SharingConfig, TimeSliced, replicated
+from devinject.nodestate.profilefacts import write_time_slicing
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +138,16 @@ class PluginOptions:
     pods_dir: str | None = None
     ledger_poll: float = 0.5  # seconds between looks at the ledger, the kubelet's checkpoint and its pods
     pod_grace: float = UNKNOWN_POD_GRACE  # seconds a booking waits for the checkpoint to name its pod
+    sharing: SharingConfig = field(default_factory=SharingConfig)  # time-slicing (kubelet/sharing.py)
+
+    def resource_of(self, kind: str) -> str:
+        """The resource a kind is served as: --resource-name's, then renamed when time-sliced."""
+        resource = self.resource_names.get(kind, kind)
+        return self.sharing.served_as(resource, kind)
+
+    def time_sliced(self, kind: str) -> TimeSliced | None:
+        """The time-slicing entry of a kind's resource, if it is time-sliced."""
+        return self.sharing.time_sliced(self.resource_names.get(kind, kind), kind)
 
 
 def endpoint_for(resource: str) -> str:
@@ -175,6 +188,7 @@ class DevicePluginAgent:
         self.bookings = PluginBookings(opts.watch.state_dir, opts.plugin_dir, pods_dir, grace=opts.pod_grace)
         self.base: dict[str, dict[str, PluginDevice]] = {}  # by kind: as the health loop published them
         self.held: dict[str, dict[str, str]] = {}  # by kind: device ID -> the DRA claim that holds it
+        self.sliced_written: dict[str, int] | None = None  # the time-sliced kinds last recorded for the ledger
 
     # --- from the health loop --------------------------------------------------------------------------
     def _published(self, watcher: Watcher) -> None:
@@ -201,6 +215,10 @@ class DevicePluginAgent:
         for kind, health in set(counts) | self.gauged:  # set, never cleared: a scrape must not see a gap
             self.metrics.devices.labels(kind, health).set(counts.get((kind, health), 0))
         self.gauged |= set(counts)
+        for kind, devices in by_kind.items():
+            sliced = self.opts.time_sliced(kind)
+            if sliced is not None:  # each device as its replicas, with its health
+                by_kind[kind] = replicated(devices, sliced.replicas)
         changes: list[str] = []
         if not self.started.is_set():  # the first list the kubelet gets already leaves out what claims hold
             data = self.bookings.read()
@@ -214,7 +232,7 @@ class DevicePluginAgent:
                 devices = self._with_held(kind, devices)
                 state = self.states.get(kind)
                 if state is None:
-                    state = self.states[kind] = ResourceState(self.opts.resource_names.get(kind, kind), kind)
+                    state = self.states[kind] = ResourceState(self.opts.resource_of(kind), kind)
                     self.metrics.served(kind, state.resource, (HEALTHY, UNHEALTHY))
                     self.due.setdefault(kind, (time.time(), "it was found"))
                 listed = state.devices
@@ -227,9 +245,27 @@ class DevicePluginAgent:
                         changes += stream_changes(state.resource, listed, {})
         for line in changes:
             log.info("%s", line)
+        self._say_time_slicing(by_kind)
         if not self.started.is_set():
             self._say_started()
             self.started.set()
+
+    def _say_time_slicing(self, by_kind: dict[str, dict[str, PluginDevice]]) -> None:
+        """The kinds this plugin time-slices, in the state dir for the ledger (and the hook): a time-sliced
+        device is booked shared, by at most its replicas' containers."""
+        sliced = {kind: entry.replicas for kind in by_kind if (entry := self.opts.time_sliced(kind)) is not None
+                  and (not self.opts.watch.generate.kinds or kind in self.opts.watch.generate.kinds)}
+        if sliced == self.sliced_written:
+            return
+        try:
+            write_time_slicing(self.opts.watch.state_dir, sliced, {k: self.opts.resource_of(k) for k in sliced})
+        except (OSError, DevinjectError) as err:
+            self._say_once(logging.ERROR, "%s: cannot record the time-sliced kinds: %s", self.opts.watch.state_dir,
+                           getattr(err, "message", None) or getattr(err, "strerror", None) or err)
+            return
+        self.sliced_written = sliced
+        for kind, replicas in sorted(sliced.items()):
+            log.info("%s: each device time-sliced %d ways, offered as %s", kind, replicas, self.opts.resource_of(kind))
 
     def _with_held(self, kind: str, devices: dict[str, PluginDevice]) -> dict[str, PluginDevice]:
         held = self.held.get(kind, {})
@@ -370,7 +406,10 @@ class DevicePluginAgent:
                                               on_allocate=self._allocated, on_stream_end=self._stream_ended,
                                               grant_dir=self.opts.watch.state_dir,
                                               book=self._book, held_now=self._held_now,
-                                              beside_dra=self.bookings.beside_dra)
+                                              beside_dra=self.bookings.beside_dra,
+                                              fail_requests_greater_than_one=(
+                                                  self.opts.sharing.fail_requests_greater_than_one
+                                                  and self.opts.time_sliced(kind) is not None))
                 server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource))
                 self.servers[kind] = server
             if not server.alive():

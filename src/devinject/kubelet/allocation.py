@@ -38,6 +38,8 @@ class PluginDevice:
     nodes: tuple[str, ...] = ()  # its device nodes ("c 195:0"), as the ledger books them
     shared: tuple[str, ...] = ()  # those of them others may hold too (a MIG instance's parent GPU)
     held: str = ""  # why the other path (a DRA claim) holds it: offered Unhealthy, never allocated
+    parent: str = ""  # a time-sliced replica's device (its ID without `::<k>`); "" for a device of its own
+    replicas: int = 1  # how many replicas its device is offered as (kubelet/sharing.py)
 
     @property
     def offered(self) -> bool:
@@ -93,10 +95,10 @@ def answer(resource: str, spec: Spec, devices: dict[str, PluginDevice], ids: lis
            fallback: bool = True) -> ContainerAnswer:
     """One container's allocation of `ids` from `resource`, built from its CDI `spec`. All or nothing."""
     chosen = _chosen(devices, ids)
-    names = tuple(d.cdi_name for d in chosen)
+    names = tuple(dict.fromkeys(d.cdi_name for d in chosen))  # replicas of one device: its CDI device once
     by_name = {device.name: device.edits for device in spec.devices}
     edits = spec.edits
-    for device in chosen:
+    for device in {d.cdi_name: d for d in chosen}.values():
         own = by_name.get(device.cdi_name.partition("=")[2])
         if own is None:
             raise AllocationError(f"device {device.id}: {device.cdi_name} is not in the {spec.kind} spec")

@@ -16,6 +16,7 @@ from devinject.core.model import Spec
 from devinject.kubelet.allocation import HEALTHY, UNHEALTHY, AllocationError, PluginDevice, answer, preferred
 from devinject.kubelet.api import v1beta1_pb2 as api
 from devinject.kubelet.api import v1beta1_pb2_grpc as api_grpc
+from devinject.kubelet.sharing import check_replicas, preferred_replicas
 from devinject.nodestate.grants import GrantError, grant_env_key, prune, write_grant
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
                  on_stream_end: Callable[[str], None] | None = None, grant_dir: str | None = None,
                  book: Callable[[str, list[PluginDevice]], None] | None = None,
                  held_now: Callable[[dict[str, PluginDevice]], dict[str, str]] | None = None,
-                 beside_dra: Callable[[], bool] | None = None) -> None:
+                 beside_dra: Callable[[], bool] | None = None,
+                 fail_requests_greater_than_one: bool = False) -> None:
+        self.fail_requests_greater_than_one = fail_requests_greater_than_one  # time-sliced replicas: one each
         self.state = state
         self.grant_dir = grant_dir  # the state dir grants are written in (nodestate/grants.py); None: none
         self.book = book  # the ledger's booking of what Allocate hands out (AllocationError: refused)
@@ -123,6 +126,13 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
         avoid = {i for i, d in devices.items() if d.held}
         if self.held_now is not None:
             avoid |= set(self.held_now(devices))
+        if any(d.parent for d in devices.values()):  # time-sliced: replicas of the least-shared devices
+            parents = {devices[i].parent for i in avoid if i in devices}
+            return api.PreferredAllocationResponse(container_responses=[
+                api.ContainerPreferredAllocationResponse(deviceIDs=preferred_replicas(
+                    devices, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size,
+                    parents))
+                for r in request.container_requests])
         return api.PreferredAllocationResponse(container_responses=[
             api.ContainerPreferredAllocationResponse(deviceIDs=preferred(
                 devices, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size, avoid,
@@ -136,6 +146,8 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
             if spec is None:
                 raise AllocationError(f"{self.state.resource}: no devices to allocate")
             for container in request.container_requests:
+                check_replicas(devices, list(container.devices_ids),
+                               fail_greater_than_one=self.fail_requests_greater_than_one)
                 given = answer(self.state.resource, spec, devices, list(container.devices_ids),
                                fallback=self.fallback)
                 envs = dict(given.envs)

@@ -483,7 +483,7 @@ class Ledger:
         if policy is None:
             from devinject.nodestate.profilefacts import sharing_policy
 
-            policy = sharing_policy(self.state_dir, profile_dirs=self.profile_dirs)
+            policy = sharing_policy(self.state_dir, profile_dirs=self.profile_dirs, containers=for_pods is None)
         names = tuple(claim.name for claim in claims)
         exclusive: list[str] = []
         shared: list[str] = []
@@ -531,6 +531,8 @@ class Ledger:
                                        "pid": pid, "start_time": start_time, "time": time.time(),
                                        "state": "active", "own_pid_ns": has_own_pid_namespace(pid, self.proc),
                                        **pods}
+            if for_pods is None:
+                self._time_slices_left(container_id, claims, allocations)
             # the claims reserved for this container's pod: their devices are shared by their pods' containers
             our_claims = [entry for entry in allocations.values() if booking.get("pod") in entry.get("pods", ())]
             for other_id, entry in allocations.items():
@@ -554,6 +556,25 @@ class Ledger:
             allocations[container_id] = booking
             self.event("allocated", container=container_id, devices=list(names))
         return Booking(self, container_id, new=True)
+
+    def _time_slices_left(self, container_id: str, claims: tuple[Claim, ...],
+                          allocations: dict[str, Any]) -> None:
+        """A device the device plugin time-slices N ways is held by at most N containers (the kubelet hands out
+        N replicas; a container started outside its accounting is one too many)."""
+        from devinject.nodestate.profilefacts import time_slicing
+
+        sliced = time_slicing(self.state_dir)
+        for claim in claims:
+            replicas = sliced.get(claim.name.partition("=")[0])
+            if replicas is None or not claim.nodes:
+                continue
+            node = claim.nodes[0]  # the device's own node (a GPU's /dev/nvidiaN)
+            holders = sorted(cid for cid, entry in allocations.items()
+                             if cid != container_id and "pods" not in entry and entry.get("state") == "active"
+                             and node in entry.get("shared", []) + entry.get("exclusive", []))
+            if len(holders) >= replicas:
+                raise LedgerError(f"{claim.name}: time-sliced {replicas} ways and held by {len(holders)} "
+                                  f"containers already ({', '.join(holders[:4])}{', ...' if len(holders) > 4 else ''})")
 
     def book_plugin(self, resource: str, devices: dict[str, Claim], pods: dict[str, list[str]] | None = None,
                     policy: dict[str, str] | None = None) -> list[str]:

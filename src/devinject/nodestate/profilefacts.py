@@ -66,9 +66,57 @@ def _facts(state_dir: str, root: str, profile_dirs: tuple[str, ...]) -> dict[str
     return facts
 
 
-def sharing_policy(state_dir: str, root: str = "/", profile_dirs: tuple[str, ...] = ()) -> dict[str, str]:
-    """kind -> "exclusive" or "shared"."""
-    return _facts(state_dir, root, profile_dirs)["policy"]
+SHARING_FILE = "sharing.json"  # the device plugin's time-slicing: {"time-slicing": {kind: replicas}}
+MAX_REPLICAS = 1024
+
+
+def time_slicing(state_dir: str) -> dict[str, int]:
+    """kind -> how many containers may share each of its devices, as the device plugin time-slices them (its
+    config's sharing.timeSlicing, written to the state dir when it starts); {} when none, or unreadable."""
+    try:
+        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as handle:
+            data = jsonlite.loads(handle.read())
+        kinds = data["time-slicing"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not isinstance(kinds, dict):
+        return {}
+    return {k: v for k, v in kinds.items() if isinstance(k, str) and type(v) is int and 1 <= v <= MAX_REPLICAS}
+
+
+def write_time_slicing(state_dir: str, kinds: dict[str, int], resources: dict[str, str] | None = None) -> None:
+    """The device plugin's word on which kinds it time-slices, and the resource each is served as (`doctor`
+    looks for its socket by it). OSError is the caller's."""
+    data = {"time-slicing": kinds, "resources": resources or {}}
+    try:
+        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as handle:
+            if jsonlite.loads(handle.read()) == data:
+                return
+    except (OSError, ValueError):
+        pass
+    trusted_dir(state_dir)
+    jsonlite.replace_file(os.path.join(state_dir, SHARING_FILE), data, sort_keys=True)
+
+
+def served_resources(state_dir: str) -> dict[str, str]:
+    """kind -> the resource the device plugin serves it as when it renamed it (time-slicing)."""
+    try:
+        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as handle:
+            names = jsonlite.loads(handle.read()).get("resources", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {k: v for k, v in names.items() if isinstance(k, str) and isinstance(v, str)} \
+        if isinstance(names, dict) else {}
+
+
+def sharing_policy(state_dir: str, root: str = "/", profile_dirs: tuple[str, ...] = (), *,
+                   containers: bool = True) -> dict[str, str]:
+    """kind -> "exclusive" or "shared": the profiles' `sharing:`, and, for containers, "shared" for a kind the
+    device plugin time-slices (its containers share each device, up to its replicas: the ledger counts them;
+    a DRA claim without a sharing config stays exclusive, so it never meets them)."""
+    policy = _facts(state_dir, root, profile_dirs)["policy"]
+    sliced = time_slicing(state_dir) if containers else {}
+    return {**policy, **dict.fromkeys(sliced, "shared")} if sliced else policy
 
 
 def request_variables(state_dir: str, root: str = "/", profile_dirs: tuple[str, ...] = ()) -> dict[str, str]:
