@@ -623,3 +623,44 @@ def test_a_slow_api_answer_for_one_claim_does_not_delay_an_unrelated_prepare(dri
         release.set()
         waiting.join(20)
     assert sorted(driver.preparer.prepared()) == sorted([slow[1], known[1]])
+
+
+def test_auto_hands_the_loop_back_to_the_agent_that_owns_it(hgx: Path, dirs: dict[str, str], api: FakeApi) -> None:
+    """`--health auto` took the loop over while the device plugin was down (killed, its container restarting):
+    when the plugin's loop starts again it asks for the state dir and the driver hands its loop over, so one
+    loop runs per state dir (before, both ran: the plugin warned "another health loop runs" and both rewrote
+    the health state; the soak test found it after a SIGKILL of the plugin). The driver then follows the
+    plugin's verdicts (at once, not at its next rescan), and can take the loop over again once the plugin is
+    gone."""
+    import subprocess
+    import sys
+    import threading
+
+    from devinject.agent import healthstate
+    from devinject.agent.watch import Watcher
+
+    running = Running(hgx, dirs, api, health="auto")
+    try:
+        assert running.driver.loop is not None  # nobody else: the driver's loop stands in
+        plugin_loop = Watcher(running.driver.opts.watch_options())
+        plugin_stop = threading.Event()
+        plugin = threading.Thread(target=plugin_loop.run, args=(plugin_stop,), daemon=True)
+        plugin.start()
+        wait_for("the plugin's loop holding the state dir", lambda: plugin_loop.loop_lock is not None)
+        assert running.driver.loop is None
+        probe = [sys.executable, "-c", "import sys; from devinject.agent import healthstate; "
+                 "sys.exit(0 if healthstate.take_loop_lock(sys.argv[1]) is None else 1)", dirs["state"]]
+        assert subprocess.run(probe, timeout=60).returncode == 0  # held, by the plugin's loop alone
+        assert not healthstate.loop_wanted(dirs["state"])  # the request withdrawn once served
+        wait_for("the plugin's loop reading the kernel log", lambda: plugin_loop.checker.log_position()[1] is not None)
+        with open(hgx / "var/log/kern.log", "a") as log:
+            log.write(XID_79)
+        wait_for("the plugin's verdict followed as a taint", lambda: taints_of(api) == [
+            (f"{DRIVER}/xid", "79", "NoSchedule")], timeout=30)
+        plugin_stop.set()
+        plugin.join(15)
+        assert not plugin.is_alive() and plugin_loop.loop_lock is None
+        assert running.driver.start_health_loop(running.stop)  # as its next rescan does: the lock is free
+        assert running.driver.loop is not None
+    finally:
+        running.close()

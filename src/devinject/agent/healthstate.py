@@ -22,6 +22,7 @@ A device goes back only when it passes on that evidence; a failing GPU is never 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "health-state.json"
 LOOP_LOCK = ".health-loop.lock"  # held by the one health loop of a state dir while it runs
+LOOP_WANTED = ".health-loop.wanted"  # touched by an agent waiting for the lock: a stand-in loop hands it over
+LOOP_WANTED_FRESH = 5.0  # seconds a request stays valid without being touched again (a waiter that died)
 REQUESTS_FILE = "put-back-requests.json"
 PUT_BACKS_FILE = "put-backs.json"  # the last put-back per device, kept: what a reader without an agent honours
 REQUESTS_LOCK = ".put-back.lock"
@@ -201,6 +204,33 @@ def take_loop_lock(state_dir: str) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def ask_for_loop(state_dir: str) -> None:
+    """Say that this agent (`watch`, `device-plugin`) waits for the state dir's health loop: a `dra-driver
+    --health auto` that took the loop over while the agent was down hands it back (touched again while the
+    agent waits; a request older than LOOP_WANTED_FRESH counts for nothing, so a waiter that died asks
+    nothing). Its mtime is the whole message: no pid, which another pid namespace could not read."""
+    path = os.path.join(state_dir, LOOP_WANTED)
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
+
+
+def loop_wanted(state_dir: str) -> bool:
+    """An agent asked for the state dir's health loop within LOOP_WANTED_FRESH seconds."""
+    try:
+        st = os.lstat(os.path.join(state_dir, LOOP_WANTED))
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and abs(time.time() - st.st_mtime) < LOOP_WANTED_FRESH
+
+
+def withdraw_loop_request(state_dir: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(state_dir, LOOP_WANTED))
 
 
 def move_aside(state_dir: str, name: str = STATE_FILE) -> str | None:

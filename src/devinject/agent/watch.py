@@ -513,9 +513,26 @@ class Watcher:
         finally:
             self.release_state_dir()
 
+    def wait_for_state_dir(self, stop: threading.Event, patience: float = 20.0) -> bool:
+        """The state dir's loop lock, asked for (healthstate.ask_for_loop) for up to `patience` seconds: a
+        `dra-driver --health auto` that took the loop over while this agent was down hands it back. True once
+        this process holds it."""
+        deadline = time.monotonic() + patience
+        try:
+            while not stop.is_set():
+                healthstate.ask_for_loop(self.opts.state_dir)
+                if self.claim_state_dir():
+                    return True
+                if time.monotonic() >= deadline:
+                    return False
+                stop.wait(0.25)
+            return False
+        finally:
+            healthstate.withdraw_loop_request(self.opts.state_dir)
+
     def _run(self, stop: threading.Event) -> None:
         self.announce_kernel_source()
-        if not self.claim_state_dir():
+        if not self.claim_state_dir() and not self.wait_for_state_dir(stop):
             log.warning("another health loop runs on %s: both rewrite its health state and take its put-back "
                         "requests; run one agent's loop per state dir (dra-driver --health follow beside this one)",
                         self.opts.state_dir)

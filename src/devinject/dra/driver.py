@@ -218,6 +218,8 @@ class DraDriver:
         self.loop: Watcher | None = None  # the health loop, when this process runs it
         self.wake = threading.Event()  # the loop published a verdict: publish the slices now
         self._health_thread: threading.Thread | None = None
+        self._loop_stop: threading.Event | None = None  # set to stop the loop this process runs
+        self._health_seen: object = None  # health.json as last looked at, when another agent's loop writes it
         self.rediscover = threading.Event()  # the loop found other devices: discover again before publishing
         self.publishing = threading.Lock()  # one publish at a time: the rescan's and the ledger follower's
         self._held: dict[tuple[str, str], str] = {}  # offers the device plugin holds now: not in the slices
@@ -369,6 +371,8 @@ class DraDriver:
         `follow`: never); True when it runs. `check` with the lock held elsewhere is an error."""
         if self.loop is not None or self.opts.health == "follow":
             return self.loop is not None
+        if self.opts.health == "auto" and healthstate.loop_wanted(self.opts.state_dir):
+            return False  # an agent that owns the loop (watch, device-plugin) is back and asks for it
         fd = healthstate.take_loop_lock(self.opts.state_dir)
         if fd is None:
             if self.opts.health == "check":
@@ -383,12 +387,19 @@ class DraDriver:
             raise
         loop.listeners.append(self._told)
         self.loop = loop
+        loop_stop = self._loop_stop = threading.Event()  # the driver's stop, or the loop handed over
 
         def run() -> None:
             try:
-                loop.run(stop)
+                loop.run(loop_stop)
             except Exception:  # the driver keeps serving what health.json said last
                 log.exception("the health loop stopped")
+
+        def stop_with_the_driver() -> None:
+            stop.wait()
+            loop_stop.set()
+
+        threading.Thread(target=stop_with_the_driver, name="health-stop", daemon=True).start()
 
         self._health_thread = threading.Thread(target=run, name="health", daemon=True)
         self._health_thread.start()
@@ -412,9 +423,38 @@ class DraDriver:
         with self.publishing:
             return self._publish()
 
+    def _followed_health_changed(self) -> bool:
+        """health.json is another file than at the last look (the loop that writes it is another agent's)."""
+        try:
+            st = os.stat(os.path.join(self.opts.state_dir, HEALTH_FILE))
+            seen: object = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            seen = None
+        changed, self._health_seen = seen != self._health_seen, seen
+        return changed
+
+    def hand_over_health_loop(self) -> bool:
+        """`--health auto` runs the loop only as a stand-in: when the agent that owns it (`watch`,
+        `device-plugin`) is back and asks for it, the loop stops here, its lock goes to that agent, and the
+        driver follows its verdicts (two loops on one state dir would both rewrite its health state and take
+        each other's put-back requests). True when handed over."""
+        if self.loop is None or self.opts.health != "auto" or not healthstate.loop_wanted(self.opts.state_dir):
+            return False
+        if self._loop_stop is not None:
+            self._loop_stop.set()
+        if self._health_thread is not None:
+            self._health_thread.join(10)  # its run() lets the lock go as it ends
+        self.loop, self._health_thread, self._loop_stop = None, None, None
+        log.info("health loop: handed to the agent that asked for it; following %s",
+                 os.path.join(self.opts.state_dir, HEALTH_FILE))
+        return True
+
     def _follow_ledger(self, stop: threading.Event) -> None:
         while not stop.wait(self.opts.ledger_poll):
             try:
+                self.hand_over_health_loop()
+                if self.loop is None and self._followed_health_changed():
+                    self.wake.set()  # another agent's verdict: published now, not at the next rescan
                 self.follow_ledger_once()
             except DevinjectError as err:
                 self._ledger_seen = None  # try again at the next look
