@@ -80,6 +80,7 @@ class DoctorOptions:
     runtime: str | None = None  # None: the runtimes whose config is on the node
     kubelet_dir: str = KUBELET_DIR
     hooks_dir: str | None = None
+    runtime_version: str | None = None  # None: asked of the binary on the machine's own root, else unknown
 
 
 class _Broken(Exception):
@@ -319,7 +320,8 @@ class _Context:
     def runtime(self, s: _Subject) -> tuple[str, str | None]:
         from devinject.runtimes.status import runtime_status
 
-        status = runtime_status(self.node.root, self.options.runtime, hooks_dir=self.options.hooks_dir)
+        status = runtime_status(self.node.root, self.options.runtime, hooks_dir=self.options.hooks_dir,
+                                version=self.options.runtime_version)
         spec_dir = os.path.dirname(s.facts.get("spec_path", "")) or None
         if not status.applies:
             raise _Broken(status.detail, status.fix)
