@@ -382,14 +382,16 @@ class _Context:
             if self.node.state_dir else s.profile.kind  # renamed when time-sliced (<kind>.shared)
         plugin = f"{base}/device-plugins/devinject-{resource.replace('/', '-')}.sock"
         dra = f"{base}/plugins_registry/{DRA_DRIVER}-reg.sock"
-        for path, what in ((plugin, "device plugin"), (dra, "DRA driver")):
+        for path, what, daemonset in ((plugin, "device plugin", "devinject"),
+                                      (dra, f"DRA driver {DRA_DRIVER}", "devinject-dra")):
             real = self.node.host.real(path)
             if os.path.lexists(real):
                 if not _answers(real):
-                    raise _Broken(f"{real}: the {what}'s socket is there but nothing answers on it",
-                                  "kubectl -n devinject-system get pods -o wide; kubectl logs ds/devinject")
+                    raise _Broken(f"{real}: the {what}'s socket is there but nothing answers on it (it is not "
+                                  "running)", f"start the {what}: kubectl -n devinject-system get pods -o wide; "
+                                  f"kubectl -n devinject-system logs ds/{daemonset}")
                 slices = (f"; its slices: kubectl get resourceslices --field-selector spec.driver={DRA_DRIVER}"
-                          if what == "DRA driver" else "")
+                          if daemonset == "devinject-dra" else "")
                 return f"the {what} is registered ({real}){slices}", None
         raise _Broken(f"no devinject plugin registered with the kubelet for {s.profile.kind} (neither {plugin} "
                       f"nor {dra})", "kubectl apply -k deploy/kubernetes (or deploy/kubernetes/dra), then see that "

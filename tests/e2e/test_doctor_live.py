@@ -24,7 +24,8 @@ from devinject.api import Node
 from devinject.doctor import Check, DoctorOptions, diagnose
 from devinject.runtimes.config import binary_version
 from tests.e2e.conftest import CDI_DIR, DEVINJECT, PODMAN, Bundle, container_name, in_cdi_dir
-from tests.e2e.kube import need
+from tests.e2e.kube import need, until
+from tests.e2e.test_dra_live import DRIVER, HOST, STATE, Cluster, cluster  # noqa: F401 - the module's fixture
 
 pytestmark = pytest.mark.live
 
@@ -118,3 +119,74 @@ def test_runc_the_doctor_says_what_runc_does(bundle: Bundle, live_host: Path, sp
             assert "devinject install-hook" in (link.fix or "")
     finally:
         shutil.rmtree(target, ignore_errors=True)
+
+
+# ---- the kubelet link on the real cluster (../shared/kube/cluster-up.sh, CONTAINERD=bundled) ---------------------
+# test_dra_live's cluster: the fake HGX host (real char nodes) and `devinject dra-driver` over it, registered with
+# the real kubelet and its slices published; the cluster is taken down after (cluster-down.sh --purge).
+
+KUBELET_DIR = Path("/var/lib/kubelet")
+
+
+def doctor_on_the_node(work: Path, state: Path) -> dict[str, dict[str, object]]:
+    """`devinject doctor --json nvidia.com/gpu=0` over the fake host, with the machine's kubelet dir bound under
+    its root (a private mount namespace: the bind goes with the process); a spec generated for it and a containerd
+    config under the root that applies CDI from it, so the chain reaches the kubelet link."""
+    spec_dir = work / "cdi"
+    if not spec_dir.exists():
+        spec_dir.mkdir(mode=0o755, parents=True)
+        subprocess.run([DEVINJECT, "generate", "--root", str(HOST), "--output-dir", str(spec_dir), "--hook-path",
+                        DEVINJECT, "--kind", "nvidia.com/gpu"], check=True, capture_output=True, timeout=60)
+        config = HOST / "etc/containerd/config.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(f'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  enable_cdi = true\n'
+                          f'  cdi_spec_dirs = ["{spec_dir}"]\n')
+    mount_point = HOST / KUBELET_DIR.relative_to("/")
+    mount_point.mkdir(parents=True, exist_ok=True)
+    script = (f"mount --bind {KUBELET_DIR} {mount_point} && exec {DEVINJECT} doctor --json --root {HOST} "
+              f"--spec-dir {spec_dir} --state-dir {state} --runtime containerd {NAME}")
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.startswith("["), done.stderr
+    (found,) = json.loads(done.stdout)
+    return {c["link"]: c for c in found["checks"]}
+
+
+def test_the_kubelet_link_on_the_real_cluster(cluster: Cluster, tmp_path: Path) -> None:  # noqa: F811
+    # the DRA driver registered and its slices published: the link holds
+    need(shutil.which("unshare"), "unshare (util-linux)")
+    until(lambda: (KUBELET_DIR / f"plugins_registry/{DRIVER}-reg.sock").exists(), 30, "the driver's registration")
+    assert cluster.slices()
+    checks = doctor_on_the_node(tmp_path, STATE)
+    assert all(checks[link]["ok"] is True for link in ("spec", "runtime", "ledger", "health")), checks
+    assert checks["kubelet"]["ok"] is True, checks["kubelet"]
+    assert f"the DRA driver {DRIVER} is registered" in str(checks["kubelet"]["detail"])
+
+    # the driver stopped: broken, the fix names the driver
+    cluster.stop_driver()
+    checks = doctor_on_the_node(tmp_path, STATE)
+    assert checks["kubelet"]["ok"] is False, checks["kubelet"]
+    fix = str(checks["kubelet"]["fix"])
+    assert "devinject-dra" in fix or DRIVER in fix, checks["kubelet"]
+
+    # the device plugin registered with the real kubelet (the node's allocatable shows it): the link holds
+    log = open(tmp_path / "device-plugin.log", "ab")  # noqa: SIM115 - the plugin's log, kept for the report
+    plugin = subprocess.Popen(
+        [DEVINJECT, "device-plugin", "--host-root", str(HOST), "--output-dir", str(tmp_path / "plugin-cdi"),
+         "--state-dir", str(tmp_path / "plugin-state"), "--kind", "nvidia.com/gpu", "--no-uevents", "--hook-path",
+         DEVINJECT], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    try:
+        until(lambda: cluster.json("node", cluster.node)["status"].get("allocatable", {}).get("nvidia.com/gpu")
+              not in (None, "0"), 90, "nvidia.com/gpu in the node's allocatable")
+        checks = doctor_on_the_node(tmp_path, tmp_path / "plugin-state")
+        assert checks["kubelet"]["ok"] is True, checks["kubelet"]
+        assert "the device plugin is registered" in str(checks["kubelet"]["detail"])
+    finally:
+        from tests.e2e.conftest import terminate
+
+        terminate(plugin)
+    # the plugin stopped: broken
+    checks = doctor_on_the_node(tmp_path, tmp_path / "plugin-state")
+    assert checks["kubelet"]["ok"] is False, checks["kubelet"]
+    assert checks["kubelet"]["fix"], checks["kubelet"]
