@@ -135,9 +135,22 @@ def _subjects(node: Node) -> list[_Subject]:
     return sorted(subjects, key=lambda s: (s.profile.kind, s.pci.address))
 
 
-def diagnose(node: Node, device: str | None = None, options: DoctorOptions = DoctorOptions()) -> list[Diagnosis]:
-    """The chain of every device of the node (or of those `device` names: an index or CDI name, a UUID, a key
-    `kind=PCI address`, a PCI address), in kind then address order."""
+def check_link(node: Node, device: str, link: str, options: DoctorOptions = DoctorOptions()) -> Check:
+    """One link of the first device `device` names, checked whatever the links before it say (the walk stops
+    at the first broken one); a link that reads what an earlier one learnt (runtime: the spec's dir) reads
+    nothing of it here."""
+    if link not in LINKS:
+        raise DevinjectError(f"no link {link!r} (links: {', '.join(LINKS)})")
+    subject = _select(node, device)[0]
+    check = getattr(_Context(node, options), link)
+    try:
+        detail, fix = check(subject)
+    except _Broken as err:
+        return Check(link, False, err.detail, err.fix)
+    return Check(link, True, detail, fix)
+
+
+def _select(node: Node, device: str | None) -> list[_Subject]:
     subjects = _subjects(node)
     if device is not None:
         found = {id(f) for f in node.find(device)}
@@ -147,8 +160,14 @@ def diagnose(node: Node, device: str | None = None, options: DoctorOptions = Doc
             names = ", ".join(s.name for s in subjects) or "none"
             raise DevinjectError(f"no device {device!r} on this node (devices: {names})")
         subjects = chosen
+    return subjects
+
+
+def diagnose(node: Node, device: str | None = None, options: DoctorOptions = DoctorOptions()) -> list[Diagnosis]:
+    """The chain of every device of the node (or of those `device` names: an index or CDI name, a UUID, a key
+    `kind=PCI address`, a PCI address), in kind then address order."""
     context = _Context(node, options)
-    return [context.walk(s) for s in subjects]
+    return [context.walk(s) for s in _select(node, device)]
 
 
 class _Context:
@@ -394,8 +413,9 @@ class _Context:
                           if daemonset == "devinject-dra" else "")
                 return f"the {what} is registered ({real}){slices}", None
         raise _Broken(f"no devinject plugin registered with the kubelet for {s.profile.kind} (neither {plugin} "
-                      f"nor {dra})", "kubectl apply -k deploy/kubernetes (or deploy/kubernetes/dra), then see that "
-                      "its DaemonSet selects this node (docs/deploy.md)")
+                      f"nor {dra})", "start the device plugin (kubectl apply -k deploy/kubernetes: ds/devinject) or "
+                      f"the DRA driver {DRA_DRIVER} (kubectl apply -k deploy/kubernetes/dra: ds/devinject-dra), then "
+                      "see that its DaemonSet selects this node (docs/deploy.md)")
 
 
 def _answers(path: str) -> bool:
