@@ -976,11 +976,13 @@ def runtime_configure(runtime_name: str, config: str | None, spec_dirs: tuple[st
 @click.option("--runtime", "runtime_name", default=None,
               type=click.Choice(["containerd", "crio", "docker", "podman", "runc"]),
               help="The runtime that starts the containers [default: the one whose configuration is on the node].")
+@click.option("--runtime-version", default=None, metavar="VERSION",
+              help="The runtime's version [default: asked of its binary when --root is /].")
 @state_dir_option
 @profile_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_name: str | None, state_dir: str,
-           profile_dirs: tuple[str, ...], as_json: bool) -> None:
+def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_name: str | None,
+           runtime_version: str | None, state_dir: str, profile_dirs: tuple[str, ...], as_json: bool) -> None:
     """Walk each device's chain to a container (pci, driver, nodes, libraries, spec, runtime, ledger, health,
     kubelet) and name the first broken link and its fix; exit 0 only when every link holds.
 
@@ -989,7 +991,8 @@ def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_na
     from devinject.doctor import DoctorOptions, diagnose, render
 
     node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
-    found = diagnose(node, device, DoctorOptions(spec_dirs=spec_dirs or DEFAULT_SPEC_DIRS, runtime=runtime_name))
+    found = diagnose(node, device, DoctorOptions(spec_dirs=spec_dirs or DEFAULT_SPEC_DIRS, runtime=runtime_name,
+                                                      runtime_version=runtime_version))
     if as_json:
         click.echo(json.dumps([d.to_json() for d in found], indent=2))
     elif found:

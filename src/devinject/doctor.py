@@ -80,6 +80,7 @@ class DoctorOptions:
     runtime: str | None = None  # None: the runtimes whose config is on the node
     kubelet_dir: str = KUBELET_DIR
     hooks_dir: str | None = None
+    runtime_version: str | None = None  # None: asked of the binary on the machine's own root, else unknown
 
 
 class _Broken(Exception):
@@ -134,9 +135,22 @@ def _subjects(node: Node) -> list[_Subject]:
     return sorted(subjects, key=lambda s: (s.profile.kind, s.pci.address))
 
 
-def diagnose(node: Node, device: str | None = None, options: DoctorOptions = DoctorOptions()) -> list[Diagnosis]:
-    """The chain of every device of the node (or of those `device` names: an index or CDI name, a UUID, a key
-    `kind=PCI address`, a PCI address), in kind then address order."""
+def check_link(node: Node, device: str, link: str, options: DoctorOptions = DoctorOptions()) -> Check:
+    """One link of the first device `device` names, checked whatever the links before it say (the walk stops
+    at the first broken one); a link that reads what an earlier one learnt (runtime: the spec's dir) reads
+    nothing of it here."""
+    if link not in LINKS:
+        raise DevinjectError(f"no link {link!r} (links: {', '.join(LINKS)})")
+    subject = _select(node, device)[0]
+    check = getattr(_Context(node, options), link)
+    try:
+        detail, fix = check(subject)
+    except _Broken as err:
+        return Check(link, False, err.detail, err.fix)
+    return Check(link, True, detail, fix)
+
+
+def _select(node: Node, device: str | None) -> list[_Subject]:
     subjects = _subjects(node)
     if device is not None:
         found = {id(f) for f in node.find(device)}
@@ -146,8 +160,14 @@ def diagnose(node: Node, device: str | None = None, options: DoctorOptions = Doc
             names = ", ".join(s.name for s in subjects) or "none"
             raise DevinjectError(f"no device {device!r} on this node (devices: {names})")
         subjects = chosen
+    return subjects
+
+
+def diagnose(node: Node, device: str | None = None, options: DoctorOptions = DoctorOptions()) -> list[Diagnosis]:
+    """The chain of every device of the node (or of those `device` names: an index or CDI name, a UUID, a key
+    `kind=PCI address`, a PCI address), in kind then address order."""
     context = _Context(node, options)
-    return [context.walk(s) for s in subjects]
+    return [context.walk(s) for s in _select(node, device)]
 
 
 class _Context:
@@ -319,7 +339,8 @@ class _Context:
     def runtime(self, s: _Subject) -> tuple[str, str | None]:
         from devinject.runtimes.status import runtime_status
 
-        status = runtime_status(self.node.root, self.options.runtime, hooks_dir=self.options.hooks_dir)
+        status = runtime_status(self.node.root, self.options.runtime, hooks_dir=self.options.hooks_dir,
+                                version=self.options.runtime_version)
         spec_dir = os.path.dirname(s.facts.get("spec_path", "")) or None
         if not status.applies:
             raise _Broken(status.detail, status.fix)
@@ -380,18 +401,21 @@ class _Context:
             if self.node.state_dir else s.profile.kind  # renamed when time-sliced (<kind>.shared)
         plugin = f"{base}/device-plugins/devinject-{resource.replace('/', '-')}.sock"
         dra = f"{base}/plugins_registry/{DRA_DRIVER}-reg.sock"
-        for path, what in ((plugin, "device plugin"), (dra, "DRA driver")):
+        for path, what, daemonset in ((plugin, "device plugin", "devinject"),
+                                      (dra, f"DRA driver {DRA_DRIVER}", "devinject-dra")):
             real = self.node.host.real(path)
             if os.path.lexists(real):
                 if not _answers(real):
-                    raise _Broken(f"{real}: the {what}'s socket is there but nothing answers on it",
-                                  "kubectl -n devinject-system get pods -o wide; kubectl logs ds/devinject")
+                    raise _Broken(f"{real}: the {what}'s socket is there but nothing answers on it (it is not "
+                                  "running)", f"start the {what}: kubectl -n devinject-system get pods -o wide; "
+                                  f"kubectl -n devinject-system logs ds/{daemonset}")
                 slices = (f"; its slices: kubectl get resourceslices --field-selector spec.driver={DRA_DRIVER}"
-                          if what == "DRA driver" else "")
+                          if daemonset == "devinject-dra" else "")
                 return f"the {what} is registered ({real}){slices}", None
         raise _Broken(f"no devinject plugin registered with the kubelet for {s.profile.kind} (neither {plugin} "
-                      f"nor {dra})", "kubectl apply -k deploy/kubernetes (or deploy/kubernetes/dra), then see that "
-                      "its DaemonSet selects this node (docs/deploy.md)")
+                      f"nor {dra})", "start the device plugin (kubectl apply -k deploy/kubernetes: ds/devinject) or "
+                      f"the DRA driver {DRA_DRIVER} (kubectl apply -k deploy/kubernetes/dra: ds/devinject-dra), then "
+                      "see that its DaemonSet selects this node (docs/deploy.md)")
 
 
 def _answers(path: str) -> bool:

@@ -51,6 +51,18 @@ def test_crio_and_podman_read_their_drop_ins(tmp_path: Path):
     assert runtime_status(str(tmp_path), "podman").spec_dirs == ("/etc/cdi", "/var/run/cdi")
 
 
+def test_podman_before_5_5_ignores_cdi_spec_dirs(tmp_path: Path):
+    """podman 4.3 resolves `--device` only from CDI's default dirs whatever containers.conf says
+    (tests/e2e/test_doctor_live.py); a podman of unknown version is taken at its config's word."""
+    _write(tmp_path, "/etc/containers/containers.conf.d/99-devinject.conf", '[engine]\ncdi_spec_dirs = ["/x"]\n')
+    old = runtime_status(str(tmp_path), "podman", version="4.3.1")
+    assert old.applies and old.spec_dirs == ("/etc/cdi", "/var/run/cdi")
+    assert old.detail \
+        == "podman 4.3.1 applies CDI from /etc/cdi, /var/run/cdi (it ignores containers.conf's cdi_spec_dirs /x)"
+    assert runtime_status(str(tmp_path), "podman", version="5.5.0").spec_dirs == ("/x",)
+    assert runtime_status(str(tmp_path), "podman").spec_dirs == ("/x",)
+
+
 def test_docker_needs_features_cdi(tmp_path: Path):
     _write(tmp_path, "/etc/docker/daemon.json", '{"log-driver": "journald"}')
     status = runtime_status(str(tmp_path), "docker")

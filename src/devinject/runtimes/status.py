@@ -62,21 +62,23 @@ def detect(root: str) -> list[str]:
     return found
 
 
-def runtime_status(root: str, runtime: str | None = None, *, hooks_dir: str | None = None) -> RuntimeStatus:
-    """The runtime's (or, None, the first found's) CDI status on the node under `root`."""
+def runtime_status(root: str, runtime: str | None = None, *, hooks_dir: str | None = None,
+                   version: str | None = None) -> RuntimeStatus:
+    """The runtime's (or, None, the first found's) CDI status on the node under `root`; `version`: the runtime's
+    (None: asked of its binary for the machine's own root, else unknown)."""
     names = [runtime] if runtime else detect(root)
     if not names:
         return RuntimeStatus("none", False, f"no container runtime's configuration under {root} "
                              f"({', '.join(DEFAULT_CONFIG.values())})", "give --runtime, or "
                              "devinject runtime configure --runtime containerd|crio|docker|podman")
-    return _status(root, names[0], hooks_dir or HOOKS_DIR)
+    return _status(root, names[0], hooks_dir or HOOKS_DIR, version)
 
 
 def _hook_installed(root: str, hooks_dir: str) -> bool:
     return os.path.exists(os.path.join(_in(root, hooks_dir), HOOK_FILE))
 
 
-def _status(root: str, name: str, hooks_dir: str) -> RuntimeStatus:
+def _status(root: str, name: str, hooks_dir: str, version: str | None = None) -> RuntimeStatus:
     if name == "runc":
         if _hook_installed(root, hooks_dir):
             return RuntimeStatus("runc", True, f"runc applies no CDI; the devinject hook is installed "
@@ -91,9 +93,8 @@ def _status(root: str, name: str, hooks_dir: str) -> RuntimeStatus:
         dirs = data.get("crio", {}).get("runtime", {}).get("cdi_spec_dirs") or list(DEFAULT_SPEC_DIRS)
         return RuntimeStatus("crio", True, f"CRI-O applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
     if name == "podman":
-        data = _toml_files(root, DEFAULT_CONFIG["podman"], "/etc/containers/containers.conf.d", ".conf")
-        dirs = data.get("engine", {}).get("cdi_spec_dirs") or list(DEFAULT_SPEC_DIRS)
-        return RuntimeStatus("podman", True, f"podman applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
+        return _podman(root, version if version is not None else
+                       (binary_version("podman") if root == "/" else None))
     text = read_text(config)
     data = parse_json(text, config) if text is not None else {}
     features = data.get("features") if isinstance(data.get("features"), dict) else {}
@@ -102,6 +103,22 @@ def _status(root: str, name: str, hooks_dir: str) -> RuntimeStatus:
                              f"{config}: features.cdi is not on", "devinject runtime configure --runtime docker")
     dirs = data.get("cdi-spec-dirs") or list(DEFAULT_SPEC_DIRS)
     return RuntimeStatus("docker", True, f"docker applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
+
+
+PODMAN_READS_SPEC_DIRS = (5, 5)  # before it, podman reads CDI's default dirs whatever containers.conf says
+
+
+def _podman(root: str, version: str | None) -> RuntimeStatus:
+    data = _toml_files(root, DEFAULT_CONFIG["podman"], "/etc/containers/containers.conf.d", ".conf")
+    configured = data.get("engine", {}).get("cdi_spec_dirs")
+    named = f"podman {version}" if version else "podman"
+    if configured and version is not None and _major_minor(version) < PODMAN_READS_SPEC_DIRS:
+        # seen on podman 4.3: `--device` of a spec only in a cdi_spec_dirs directory is unresolvable
+        return RuntimeStatus("podman", True, f"{named} applies CDI from {', '.join(DEFAULT_SPEC_DIRS)} (it ignores "
+                             f"containers.conf's cdi_spec_dirs {', '.join(configured)})",
+                             spec_dirs=DEFAULT_SPEC_DIRS)
+    dirs = configured or list(DEFAULT_SPEC_DIRS)
+    return RuntimeStatus("podman", True, f"{named} applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
 
 
 def _containerd(root: str) -> RuntimeStatus:
