@@ -8,6 +8,7 @@ the limits and the daemon's directories."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -78,6 +79,23 @@ def driver(dirs: dict[str, str], api: FakeApi) -> Iterator[DraDriver]:
     d = started(dirs, api)
     yield d
     d.servers.stop()
+    kill_stand_ins(dirs["driver"])
+
+
+def kill_stand_ins(driver_root: str) -> None:
+    """No stand-in control daemon outlives its test: each test asserts the daemons it expects gone, but one a
+    failing (or, on a loaded machine, a slow) test left would run on after the session."""
+
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.startswith(driver_root.encode()) for a in args):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def daemon_pid(dirs: dict[str, str], gpu: str) -> int | None:
