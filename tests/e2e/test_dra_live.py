@@ -236,9 +236,10 @@ def test_a_restarted_driver_keeps_the_claim_and_cleans_it_on_delete(cluster: Clu
 def test_a_claim_is_booked_again_over_its_running_pod_after_a_ledger_rebuild(cluster: Cluster) -> None:
     """Issue 21: the ledger corrupt while a claim's pod runs; the next access rebuilds it from live evidence,
     which books the pod's container (its device cgroup grants the GPU) with its pod, read from its cgroup,
-    and from the claims' own copy (ledger-claims.json), which keeps the claim. With that copy lost too, the
-    restarted driver books the claim again (it was refused, "its devices are not in the ledger", and the GPU
-    looked free to the hook once that container ended). A process in no pod is refused it either way."""
+    and from the claims' own copy (ledger-claims.json), which keeps the claim. With that copy lost too, the DRA
+    checkpoint keeps it, and the restarted driver finds it booked (it was refused, "its devices are not in the
+    ledger", and the GPU looked free to the hook once that container ended). A process in no pod is refused
+    it either way."""
     from devinject.core.errors import LedgerError
     from devinject.nodestate.ledger import Claim, Ledger
 
@@ -258,8 +259,11 @@ def test_a_claim_is_booked_again_over_its_running_pod_after_a_ledger_rebuild(clu
         (STATE / "ledger.json").write_text('{"allocations": {"c1": {"exclus')
         (STATE / "ledger-claims.json").unlink()
         rebuilt = Ledger(str(STATE)).snapshot()["allocations"]
-        assert booking not in rebuilt
-        assert {e.get("pod") for e in rebuilt.values() if node in e["exclusive"]} == {pod_uid}, rebuilt
+        # both copies lost: the rebuild reads the DRA checkpoint, which keeps the claim at once (it did not: a
+        # process in no pod could book the claim's GPU until the driver's next round)
+        assert booking in rebuilt, rebuilt
+        assert {e.get("pod") for n, e in rebuilt.items() if n != booking and node in e["exclusive"]} == {pod_uid}, \
+            rebuilt
         logged = cluster.log.stat().st_size
         cluster.start_driver()
         until(lambda: booking in Ledger(str(STATE)).snapshot()["allocations"], 30, "the claim booked again")
