@@ -16,7 +16,7 @@ assertions hold for the reference and for devinject.
   in memory only, so restarted it answers NodeUnprepareResources for a claim it no longer knows with success
   and leaves the claim's spec in /var/run/cdi;
 - an extended-resource pod (`limits` only) served through a DeviceClass with `extendedResourceName`;
-- opaque config the driver refuses (`{"mode": 1}`: devinject takes no opaque config, the reference only
+- opaque config the driver refuses (`{"mode": 1}`: devinject's GpuConfig has no such field, the reference only
   string-to-string maps) is its error in the pod's events, the pod Pending, no spec left.
 
 Not applicable to the reference driver, so only in test_dra_live.py:
@@ -139,7 +139,7 @@ def driver(request: pytest.FixtureRequest, cluster: Cluster) -> Driver:
                       "keeps its prepared claims in memory only (no checkpoint): restarted, it answers the kubelet's "
                       "NodeUnprepareResources for a claim it no longer knows with success and removes nothing")
     gpu = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].kind == "nvidia.com/gpu"'
-    return Driver("devinject", DRIVER, "gpu.devinject.io", gpu, 8, 14, f"{DRIVER} takes no opaque configuration",
+    return Driver("devinject", DRIVER, "gpu.devinject.io", gpu, 8, 14, "parameters.'mode': unknown field",
                   lambda: restart(DRIVER, cluster.stop_driver, cluster.start_driver))
 
 
