@@ -303,21 +303,28 @@ def take_requests(state_dir: str) -> dict[str, dict[str, tuple[int, int]]]:
     return {key: entry["aer"] for key, entry in requests.items()}
 
 
+def _load_readable(path: str) -> Any:
+    """A state file any user may read (put-backs.json, health.json: no owner check, unlike read_owned),
+    parsed whole up to MAX_BYTES. OSError as raised (FileNotFoundError when there is none); Untrusted when it
+    is larger or not JSON."""
+    with open(path, "rb") as handle:
+        data = handle.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise Untrusted(f"{path}: larger than {MAX_BYTES} bytes")
+    try:
+        return jsonlite.loads(data)
+    except ValueError as err:
+        raise Untrusted(f"{path}: not JSON ({err})") from None
+
+
 def _read_put_backs(state_dir: str) -> dict[str, PutBack]:
     path = os.path.join(state_dir, PUT_BACKS_FILE)
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_BYTES + 1)
+        raw = _load_readable(path)
     except FileNotFoundError:
         return {}
     except OSError as err:
         raise Untrusted(f"{path}: {err.strerror}") from None
-    if len(data) > MAX_BYTES:
-        raise Untrusted(f"{path}: larger than {MAX_BYTES} bytes")
-    try:
-        raw = jsonlite.loads(data)
-    except ValueError as err:
-        raise Untrusted(f"{path}: not JSON ({err})") from None
     out: dict[str, PutBack] = {}
     for key, entry in _need(raw, dict, path).items():
         at = f"{path}[{key!r}]"
@@ -384,19 +391,12 @@ def load_published(state_dir: str | None) -> dict[str, Published] | None:
         return None
     path = os.path.join(state_dir, HEALTH_FILE)
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_BYTES + 1)
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        raise DevinjectError(f"{path}: cannot read the agent's health verdicts: {err.strerror}") from None
-    try:
-        if len(data) > MAX_BYTES:
-            raise Untrusted(f"{path}: larger than {MAX_BYTES} bytes")
         try:
-            raw = jsonlite.loads(data)
-        except ValueError as err:
-            raise Untrusted(f"{path}: not JSON ({err})") from None
+            raw = _load_readable(path)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise DevinjectError(f"{path}: cannot read the agent's health verdicts: {err.strerror}") from None
         _need(raw, dict, path)
         _strings(raw.get("unhealthy_nodes"), f"{path}.unhealthy_nodes")
         out: dict[str, Published] = {}
