@@ -4,7 +4,8 @@
   eBPF programs and /proc/<pid>/fd name;
 - `DeviceKey` — one physical device, `nvidia.com/gpu=0000:18:00.0`: what health and watch track;
 - `QualifiedName` — a CDI device name, `nvidia.com/gpu=0` (parsed and checked by `names`);
-- `file_identity` — one version of a file, for caches keyed on it (a changed or replaced file is a new one).
+- `file_identity` — one version of a file, for caches keyed on it (a changed or replaced file is a new one);
+  `path_identity` the same by path.
 
 Each is a plain string at run time (they are stored in JSON); for mypy they are distinct types, so one cannot
 be passed where another belongs. Lean: the hook uses this module.
@@ -51,6 +52,15 @@ def file_identity(st: os.stat_result) -> str:
     """A file's version as stat() sees it: device, inode, size, mtime and ctime. The ctime cannot be set
     back (a `touch -r` or utime() after an edit in place sets it to now), so an edited file never keeps it."""
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def path_identity(path: str) -> str | None:
+    """file_identity of the file at `path` (links followed), None when it cannot be stat'ed: what a follower
+    compares to learn that a file another process writes has changed."""
+    try:
+        return file_identity(os.stat(path))
+    except OSError:
+        return None
 
 
 def device_key(kind: str, address: str) -> DeviceKey:

@@ -37,7 +37,7 @@ from devinject.agent.metricsserver import MetricsServer, serve
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
-from devinject.core.identity import device_key, node_id_of
+from devinject.core.identity import device_key, node_id_of, path_identity
 from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.channels import channel_fault
 from devinject.discovery.host import Host
@@ -219,11 +219,11 @@ class DraDriver:
         self.wake = threading.Event()  # the loop published a verdict: publish the slices now
         self._health_thread: threading.Thread | None = None
         self._loop_stop: threading.Event | None = None  # set to stop the loop this process runs
-        self._health_seen: object = None  # health.json as last looked at, when another agent's loop writes it
+        self._health_seen: str | None = None  # health.json as last looked at, when another agent's loop writes it
         self.rediscover = threading.Event()  # the loop found other devices: discover again before publishing
         self.publishing = threading.Lock()  # one publish at a time: the rescan's and the ledger follower's
         self._held: dict[tuple[str, str], str] = {}  # offers the device plugin holds now: not in the slices
-        self._ledger_seen: object = None
+        self._ledger_seen: str | None = None
         self._held_desired: dict[tuple[str, str], str] = {}  # what desired() last left out for the plugin
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate)
@@ -412,11 +412,7 @@ class DraDriver:
         """Publish again when the ledger changed and with it what the device plugin holds: a device it gave a
         pod leaves the slices within `ledger_poll` seconds, and is back as soon as it is released. True when
         published."""
-        try:
-            st = os.stat(os.path.join(self.opts.state_dir, LEDGER_FILE))
-            seen: object = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except OSError:
-            seen = None
+        seen = path_identity(os.path.join(self.opts.state_dir, LEDGER_FILE))
         if seen == self._ledger_seen or self.published is None:
             return False
         self._ledger_seen = seen
@@ -425,11 +421,7 @@ class DraDriver:
 
     def _followed_health_changed(self) -> bool:
         """health.json is another file than at the last look (the loop that writes it is another agent's)."""
-        try:
-            st = os.stat(os.path.join(self.opts.state_dir, HEALTH_FILE))
-            seen: object = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except OSError:
-            seen = None
+        seen = path_identity(os.path.join(self.opts.state_dir, HEALTH_FILE))
         changed, self._health_seen = seen != self._health_seen, seen
         return changed
 

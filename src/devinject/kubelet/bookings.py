@@ -24,6 +24,7 @@ from typing import Any
 
 from devinject.core import jsonlite
 from devinject.core.errors import LedgerError
+from devinject.core.identity import path_identity
 from devinject.kubelet.allocation import AllocationError, PluginDevice
 from devinject.nodestate.ledger import (
     LEDGER_FILE,
@@ -180,14 +181,8 @@ class PluginBookings:
 
     def _signature(self) -> tuple[object, ...]:
         """What a round reads, by identity: nothing changed, nothing to do (but the grace's expiry)."""
-        out: list[object] = []
-        for path in (os.path.join(self.ledger.state_dir, LEDGER_FILE), self.checkpoint_path, self.pods_dir):
-            try:
-                st = os.stat(path)
-                out.append((st.st_ino, st.st_mtime_ns, st.st_size))
-            except OSError:
-                out.append(None)
-        return tuple(out)
+        return tuple(path_identity(path) for path in
+                     (os.path.join(self.ledger.state_dir, LEDGER_FILE), self.checkpoint_path, self.pods_dir))
 
     def due(self, now: float) -> bool:
         signature = self._signature()
