@@ -123,6 +123,13 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: cannot write the checkpoint: {err.strerror}") from None
 
 
+def allocation_devices(claim: dict[str, object]) -> object:
+    """The claim's `status.allocation.devices` (results and config), None where the path is missing."""
+    status = claim.get("status")
+    allocation = status.get("allocation") if isinstance(status, dict) else None
+    return allocation.get("devices") if isinstance(allocation, dict) else None
+
+
 def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
               uid: str) -> list[tuple[str, str, str]]:
     """(request, pool, device) of the claim's allocation for `driver`. PrepareError when the object is not
@@ -132,9 +139,7 @@ def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
     got = meta.get("uid") if isinstance(meta, dict) else None
     if got != uid:
         raise PrepareError(f"{what}: the API has uid {got}, the kubelet asked for {uid} (deleted and re-created?)")
-    status = claim.get("status")
-    allocation = status.get("allocation") if isinstance(status, dict) else None
-    devices = allocation.get("devices") if isinstance(allocation, dict) else None
+    devices = allocation_devices(claim)
     if not isinstance(devices, dict):
         raise PrepareError(f"{what}: not allocated (status.allocation.devices is missing)")
     out = []
@@ -155,9 +160,7 @@ def admin_access(claim: dict[str, object], driver: str) -> set[tuple[str, str]]:
     """(pool, device) of `driver`'s results allocated with `adminAccess: true` (monitoring, in a namespace
     labelled `resource.kubernetes.io/admin-access`): the scheduler gives such a device to other claims too, so
     the claim gets access but books nothing, and never keeps a workload from the device."""
-    status = claim.get("status")
-    allocation = status.get("allocation") if isinstance(status, dict) else None
-    devices = allocation.get("devices") if isinstance(allocation, dict) else None
+    devices = allocation_devices(claim)
     results = devices.get("results") if isinstance(devices, dict) else None
     return {(str(r.get("pool")), str(r.get("device"))) for r in (results if isinstance(results, list) else ())
             if isinstance(r, dict) and r.get("driver") == driver and r.get("adminAccess") is True}
@@ -167,9 +170,7 @@ def claim_sharing(claim: dict[str, object], driver: str, namespace: str, name: s
                   requests: list[str]) -> dict[str, GpuSharing]:
     """Each request's sharing from the claim's opaque configs for `driver` (dra/gpuconfig.py GpuConfig; any
     other kind is refused, never silently ignored): PrepareError naming the config and the field."""
-    status = claim.get("status")
-    allocation = status.get("allocation") if isinstance(status, dict) else None
-    devices = allocation.get("devices") if isinstance(allocation, dict) else None
+    devices = allocation_devices(claim)
     configs = devices.get("config") if isinstance(devices, dict) else None
     try:
         return request_sharing(configs, driver, f"claim {namespace}/{name}: status.allocation.devices", requests)
