@@ -88,6 +88,14 @@ class Node:
         again._channels = None
         return again
 
+    def apart(self) -> Node:
+        """This node with a host of its own (its caches another thread's rescans drop: the DRA driver's
+        health loop beside its publisher), the profiles already loaded kept."""
+        again = self.rescanned()
+        again.host = Host(self.root)
+        again.view = HostView(again.host)
+        return again
+
     def topology(self) -> Topology:
         return topology(self.host, self.devices())
 

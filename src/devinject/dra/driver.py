@@ -7,9 +7,10 @@ loop per state dir (`healthstate.take_loop_lock`): with `health="auto"` the driv
 agent's loop (`watch`, `device-plugin`) holds the state dir, and then follows the health.json that one
 writes, taking the loop over when it is free; `follow` never runs one, `check` insists.
 
-Every `rescan` seconds the node is discovered again (discovery/node.py, as every command sees it) and its
-offers (dra/slices.py) published when they changed; a verdict of the loop (told through its listener) is
-published at once, from the offers discovered last. A device the loop took out stays in its slice with a
+Every `rescan` seconds the node is discovered again as `watch` rescans it (discovery/node.py
+`Node.rescanned`: the host read again, the profiles loaded once when the driver was made) and its offers
+(dra/slices.py) published when they changed; a verdict of the loop (told through its listener) is published
+at once, from the offers discovered last. A device the loop took out stays in its slice with a
 taint per fault (`<driver>/xid`, `/aer-fatal`, `/unbound`, `/gone`, ...: agent/health.py `faults_of`),
 `NoSchedule`, or `NoExecute` for a fatal fault when `fatal_effect` says so, and is unhealthy in the health
 stream the kubelet watches; put back, the taints go. A device that leaves discovery while taken out (off
@@ -34,7 +35,7 @@ from devinject import __version__
 from devinject.agent import healthstate
 from devinject.agent.health import UNHEALTHY, faults_of
 from devinject.agent.metricsserver import MetricsServer, serve
-from devinject.agent.watch import Watcher, WatchOptions
+from devinject.agent.watch import Watcher, WatchOptions, watched_node
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
 from devinject.core.identity import device_key, node_id_of, path_identity
@@ -199,7 +200,7 @@ def plugin_held(data: dict[str, Any], offered: list[Offer], policy: dict[str, st
 
 class DraDriver:
     def __init__(self, opts: DraOptions, publisher: Publisher,
-                 get_claim: Callable[[str, str], dict[str, Any]] | None = None) -> None:
+                 get_claim: Callable[[str, str], dict[str, Any]] | None = None, node: Node | None = None) -> None:
         if opts.health not in HEALTH_MODES:
             raise DevinjectError(f"health {opts.health!r}: expected one of {', '.join(HEALTH_MODES)}")
         if opts.fatal_effect not in (NO_SCHEDULE, NO_EXECUTE):
@@ -207,6 +208,9 @@ class DraDriver:
         self.opts = opts
         self.publisher = publisher
         self.lock = threading.Lock()
+        # the node as the last rescan read it; its profiles are loaded here, once, and kept by every rescan
+        self.node = node or watched_node(opts.watch_options())
+        self.node.profiles  # noqa: B018 (loaded now: each rescan and the health loop take these)
         self._inventory: Inventory | None = None
         self._host: Host | None = None
         self._all: list[Offer] = []
@@ -239,7 +243,8 @@ class DraDriver:
         """The node as discovered now: every offer (prepare knows the devices the health loop took out too,
         so a claim allocated just before a fault is still prepared, and the ledger's check refuses it)."""
         gen = self.opts.generate
-        node = Node(gen.root, target_root=gen.target_root, profile_dirs=gen.profile_dirs, check=False)
+        with self.lock:
+            node = self.node = self.node.rescanned()
         versions = {f.profile.kind: driver_version(node.host, f.profile, []) for f in node.devices()}
         offered = [o for o in offers(node, self.opts.node_name, versions)
                    if not gen.kinds or o.kind in gen.kinds]
@@ -381,7 +386,7 @@ class DraDriver:
             return False
         watch = self.opts.watch_options()
         try:
-            loop = Watcher(watch, loop_lock=fd)
+            loop = Watcher(watch, loop_lock=fd, node=self.node.apart())
         except BaseException:
             os.close(fd)
             raise
