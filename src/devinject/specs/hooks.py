@@ -1,0 +1,102 @@
+"""The CDI hooks a spec runs: how they start devinject (`hook_command`) and the `cdi-hook` subcommands the
+spec pipeline asks for (the libraries' links and linker cache, a DRM device's by-path links)."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import sys
+
+from devinject.core.model import Hook
+from devinject.discovery.discover import FoundDevice
+
+HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
+HOOK_TIMEOUT = 10
+
+HookCommand = tuple[str, tuple[str, ...]]  # the hook's path, its argv before `cdi-hook`
+
+
+def default_hook_path() -> str:
+    """This devinject, by an absolute path: the program run (a relative `.venv/bin/devinject` made absolute),
+    else the console script beside this interpreter, else the one on PATH; `/usr/local/bin/devinject` when
+    none is found (generate then refuses it unless it exists: cli.py `_checked_hook_path`)."""
+    argv0 = sys.argv[0]
+    if os.path.basename(argv0) == "devinject" and os.sep in argv0 and os.access(argv0, os.X_OK):
+        return os.path.abspath(argv0)
+    beside = os.path.join(os.path.dirname(sys.executable), "devinject")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("devinject")
+    return os.path.abspath(found) if found else "/usr/local/bin/devinject"
+
+
+def _launcher() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hook", "launcher.py")
+
+
+def _is_this_installation(path: str) -> bool:
+    """Whether `path` is this installation's own `devinject` console script: its `#!` names this interpreter
+    and it runs devinject's entry. Read here, so only for a spec read on this machine (no --target-root)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4096)
+    except OSError:
+        return False
+    first, _, rest = head.partition(b"\n")
+    return first == b"#!" + os.fsencode(sys.executable) and b"from devinject.entry import main" in rest
+
+
+def hook_command(hook_path: str | None, *, target_root: str | None = None) -> HookCommand:
+    """How a spec's CDI hooks run devinject: (the hook's path, its argv before `cdi-hook`). By default, and for
+    a --hook-path that is this installation's console script, this interpreter on the hook launcher with
+    `-IS`, as `install-hook` writes the OCI hook: no `site` (a virtual environment's `site` and `.pth` files
+    cost a container start ~30 ms per hook here, bench/bench_cdi_hooks.py) and nothing imported but the
+    cdi-hook's own modules. Any other --hook-path (the node hook's launcher, a path as another host names
+    it) runs as given."""
+    if hook_path is None or (target_root is None and _is_this_installation(hook_path)):
+        return sys.executable, (sys.executable, "-IS", _launcher())
+    return hook_path, ("devinject",)
+
+
+def cdi_hook(command: HookCommand, subcommand: str, *flags: tuple[str, list[str]]) -> Hook:
+    """A createContainer hook running one of devinject's own `cdi-hook` subcommands (`command`: hook_command's)."""
+    path, argv = command
+    args = [*argv, "cdi-hook", subcommand]
+    for flag, values in flags:
+        for value in values:
+            args += [flag, value]
+    return Hook("createContainer", path, tuple(args), HOOK_ENV, HOOK_TIMEOUT)
+
+
+def library_hook(command: HookCommand, links: list[str], folders: list[str],
+                 forward_compat: list[str]) -> tuple[Hook, ...]:
+    """The spec-level hook: one process per container for the links and the linker cache together (each hook
+    is an interpreter's start), the single-purpose subcommand when only one is needed, none when neither is."""
+    if links and folders:
+        return (cdi_hook(command, "links-and-ldcache", ("--link", links), ("--folder", folders),
+                         ("--forward-compat", forward_compat)),)
+    if links:
+        return (cdi_hook(command, "create-symlinks", ("--link", links)),)
+    if folders:
+        return (cdi_hook(command, "update-ldcache", ("--folder", folders), ("--forward-compat", forward_compat)),)
+    return ()
+
+
+_DRM_BY_PATH = (("card", "card"), ("renderD", "render"))
+
+
+def drm_by_path_hook(item: FoundDevice, command: HookCommand) -> tuple[Hook, ...]:
+    """`/dev/dri/by-path/pci-<address>-card` and `-render` links to the device's DRM nodes, as udev makes
+    them on the host (Chromium, VA-API and GStreamer find a GPU's nodes by its PCI address through them)."""
+    links = []
+    for node in item.nodes:
+        directory, name = posixpath.split(node.path)
+        if directory != "/dev/dri":
+            continue
+        for prefix, suffix in _DRM_BY_PATH:
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                links.append(f"../{name}::/dev/dri/by-path/pci-{item.address}-{suffix}")
+    if not links:
+        return ()
+    return (cdi_hook(command, "create-symlinks", ("--link", links)),)

@@ -1,0 +1,50 @@
+"""The spec pipeline's last stage: a spec rendered (validated first) and written, atomically, with the
+generation number of a directory `watch` manages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from devinject.core.errors import DevinjectError
+from devinject.core.model import Spec
+from devinject.core.spec import dump
+
+
+def spec_filename(spec: Spec, fmt: str) -> str:
+    return f"{spec.vendor}-{spec.device_class}.{fmt}"
+
+
+def render(spec: Spec, fmt: str, generation: int | None = None) -> str:
+    from devinject.specs.validate import validate_spec
+
+    text = dump(spec, fmt, generation=generation)
+    validate_spec(spec, source=spec_filename(spec, fmt))
+    return text
+
+
+def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, managed: bool = False,
+                stale_kinds: tuple[str, ...] = ()) -> list[Path]:
+    """Validate every spec first, then write each atomically: an invalid one writes nothing at all.
+
+    In a directory `watch` manages (or with `managed`, which makes it one) the rewrite carries the
+    directory's next generation number and never replaces a newer one, and specs of `stale_kinds` (no
+    devices left) are removed. Anywhere else the files are a pure function of the specs.
+    """
+    from devinject.core.spec import write_atomic
+    from devinject.core.trusteddir import make_dirs
+
+    if not output_dir.is_dir():
+        try:
+            make_dirs(str(output_dir))  # 0755 whatever the umask: a spec dir others can write is refused
+        except OSError as err:
+            raise DevinjectError(f"{output_dir}: cannot create output directory: {err.strerror}") from None
+    rendered = {output_dir / spec_filename(spec, fmt): render(spec, fmt) for spec in specs}
+    from devinject.specs import generation
+
+    if managed or generation.managed(output_dir):
+        stale = [output_dir / f"{kind.replace('/', '-')}.{fmt}" for kind in stale_kinds]
+        generation.write_specs_generation(output_dir, rendered, stale)
+    else:
+        for path, text in rendered.items():
+            write_atomic(path, text)
+    return list(rendered)
