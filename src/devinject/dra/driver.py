@@ -35,6 +35,7 @@ from devinject import __version__
 from devinject.agent import healthstate
 from devinject.agent.health import UNHEALTHY, faults_of
 from devinject.agent.metricsserver import MetricsServer, serve
+from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions, watched_node
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
@@ -360,7 +361,7 @@ class DraDriver:
         return self.servers.registration.registered.is_set() and os.path.exists(self.servers.endpoint)
 
     # --- the health loop -----------------------------------------------------------------------------
-    def _told(self, loop: Watcher) -> None:
+    def _told(self, loop: Round) -> None:
         """From the health loop, after each verdict it wrote: publish now; rediscover first when the devices
         it found are not the ones discovered here last (a function unbound, removed or back), so the slices
         follow them at once too."""
@@ -390,7 +391,7 @@ class DraDriver:
         except BaseException:
             os.close(fd)
             raise
-        loop.listeners.append(self._told)
+        loop.publishers.append(self._told)  # the slices
         self.loop = loop
         loop_stop = self._loop_stop = threading.Event()  # the driver's stop, or the loop handed over
 

@@ -31,6 +31,7 @@ import grpc
 
 from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
+from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
@@ -163,7 +164,7 @@ class DevicePluginAgent:
         self.opts = opts
         self.metrics = Metrics()
         self.watcher = Watcher(opts.watch, node=node)
-        self.watcher.listeners.append(self._published)
+        self.watcher.publishers.append(self._published)  # the stream to the kubelet
         hook_log = os.path.join(self.watcher.scanned.root, HOOK_LOG.lstrip("/"))
         self.metrics.hook_latency.set_function(lambda: last_hook_duration(hook_log) or math.nan)  # read at scrape
         self.states: dict[str, ResourceState] = {}  # by kind
@@ -191,34 +192,11 @@ class DevicePluginAgent:
         self.sliced_written: dict[str, int] | None = None  # the time-sliced kinds last recorded for the ledger
 
     # --- from the health loop --------------------------------------------------------------------------
-    def _published(self, watcher: Watcher) -> None:
+    def _published(self, watcher: Round) -> None:
         """After every spec write: each served kind's devices with their published health, and its spec."""
         self.last_round = time.monotonic()
         specs = {spec.kind: spec for spec in watcher.specs}
-        by_kind: dict[str, dict[str, PluginDevice]] = {}
-        counts: dict[tuple[str, str], int] = {}
-        served = [pci_offers(f, watcher.host) for f in watcher.found] + [channel_offers(c) for c in watcher.channels]
-        for kind, key, offers in served:
-            track = watcher.tracks.get(key)
-            healthy = track is None or track.published == HEALTHY
-            offered = by_kind.setdefault(kind, {})
-            for device_id, cdi_name, place, nodes, shared in offers:
-                offered[device_id] = PluginDevice(device_id, cdi_name, healthy, place, nodes, shared)
-            health = HEALTHY if healthy else UNHEALTHY
-            counts[(kind, health)] = counts.get((kind, health), 0) + 1
-            before = self.health_seen.get(key)
-            if before is not None and before != health:
-                (self.metrics.take_outs if health == UNHEALTHY else self.metrics.put_backs).labels(kind).inc()
-            self.health_seen[key] = health
-            if track is not None and track.last is not None and any("timed out" in r for r in track.last.reasons):
-                self.metrics.probe_timeouts.labels(kind).inc()
-        for kind, health in set(counts) | self.gauged:  # set, never cleared: a scrape must not see a gap
-            self.metrics.devices.labels(kind, health).set(counts.get((kind, health), 0))
-        self.gauged |= set(counts)
-        for kind, devices in by_kind.items():
-            sliced = self.opts.time_sliced(kind)
-            if sliced is not None:  # each device as its replicas, with its health
-                by_kind[kind] = replicated(devices, sliced.replicas)
+        by_kind = self._devices_by_kind(watcher)
         changes: list[str] = []
         if not self.started.is_set():  # the first list the kubelet gets already leaves out what claims hold
             data = self.bookings.read()
@@ -249,6 +227,35 @@ class DevicePluginAgent:
         if not self.started.is_set():
             self._say_started()
             self.started.set()
+
+    def _devices_by_kind(self, watcher: Round) -> dict[str, dict[str, PluginDevice]]:
+        """Each served kind's devices (a time-sliced kind's as their replicas) with their published health;
+        the take-out, put-back, probe timeout and device gauges counted on the way."""
+        by_kind: dict[str, dict[str, PluginDevice]] = {}
+        counts: dict[tuple[str, str], int] = {}
+        served = [pci_offers(f, watcher.host) for f in watcher.found] + [channel_offers(c) for c in watcher.channels]
+        for kind, key, offers in served:
+            track = watcher.tracks.get(key)
+            healthy = track is None or track.published == HEALTHY
+            offered = by_kind.setdefault(kind, {})
+            for device_id, cdi_name, place, nodes, shared in offers:
+                offered[device_id] = PluginDevice(device_id, cdi_name, healthy, place, nodes, shared)
+            health = HEALTHY if healthy else UNHEALTHY
+            counts[(kind, health)] = counts.get((kind, health), 0) + 1
+            before = self.health_seen.get(key)
+            if before is not None and before != health:
+                (self.metrics.take_outs if health == UNHEALTHY else self.metrics.put_backs).labels(kind).inc()
+            self.health_seen[key] = health
+            if track is not None and track.last is not None and any("timed out" in r for r in track.last.reasons):
+                self.metrics.probe_timeouts.labels(kind).inc()
+        for kind, health in set(counts) | self.gauged:  # set, never cleared: a scrape must not see a gap
+            self.metrics.devices.labels(kind, health).set(counts.get((kind, health), 0))
+        self.gauged |= set(counts)
+        for kind, devices in by_kind.items():
+            sliced = self.opts.time_sliced(kind)
+            if sliced is not None:  # each device as its replicas, with its health
+                by_kind[kind] = replicated(devices, sliced.replicas)
+        return by_kind
 
     def _say_time_slicing(self, by_kind: dict[str, dict[str, PluginDevice]]) -> None:
         """The kinds this plugin time-slices, in the state dir for the ledger (and the hook): a time-sliced
