@@ -784,12 +784,16 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @click.option("--metrics-address", default="127.0.0.1:9401", show_default=True, metavar="HOST:PORT",
               help="HOST:PORT for /metrics, /healthz and /readyz (the DaemonSet: the pod's address; '' to turn "
                    "them off).")
+@click.option("--consumable-capacity", default="off", show_default=True, metavar="shares=N[,memory=Q|auto]",
+              help="Publish each whole GPU with allowMultipleAllocations and shareable capacity "
+                   "(DRAConsumableCapacity): at most N claims per GPU, and its memory (e.g. 80Gi; auto: what "
+                   "sysfs states) for claims' capacity.requests (docs/sharing.md).")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
                driver_root: str | None, node_hook: str | None, hook_path: str | None, kinds: tuple[str, ...],
                node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str, registry_dir: str,
                cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float, threshold: int,
                test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
-               metrics_address: str) -> None:
+               metrics_address: str, consumable_capacity: str) -> None:
     """Kubernetes DRA kubelet plugin: ResourceSlices from discovery with the node's health loop (faults as
     device taints), claims prepared as CDI specs (docs/dra.md)."""
     from devinject.agent.watch import WatchOptions
@@ -805,6 +809,12 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     if problem or driver_name != driver_name.lower():
         raise UsageError(f"--driver-name {driver_name!r}: {problem or 'must be lower case'} (a DNS subdomain)")
     _check_metrics_address(metrics_address)
+    from devinject.dra.capacity import CapacityError, parse_capacity_sharing
+
+    try:
+        capacity = parse_capacity_sharing(consumable_capacity)
+    except CapacityError as err:
+        raise UsageError(err.message) from None
     _check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
     _check_timings(interval, recheck, rescan, test_timings)
     trusted_dir(state_dir)
@@ -818,7 +828,7 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     opts = DraOptions(generate=gen, node_name=node_name, driver=driver_name, plugin_dir=plugin_dir,
                       registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan,
                       health=health_mode, watch=watch, fatal_effect=fatal_taint_effect,
-                      metrics_address=metrics_address or None)
+                      metrics_address=metrics_address or None, capacity=capacity)
     DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name, watch=True)).run(_stop_on_signals())
 
 

@@ -41,7 +41,9 @@ def test_the_kubelets_dra_service() -> None:
     assert _services(api) == {"k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin": ["NodePrepareResources",
                                                                           "NodeUnprepareResources"]}
     assert _fields(api.Claim) == {"namespace": 1, "uid": 2, "name": 3}
-    assert _fields(api.Device) == {"request_names": 1, "pool_name": 2, "device_name": 3, "cdi_device_ids": 4}
+    # share_id: DRAConsumableCapacity's share (kubelet 1.36: `protobuf:"bytes,5,opt,name=share_id,...,oneof"`)
+    assert _fields(api.Device) == {"request_names": 1, "pool_name": 2, "device_name": 3, "cdi_device_ids": 4,
+                                   "share_id": 5}
     assert _fields(api.NodePrepareResourceResponse) == {"devices": 1, "error": 2}
     assert _fields(api.NodeUnprepareResourceResponse) == {"error": 1}
     assert _fields(api.NodePrepareResourcesResponse) == {"claims": 1}

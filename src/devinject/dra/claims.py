@@ -27,9 +27,16 @@ from devinject.core.model import ContainerEdits, Device, Spec
 from devinject.core.spec import dump
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
+from devinject.dra.capacity import CapacityError, consumed, share_id
 from devinject.dra.gpuconfig import MPS, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
-from devinject.nodestate.claimcheckpoints import CHECKPOINT_VERSION, NODE_PID, booking_id, checkpoint_path
+from devinject.nodestate.claimcheckpoints import (
+    CHECKPOINT_VERSION,
+    NODE_PID,
+    booking_id,
+    checkpoint_path,
+    consumes_problem,
+)
 from devinject.nodestate.ledger import Claim, Ledger
 from devinject.specs.generate import GenerateOptions, build_specs, versioned
 
@@ -52,10 +59,14 @@ class PreparedDevice:
     pool: str
     device: str
     cdi_ids: tuple[str, ...]
+    share_id: str | None = None  # the allocation's share of a device claims consume capacity of
 
     def to_json(self) -> dict[str, object]:
-        return {"requests": list(self.requests), "pool": self.pool, "device": self.device,
-                "cdi": list(self.cdi_ids)}
+        out: dict[str, object] = {"requests": list(self.requests), "pool": self.pool, "device": self.device,
+                                  "cdi": list(self.cdi_ids)}
+        if self.share_id is not None:
+            out["share"] = self.share_id
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +90,10 @@ def _problem(data: object) -> str | None:
                     or not all(isinstance(device.get(k), list) and all(isinstance(v, str) for v in device[k])
                                for k in ("requests", "cdi")):
                 return f"claim {uid}: a device without pool, device, requests and cdi"
+            if not isinstance(device.get("share", ""), str):
+                return f"claim {uid}: a device whose share is not a string"
+        if consumes_problem(entry.get("consumes", {})):
+            return f"claim {uid}: consumes is not node -> capacity -> [amount, total]"
         pods = entry.get("pods", [])
         if not (isinstance(pods, list) and all(isinstance(p, str) for p in pods)):
             return f"claim {uid}: pods is not a list of pod UIDs"
@@ -153,6 +168,23 @@ def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
             raise PrepareError(f"{what}: status.allocation.devices.results[{index}]: request, pool and device "
                                "must be names")
         out.append((str(fields[0]), str(fields[1]), str(fields[2])))
+    return out
+
+
+def result_shares(claim: dict[str, object], driver: str, namespace: str,
+                  name: str) -> list[tuple[str | None, dict[str, object]]]:
+    """Each of `driver`'s results (in allocated()'s order): its shareID (None: the device is the claim's
+    alone) and the result itself, for its consumedCapacity. PrepareError on a shareID that is not a UID."""
+    devices = allocation_devices(claim)
+    results = devices.get("results") if isinstance(devices, dict) else None
+    out: list[tuple[str | None, dict[str, object]]] = []
+    for index, result in enumerate(results if isinstance(results, list) else ()):
+        if isinstance(result, dict) and result.get("driver") == driver:
+            try:
+                out.append((share_id(result, f"claim {namespace}/{name}: status.allocation.devices.results"
+                                             f"[{index}]"), result))
+            except CapacityError as err:
+                raise PrepareError(err.message) from None
     return out
 
 
@@ -304,10 +336,14 @@ class Preparer:
                     raise PrepareError(f"claim {namespace}/{name}: device {pool}/{device} is not one this node "
                                        "offers (its ResourceSlices are older than the hardware, or not ours)")
                 offers.append(offer)
+            shares = result_shares(claim, self.driver, namespace, name)
+            amounts = self._consumed(namespace, name, results, shares, offers)
+            labels = [o.name if share is None else f"{o.name}-{share}" for o, (share, _) in zip(offers, shares,
+                                                                                                 strict=True)]
             mps_gpus = self._mps_gpus(namespace, name, results, offers, sharing)
             extra = {gpu: mps_env(sharing[request], daemon.pipe_dir, daemon.log_dir)
                      for gpu, (request, daemon) in mps_gpus.items()}
-            spec, edits = self._spec(inventory.node, uid, offers, extra)
+            spec, edits = self._spec(inventory.node, uid, offers, extra, labels)
             text = dump(spec, "json")
             from devinject.specs.validate import validate_spec
 
@@ -320,8 +356,18 @@ class Preparer:
             admin = admin_access(claim, self.driver)
             booked = tuple(Claim(f"{o.kind}={o.name}", (), ()) if (o.pool, o.name) in admin else _ledger_claim(o, e)
                            for o, e in zip(offers, edits, strict=True))
+            consumes: dict[str, dict[str, list[int]]] = {}
+            for offer, claimed, used in zip(offers, booked, amounts, strict=True):
+                if used is None or (offer.pool, offer.name) in admin:
+                    continue
+                for node in claimed.nodes:  # a claim's shares of one device add up
+                    caps = consumes.setdefault(str(node), {})
+                    for cap, amount in used.items():
+                        caps[cap] = [caps.get(cap, [0])[0] + amount, dict(offer.shareable)[cap]]
+            booked = tuple(Claim(f"{c.name}@{share}", c.nodes, c.shared) if share is not None else c
+                           for c, (share, _) in zip(booked, shares, strict=True))
             try:
-                self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods)
+                self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods, consumes=consumes or None)
             except LedgerError as err:
                 _remove(path)
                 raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
@@ -341,13 +387,14 @@ class Preparer:
                 raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
             # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base
             prepared = [PreparedDevice((request.partition("/")[0],), offer.pool, offer.name,
-                                       (f"{self.kind}={uid}-{offer.name}",))
-                        for (request, _, _), offer in zip(results, offers, strict=True)]
+                                       (f"{self.kind}={uid}-{label}",), share)
+                        for (request, _, _), offer, label, (share, _) in zip(results, offers, labels, shares,
+                                                                             strict=True)]
             claims[uid] = {"namespace": namespace, "name": name, "spec": path,
                            "devices": [d.to_json() for d in prepared], "pods": list(pods),
                            "ledger": [[c.name, list(c.nodes), list(c.shared)] for c in booked],
                            "sharing": {r: s.to_json() for r, s in sharing.items() if s.strategy != "Exclusive"},
-                           "mps": visible}
+                           "mps": visible, **({"consumes": consumes} if consumes else {})}
             try:
                 self.checkpoint.save(claims)
             except CheckpointError:
@@ -359,6 +406,29 @@ class Preparer:
             log.info("prepared claim %s/%s (%s): %s", namespace, name, uid,
                      ", ".join(f"{d.pool}/{d.device}" for d in prepared) or "no devices of this driver")
             return prepared
+
+    def _consumed(self, namespace: str, name: str, results: list[tuple[str, str, str]],
+                  shares: list[tuple[str | None, dict[str, object]]],
+                  offers: list[Offer]) -> list[dict[str, int] | None]:
+        """Each result's consumed capacity (None: not a share). A share of a device this node does not offer
+        by consumable capacity now (the admin turned it off; a stale slice) is refused: its totals are not
+        known, and a device held as a share must be counted."""
+        out: list[dict[str, int] | None] = []
+        for index, ((request, pool, device), (share, result), offer) in enumerate(zip(results, shares, offers,
+                                                                                       strict=True)):
+            if share is None:
+                out.append(None)
+                continue
+            if not offer.shareable:
+                raise PrepareError(f"claim {namespace}/{name}: request {request}: {pool}/{device} is allocated as "
+                                   f"share {share}, but this node does not offer it by consumable capacity "
+                                   "(--consumable-capacity)")
+            try:
+                out.append(consumed(result, dict(offer.shareable),
+                                    f"claim {namespace}/{name}: status.allocation.devices.results[{index}]"))
+            except CapacityError as err:
+                raise PrepareError(err.message) from None
+        return out
 
     def _mps_gpus(self, namespace: str, name: str, results: list[tuple[str, str, str]], offers: list[Offer],
                   sharing: dict[str, GpuSharing]) -> dict[str, tuple[str, Daemon]]:
@@ -382,9 +452,10 @@ class Preparer:
                                "claim (each GPU has its own daemon, a container one CUDA_MPS_PIPE_DIRECTORY)")
         return out
 
-    def _spec(self, node: Node, uid: str, offers: list[Offer],
-              extra: dict[str, ContainerEdits] | None = None) -> tuple[Spec, list[ContainerEdits]]:
-        """One spec of kind `<driver>/claim`: a device `<uid>-<device>` per offer with that device's edits as
+    def _spec(self, node: Node, uid: str, offers: list[Offer], extra: dict[str, ContainerEdits] | None = None,
+              labels: list[str] | None = None) -> tuple[Spec, list[ContainerEdits]]:
+        """One spec of kind `<driver>/claim`: a device `<uid>-<label>` per offer (the device's name, and a
+        share's ID after it: two shares of one device are two CDI devices) with that device's edits as
         `generate` builds them, and the edits of every kind it holds (libraries, binaries) once for all. A
         channel's device is the one its profile's channel spec (specs/generate.py channel_spec) names `N`."""
         from devinject.discovery.node import device_names
@@ -397,7 +468,7 @@ class Preparer:
         for spec in specs.values():
             common = common.merge(spec.edits)
         devices, edits = [], []
-        for offer in offers:
+        for index, offer in enumerate(offers):
             kind_spec = specs.get(offer.kind)
             if offer.channel is not None:
                 wanted = offer.channel.name
@@ -411,7 +482,7 @@ class Preparer:
             own = found[0].edits
             if extra and offer.found is not None and offer.partition is None and offer.device.address in extra:
                 own = own.merge(extra[offer.device.address])  # its MPS daemon's directories and the limits
-            devices.append(Device(f"{uid}-{offer.name}", own))
+            devices.append(Device(f"{uid}-{labels[index] if labels else offer.name}", own))
             edits.append(found[0].edits)
         return versioned(Spec(kind=self.kind, devices=tuple(devices), edits=common), self.generate), edits
 
@@ -460,7 +531,8 @@ class Preparer:
                     continue
                 try:
                     self.ledger.book(self.booking(uid), NODE_PID, booked,
-                                     for_pods=tuple(entry.get("pods") or ()))  # type: ignore[arg-type]
+                                     for_pods=tuple(entry.get("pods") or ()),  # type: ignore[arg-type]
+                                     consumes=entry.get("consumes") or None)  # type: ignore[arg-type]
                 except LedgerError as err:
                     ask[uid] = (entry, err)
             self._mps_round(self.checkpoint.load())  # every round: the daemons follow the checkpoint
@@ -485,7 +557,8 @@ class Preparer:
                         raise first
                     else:
                         pods = now
-                    self.ledger.book(self.booking(uid), NODE_PID, _booked(entry), for_pods=pods)
+                    self.ledger.book(self.booking(uid), NODE_PID, _booked(entry), for_pods=pods,
+                                     consumes=entry.get("consumes") or None)  # type: ignore[arg-type]
                     if first is not None:
                         entry["pods"], changed = list(now or ()), True
                 except LedgerError as err:
@@ -609,8 +682,9 @@ def _booked(entry: dict[str, object]) -> tuple[Claim, ...]:
 
 
 def _device(entry: dict[str, object]) -> PreparedDevice:
+    share = entry.get("share")
     return PreparedDevice(tuple(entry["requests"]), str(entry["pool"]), str(entry["device"]),  # type: ignore[arg-type]
-                          tuple(entry["cdi"]))  # type: ignore[arg-type]
+                          tuple(entry["cdi"]), str(share) if share else None)  # type: ignore[arg-type]
 
 
 def _remove(path: str) -> None:

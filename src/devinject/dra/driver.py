@@ -44,6 +44,7 @@ from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.channels import channel_fault
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
+from devinject.dra.capacity import CapacitySharing
 from devinject.dra.claims import Inventory, Preparer
 from devinject.dra.metrics import DraMetrics
 from devinject.dra.server import HealthState, PluginServers
@@ -57,6 +58,7 @@ from devinject.dra.slices import (
     label_value,
     offers,
     resource_slices,
+    shareable,
 )
 from devinject.nodestate.ledger import HEALTH_FILE, LEDGER_FILE, Ledger, clashes, describe, held_nodes, is_plugin
 from devinject.specs.generate import GenerateOptions, driver_version
@@ -87,6 +89,7 @@ class DraOptions:
     watch: WatchOptions | None = None  # the loop's timings and kernel log (default: watch's, over `generate`)
     fatal_effect: str = NO_SCHEDULE  # the taints' effect for a fatal fault: NoSchedule or NoExecute
     ledger_poll: float = 0.5  # seconds between looks at the ledger (the device plugin's bookings)
+    capacity: CapacitySharing | None = None  # consumable capacity offered (dra/capacity.py); None: not
 
     def watch_options(self) -> WatchOptions:
         """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own."""
@@ -247,8 +250,8 @@ class DraDriver:
         with self.lock:
             node = self.node = self.node.rescanned()
         versions = {f.profile.kind: driver_version(node.host, f.profile, []) for f in node.devices()}
-        offered = [o for o in offers(node, self.opts.node_name, versions)
-                   if not gen.kinds or o.kind in gen.kinds]
+        offered = shareable([o for o in offers(node, self.opts.node_name, versions)
+                             if not gen.kinds or o.kind in gen.kinds], self.opts.capacity)
         with self.lock:
             self._all = offered
             self._host = node.host

@@ -63,8 +63,11 @@ class DraService(dra_grpc.DRAPluginServicer):
             started = time.monotonic()
             try:
                 for device in self.preparer.prepare(claim.namespace, claim.name, claim.uid):
-                    entry.devices.append(dra.Device(request_names=list(device.requests), pool_name=device.pool,
-                                                    device_name=device.device, cdi_device_ids=list(device.cdi_ids)))
+                    answer = dra.Device(request_names=list(device.requests), pool_name=device.pool,
+                                        device_name=device.device, cdi_device_ids=list(device.cdi_ids))
+                    if device.share_id is not None:  # the kubelet keys a shared device's allocation by it
+                        answer.share_id = device.share_id
+                    entry.devices.append(answer)
             except DevinjectError as err:
                 log.warning("claim %s/%s (%s): not prepared: %s", claim.namespace, claim.name, claim.uid, err.message)
                 del entry.devices[:]

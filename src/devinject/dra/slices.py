@@ -36,6 +36,7 @@ from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.discovery.partitions import Partition
 from devinject.discovery.topology import place_of
+from devinject.dra.capacity import CapacitySharing, capacity_json, device_capacity
 
 DRIVER = "dra.devinject.io"
 STANDARD = "resource.kubernetes.io"
@@ -105,6 +106,7 @@ class Offer:
     consumes: tuple[str, ...] = ()  # counters of the parent's counter set this device consumes
     channel: ChannelDevice | None = None  # a char-node device (an IMEX channel), which has no PCI function
     taints: tuple[Taint, ...] = ()  # the faults the health loop found, while it keeps the device out
+    shareable: tuple[tuple[str, int], ...] = ()  # consumable capacity (dra/capacity.py): several claims share it
 
     @property
     def device(self) -> FoundDevice:
@@ -121,7 +123,10 @@ class Offer:
 
     def to_json(self) -> dict[str, object]:
         device: dict[str, object] = {"name": self.name, "attributes": dict(self.attributes)}
-        if self.capacity:
+        if self.shareable:
+            device["allowMultipleAllocations"] = True
+            device["capacity"] = capacity_json(dict(self.shareable))
+        elif self.capacity:
             device["capacity"] = {name: {"value": value} for name, value in self.capacity}
         if self.consumes:
             device["consumesCounters"] = [{"counterSet": counter_set_name(self.device),
@@ -194,6 +199,22 @@ def channel_offer(channel: ChannelDevice, node_name: str) -> Offer:
         "partition": {"string": "whole"}}  # always set: a selector testing it alone never meets a missing attribute
     return Offer(pool_name(node_name, kind), f"channel-{channel.number}", kind, None, None,
                  tuple(attributes.items()), channel=channel)
+
+
+def shareable(offered: list[Offer], sharing: CapacitySharing | None) -> list[Offer]:
+    """The offers with consumable capacity where the admin opted in: each whole PCI device not split into
+    partitions (a MIG-split GPU's instances are its sharing) gets its shares and memory (dra/capacity.py)."""
+    if sharing is None:
+        return offered
+    out = []
+    for offer in offered:
+        if offer.found is None or offer.partition is not None or offer.consumes:
+            out.append(offer)
+            continue
+        vram = dict(offer.capacity).get("memory")
+        capacity = device_capacity(sharing, int(vram) if vram and vram.isdigit() else None)
+        out.append(replace(offer, shareable=tuple(capacity.items())))
+    return out
 
 
 def _chunks(items: list[Offer], size: int) -> list[list[Offer]]:

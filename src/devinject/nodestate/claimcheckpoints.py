@@ -1,7 +1,8 @@
 """The DRA drivers' checkpoints as the ledger reads them when it is rebuilt: a claim prepared on the node holds
 its devices whether or not any container runs yet, and live evidence cannot show that. One file per driver,
 `<state dir>/dra-<driver>.checkpoint.json` (dra/claims.py writes it, 0600, fsynced); each claim's `ledger`
-entries are its bookings ([name, nodes, shared]) and `pods` the pods it is reserved for.
+entries are its bookings ([name, nodes, shared]), `pods` the pods it is reserved for and `consumes` its
+consumable-capacity shares (node -> capacity -> [amount, total]).
 """
 
 from __future__ import annotations
@@ -19,6 +20,21 @@ PREFIX, SUFFIX = "dra-", ".checkpoint.json"
 CHECKPOINT_VERSION = 1
 NODE_PID = 1  # a claim is held for the node (pid 1 lives as long as it runs) until it is unprepared
 MAX_CHECKPOINT = 64 * 1024 * 1024
+
+
+def consumes_problem(value: object) -> bool:
+    """Whether `value` is not a booking's consumable-capacity record: node -> capacity name -> [amount,
+    total], whole numbers, 0 <= amount <= total."""
+    if not isinstance(value, dict):
+        return True
+    for caps in value.values():
+        if not isinstance(caps, dict) or not caps:
+            return True
+        for pair in caps.values():
+            if not (isinstance(pair, list) and len(pair) == 2 and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in pair) and 0 <= pair[0] <= pair[1]):
+                return True
+    return False
 
 
 def checkpoint_path(state_dir: str, driver: str) -> str:
@@ -83,3 +99,23 @@ def checkpointed_bookings(state_dir: str) -> tuple[dict[str, list[tuple[str, lis
                 bookings[booking_id(driver, str(uid))] = booked
                 pods[booking_id(driver, str(uid))] = [p for p in entry.get("pods", []) if isinstance(p, str)]
     return bookings, pods, unreadable
+
+
+def checkpointed_consumes(state_dir: str) -> dict[str, dict[str, dict[str, list[int]]]]:
+    """Booking id -> the claim's consumable-capacity shares, from the checkpoints that can be read (one whose
+    `consumes` is not node -> capacity -> [amount, total] counts as none: its claim is then booked as the
+    driver's rebook books it, which reads its own checkpoint)."""
+    out: dict[str, dict[str, dict[str, list[int]]]] = {}
+    try:
+        names = sorted(os.listdir(state_dir))
+    except OSError:
+        return {}
+    for filename in names:
+        if not (filename.startswith(PREFIX) and filename.endswith(SUFFIX)):
+            continue
+        claims = _load(os.path.join(state_dir, filename)) or {}
+        for uid, entry in claims.items():
+            consumes = entry.get("consumes") if isinstance(entry, dict) else None
+            if consumes and not consumes_problem(consumes):
+                out[booking_id(filename[len(PREFIX):-len(SUFFIX)], str(uid))] = consumes
+    return out

@@ -23,6 +23,7 @@ from devinject.core.errors import LedgerError
 from devinject.core.filelock import exclusive
 from devinject.core.trusteddir import trusted_dir
 from devinject.nodestate import events
+from devinject.nodestate.claimcheckpoints import consumes_problem
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -108,6 +109,44 @@ def ledger_problem(data: object) -> str | None:
             return f"allocation {cid}: pods is not a list of strings"
         if not isinstance(entry.get("plugin", ""), str):
             return f"allocation {cid}: plugin is not a string"
+        if consumes_problem(entry.get("consumes", {})):
+            return f"allocation {cid}: consumes is not node -> capacity -> [amount, total]"
+    return None
+
+
+Consumes = dict[str, dict[str, list[int]]]  # node -> capacity name -> [amount, the device's total]
+
+
+def capacity_clash(nodes: set[str], consumes: Consumes, entry: dict[str, Any]) -> tuple[str, str] | None:
+    """(node, why) when a booking of `nodes` consuming `consumes` (consumable capacity: DRAConsumableCapacity
+    shares) cannot stand beside `entry`: a capacity share meets only other capacity shares of its device,
+    never a booking that holds the node otherwise (exclusive, a time-sliced container, a device-plugin
+    replica), either way round; and the shares of a node never sum beyond its capacity (checked in
+    capacity_left)."""
+    theirs: Consumes = entry.get("consumes") or {}
+    held = set(entry.get("exclusive", [])) | set(entry.get("shared", []))
+    for node in sorted(nodes & held):
+        if (node in consumes) != (node in theirs):
+            return node, ("shared by consumable capacity" if node in theirs else "held outside consumable capacity")
+    return None
+
+
+def capacity_left(consumes: Consumes, allocations: dict[str, Any], skip: str) -> str | None:
+    """Why `consumes` does not fit beside the other bookings' shares of the same nodes (None: it fits):
+    the sum of every booking's amount of a capacity, this one's included, at most the device's total (the
+    scheduler's view may be stale; the ledger is the node's word)."""
+    for node, caps in sorted(consumes.items()):
+        for name, (amount, total) in sorted(caps.items()):
+            used = 0
+            users = []
+            for cid, entry in allocations.items():
+                theirs = (entry.get("consumes") or {}).get(node, {}).get(name)
+                if cid != skip and theirs:
+                    used += theirs[0]
+                    users.append(cid)
+            if used + amount > total:
+                return (f"device {node}: {name} {amount} asked, {total - used} of {total} left (held by "
+                        f"{', '.join(sorted(users)[:4])}{', ...' if len(users) > 4 else ''})")
     return None
 
 
@@ -349,7 +388,7 @@ class Ledger:
         """The claims the DRA drivers' checkpoints hold that `kept` lacks, booked as the driver books them (for
         the node, pid 1, for their pods): with the ledger and its claims' copy both lost, a claim prepared for
         a pod that has not started would otherwise look free, and a process in no pod could take its GPU."""
-        from devinject.nodestate.claimcheckpoints import NODE_PID, checkpointed_bookings
+        from devinject.nodestate.claimcheckpoints import NODE_PID, checkpointed_bookings, checkpointed_consumes
         from devinject.nodestate.profilefacts import sharing_policy
 
         bookings, pods, unreadable = checkpointed_bookings(self.state_dir)
@@ -360,6 +399,7 @@ class Ledger:
         if not missing or started is None:
             return {}
         policy = sharing_policy(self.state_dir, profile_dirs=self.profile_dirs)
+        shares = checkpointed_consumes(self.state_dir)
         out: dict[str, Any] = {}
         now = time.time()
         for cid, booked in missing.items():
@@ -374,6 +414,8 @@ class Ledger:
             out[cid] = {"devices": [b[0] for b in booked], "exclusive": sorted(exclusive), "shared": sorted(shared),
                         "pid": NODE_PID, "start_time": started, "time": now, "state": "active",
                         "own_pid_ns": has_own_pid_namespace(NODE_PID, self.proc), "pods": sorted(set(pods[cid]))}
+            if shares.get(cid):  # consumable-capacity shares: shared, their amounts counted again
+                out[cid].update(consumes=shares[cid], shared=sorted(exclusive | shared), exclusive=[])
         return out
 
     def _sync_claims(self, data: dict[str, Any]) -> None:
@@ -474,12 +516,15 @@ class Ledger:
 
     # --- the operations ------------------------------------------------------------------------------
     def book(self, container_id: str, pid: int, claims: tuple[Claim, ...],
-             policy: dict[str, str] | None = None, *, for_pods: tuple[str, ...] | None = None) -> Booking:
+             policy: dict[str, str] | None = None, *, for_pods: tuple[str, ...] | None = None,
+             consumes: Consumes | None = None) -> Booking:
         """Record `container_id`'s devices; refuse an exclusive device another live container holds.
 
         A container's booking records its pod (its cgroup says; nothing the container says counts). A DRA
         claim's booking gives `for_pods`, the pods the claim is reserved for: it and a booking of one of
-        those pods' containers do not clash, either way round; anything else does."""
+        those pods' containers do not clash, either way round; anything else does. `consumes`: the nodes a
+        claim holds as consumable-capacity shares (node -> capacity -> [amount, total]): booked shared, beside
+        other shares only, and never beyond the device's total (capacity_clash, capacity_left)."""
         if policy is None:
             from devinject.nodestate.profilefacts import sharing_policy
 
@@ -496,6 +541,11 @@ class Ledger:
             else:  # `claim.shared`: nodes of an exclusive claim that others may hold too (a MIG parent GPU)
                 shared.extend(claim.shared)
                 exclusive.extend(n for n in claim.nodes if n not in claim.shared)
+        consumes = {n: {k: list(v) for k, v in caps.items()} for n, caps in (consumes or {}).items()}
+        if consumes:  # a capacity share is shared whatever the kind's policy, its amounts counted
+            shared.extend(exclusive)
+            exclusive = []
+            shared_kind.update(consumes)  # evidence of a container on it may be one of its pods'
         exclusive = sorted(set(exclusive))
         trusted_dir(self.state_dir, error=LedgerError)  # health.json is read before the lock checks it
         unhealthy = self._unhealthy_nodes() & set(exclusive + shared)
@@ -530,11 +580,13 @@ class Ledger:
             booking: dict[str, Any] = {"devices": list(names), "exclusive": exclusive, "shared": sorted(set(shared)),
                                        "pid": pid, "start_time": start_time, "time": time.time(),
                                        "state": "active", "own_pid_ns": has_own_pid_namespace(pid, self.proc),
-                                       **pods}
+                                       **pods, **({"consumes": consumes} if consumes else {})}
             if for_pods is None:
                 self._time_slices_left(container_id, claims, allocations)
             # the claims reserved for this container's pod: their devices are shared by their pods' containers
             our_claims = [entry for entry in allocations.values() if booking.get("pod") in entry.get("pods", ())]
+            # a container of a pod whose claim holds a consumable-capacity share rides on that share
+            riding = {n for reserved in our_claims for n in (reserved.get("consumes") or {})}
             for other_id, entry in allocations.items():
                 if entry.get("recovered") and entry["pid"] == pid:
                     continue  # evidence of this very container from an earlier run of its hook
@@ -550,9 +602,19 @@ class Ledger:
                 for reserved in our_claims:  # two containers of a claim's pods, on the devices it holds for both
                     if entry.get("pod") in reserved["pods"]:
                         clash -= set(reserved["exclusive"])  # not what it shares with others (a MIG parent)
+                if entry.get("consumes"):
+                    clash -= riding
                 if clash:
                     raise LedgerError(f"{', '.join(names)}: device {sorted(clash)[0]} is held by "
                                       f"{describe(other_id, entry)}")
+                capacity = None if entry.get("recovered") else \
+                    capacity_clash((set(exclusive) | set(shared)) - riding, consumes, entry)
+                if capacity is not None:
+                    raise LedgerError(f"{', '.join(names)}: device {capacity[0]} is {capacity[1]} by "
+                                      f"{describe(other_id, entry)}")
+            left = capacity_left(consumes, allocations, container_id)
+            if left is not None:
+                raise LedgerError(f"{', '.join(names)}: {left}")
             allocations[container_id] = booking
             self.event("allocated", container=container_id, devices=list(names))
         return Booking(self, container_id, new=True)
@@ -616,6 +678,7 @@ class Ledger:
                     if other_id in wanted or "pods" not in entry:
                         continue  # this request's own devices; a container's booking
                     clash = clashes(exclusive, shared, (set(entry["exclusive"]), set(entry.get("shared", []))))
+                    clash |= {c[0] for c in [capacity_clash(set(exclusive) | set(shared), {}, entry)] if c}
                     if clash:
                         raise LedgerError(f"{claim.name} ({resource} device {plugin_device_id(booking_id)}): "
                                           f"device {sorted(clash)[0]} is held by {describe(other_id, entry)}")
