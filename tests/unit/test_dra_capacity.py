@@ -54,8 +54,10 @@ def test_consumed_fills_defaults_and_refuses_what_the_device_lacks() -> None:
         consumed({"consumedCapacity": {"memory": "81Gi"}}, capacity, "r")
 
 
-def capacity_driver(dirs: dict[str, str], api: FakeApi,
-                    sharing: CapacitySharing | None = CapacitySharing(4, 40 * GIB)) -> DraDriver:
+FOUR_SHARES = CapacitySharing(4, 40 * GIB)
+
+
+def capacity_driver(dirs: dict[str, str], api: FakeApi, sharing: CapacitySharing | None = FOUR_SHARES) -> DraDriver:
     driver = make_driver(dirs, api)
     driver.opts = replace(driver.opts, capacity=sharing)
     return driver
@@ -84,7 +86,7 @@ def test_the_slice_offers_whole_gpus_with_shareable_capacity(dirs: dict[str, str
     gpu = devices[GPU]
     assert gpu["allowMultipleAllocations"] is True
     assert gpu["capacity"] == {
-        "memory": {"value": "40960Mi", "requestPolicy": {"default": "40960Mi",
+        "memory": {"value": "40Gi", "requestPolicy": {"default": "40Gi",
                                                          "validRange": {"min": "1Mi", "step": "1Mi"}}},
         "shares": {"value": "4", "requestPolicy": {"default": "1",
                                                    "validRange": {"min": "1", "max": "4", "step": "1"}}}}

@@ -4,7 +4,7 @@ driver's ConfigMap), each whole GPU (one not split into MIG instances) is publis
 `allowMultipleAllocations: true` and two capacities the scheduler deducts claims from:
 
     capacity:
-      memory: {value: 81920Mi, requestPolicy: {default: 81920Mi, validRange: {min: 1Mi, step: 1Mi}}}
+      memory: {value: 80Gi, requestPolicy: {default: 80Gi, validRange: {min: 1Mi, step: 1Mi}}}
       shares: {value: "4", requestPolicy: {default: "1", validRange: {min: "1", max: "4", step: "1"}}}
 
 A claim that asks nothing consumes the whole of the first capacity (memory where it is published, else the
@@ -90,13 +90,22 @@ def device_capacity(sharing: CapacitySharing, sysfs_memory: int | None) -> dict[
     return out
 
 
+def binary_quantity(size: int) -> str:
+    """`size` bytes as the API server writes a quantity back (its canonical form: the largest binary suffix
+    that states it exactly, 40960Mi as 40Gi), so a published slice reads back as it was sent."""
+    for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
+        if size and size % _UNITS[suffix] == 0:
+            return f"{size // _UNITS[suffix]}{suffix}"
+    return str(size)
+
+
 def capacity_json(capacity: dict[str, int]) -> dict[str, object]:
     """The slice's `capacity` of a shareable device, each with its requestPolicy: the first capacity's
     default is all of it (a claim that asks nothing holds the GPU alone), the others' their least."""
     out: dict[str, object] = {}
     for index, (name, value) in enumerate(capacity.items()):
         if name == MEMORY:
-            total = f"{value // MIB}Mi"
+            total = binary_quantity(value)
             policy: dict[str, object] = {"default": total if index == 0 else "1Mi",
                                          "validRange": {"min": "1Mi", "step": "1Mi"}}
         else:
