@@ -70,7 +70,9 @@ def test_nvidia_shape_carries_over() -> None:
     ({"timeSlicing": {"renameByDefault": "yes"}}, "sharing.timeSlicing.renameByDefault: expected true or false"),
     ({"timeSlicing": {"failRequestsGreaterThanOne": 1}}, "sharing.timeSlicing.failRequestsGreaterThanOne"),
     ({"timeSlicing": {"resources": {"name": "nvidia.com/gpu"}}}, "sharing.timeSlicing.resources: expected a list"),
-    ({"mps": {"resources": []}}, "sharing.mps: MPS is not offered through the device plugin"),
+    ({"mps": {"resources": []}, "timeSlicing": {"resources": []}}, "sharing: timeSlicing and mps cannot both be set"),
+    ({"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2, "rename": 3}]}},
+     "sharing.mps.resources[0].rename: expected a resource name"),
     ({"timeslicing": {}}, "sharing.timeslicing: unknown field"),
 ])
 def test_a_bad_field_is_one_line_naming_the_file_and_field(section: object, field: str) -> None:

@@ -150,6 +150,8 @@ class MpsDaemons:
         data = self._load()
         restarted = []
         for gpu, entry in sorted(data.items()):
+            if isinstance(entry.get("pid"), int):
+                _reap(int(entry["pid"]))  # type: ignore[call-overload]  # a dead child of ours is a zombie, not alive
             if entry.get("holders") and not self._alive(entry):
                 log.warning("MPS daemon of %s (pid %s) died: starting it again", gpu, entry.get("pid"))
                 data[gpu] = {**entry, **self._start(self.daemon(gpu), str(entry.get("visible", "")))}

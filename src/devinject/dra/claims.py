@@ -37,7 +37,7 @@ from devinject.nodestate.claimcheckpoints import (
     checkpoint_path,
     consumes_problem,
 )
-from devinject.nodestate.ledger import Claim, Ledger
+from devinject.nodestate.ledger import PLUGIN_PREFIX, Claim, Ledger
 from devinject.specs.generate import GenerateOptions, build_specs, versioned
 
 log = logging.getLogger(__name__)
@@ -582,8 +582,8 @@ class Preparer:
                     if uid not in self.mps.recorded().get(str(gpu), []):
                         self.mps.acquire(str(gpu), uid, str(visible))
             for gpu, holders in self.mps.recorded().items():
-                for holder in holders or [""]:  # a daemon no claim needs: stopped
-                    if holder not in claims:
+                for holder in holders or [""]:  # a daemon no claim needs: stopped (not the device plugin's)
+                    if holder not in claims and not holder.startswith(PLUGIN_PREFIX):
                         self.mps.release(gpu, holder)
             self.mps.check()
         except MpsError as err:

@@ -31,6 +31,7 @@ import grpc
 
 from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
+from devinject.agent.mps import Daemon, MpsDaemons, MpsError
 from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions
 from devinject.core import jsonlite
@@ -49,6 +50,7 @@ from devinject.kubelet.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_b
 from devinject.kubelet.metrics import Metrics, serve
 from devinject.kubelet.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 from devinject.kubelet.sharing import SharingConfig, TimeSliced, replicated
+from devinject.nodestate.ledger import PLUGIN_PREFIX
 from devinject.nodestate.profilefacts import write_time_slicing
 
 log = logging.getLogger(__name__)
@@ -190,6 +192,9 @@ class DevicePluginAgent:
         self.base: dict[str, dict[str, PluginDevice]] = {}  # by kind: as the health loop published them
         self.held: dict[str, dict[str, str]] = {}  # by kind: device ID -> the DRA claim that holds it
         self.sliced_written: dict[str, int] | None = None  # the time-sliced kinds last recorded for the ledger
+        gen = opts.watch.generate
+        self.mps = MpsDaemons(opts.watch.state_dir, os.path.join(gen.root, (gen.driver_root or "/").lstrip("/")))
+        self.mps_gpus: set[str] = set()  # the GPUs whose MPS daemon serves this plugin's clients now
 
     # --- from the health loop --------------------------------------------------------------------------
     def _published(self, watcher: Round) -> None:
@@ -197,6 +202,7 @@ class DevicePluginAgent:
         self.last_round = time.monotonic()
         specs = {spec.kind: spec for spec in watcher.specs}
         by_kind = self._devices_by_kind(watcher)
+        self._mps_round(watcher)
         changes: list[str] = []
         if not self.started.is_set():  # the first list the kubelet gets already leaves out what claims hold
             data = self.bookings.read()
@@ -253,9 +259,49 @@ class DevicePluginAgent:
         self.gauged |= set(counts)
         for kind, devices in by_kind.items():
             sliced = self.opts.time_sliced(kind)
+            if sliced is not None and sliced.mps:  # MPS is for whole GPUs: a MIG instance is not offered
+                devices = {i: d for i, d in devices.items() if not d.shared}
             if sliced is not None:  # each device as its replicas, with its health
                 by_kind[kind] = replicated(devices, sliced.replicas)
         return by_kind
+
+    def _mps_round(self, watcher: Round) -> None:
+        """One MPS control daemon per whole GPU of a resource shared through MPS (agent/mps.py: the driver
+        root's nvidia-cuda-mps-control, its own root-owned pipe and log directories), held by the resource
+        (`device-plugin:<resource>`) while the plugin serves it, started again when it died; a GPU no longer
+        shared so is released (the last holder stops its daemon). Left running when the plugin stops, as
+        its clients are the pods' processes (a restarted plugin adopts it from daemons.json)."""
+        wanted: dict[str, tuple[str, str]] = {}  # GPU -> (holder, what CUDA_VISIBLE_DEVICES names it by)
+        for found in watcher.found:
+            kind = found.profile.kind
+            entry = self.opts.time_sliced(kind)
+            if entry is None or not entry.mps or (self.opts.watch.generate.kinds
+                                                  and kind not in self.opts.watch.generate.kinds):
+                continue
+            if found.partitions:
+                self._say_once(logging.WARNING, "%s %s: split into MIG instances; MPS serves whole GPUs only, "
+                               "so none of it is offered", kind, found.address)
+                continue
+            wanted[found.address] = (f"{PLUGIN_PREFIX}{self.opts.resource_of(kind)}", found.uuid or str(found.index))
+        try:
+            for gpu, holders in self.mps.recorded().items():
+                for holder in holders:
+                    if holder.startswith(PLUGIN_PREFIX) and wanted.get(gpu, ("",))[0] != holder:
+                        self.mps.release(gpu, holder)
+            for gpu, (holder, visible) in sorted(wanted.items()):
+                if holder not in self.mps.recorded().get(gpu, []):
+                    self.mps.acquire(gpu, holder, visible)
+                    log.info("%s: MPS control daemon of %s runs (%s)", holder.removeprefix(PLUGIN_PREFIX), gpu,
+                             self.mps.daemon(gpu).pipe_dir)
+            self.mps.check()
+        except MpsError as err:
+            self._say_once(logging.ERROR, "MPS: %s", err.message)
+        running = self.mps.running()
+        self.mps_gpus = {gpu for gpu in wanted if gpu in running}
+
+    def mps_daemon(self, gpu: str) -> Daemon | None:
+        """The running MPS daemon serving `gpu` for this plugin, None when there is none."""
+        return self.mps.daemon(gpu) if gpu in self.mps_gpus else None
 
     def _say_time_slicing(self, by_kind: dict[str, dict[str, PluginDevice]]) -> None:
         """The kinds this plugin time-slices, in the state dir for the ledger (and the hook): a time-sliced
@@ -314,6 +360,11 @@ class DevicePluginAgent:
                 self.follow_ledger_once()
             except Exception:  # the loop must outlive any one failure
                 log.exception("device plugin bookings")
+            if self.mps_gpus:  # a dead MPS daemon is started again within a poll, not at the next spec write
+                try:
+                    self.mps.check()
+                except MpsError as err:
+                    self._say_once(logging.ERROR, "MPS: %s", err.message)
             self.stopping.wait(self.opts.ledger_poll)
 
     def _book(self, resource: str, devices: list[PluginDevice]) -> None:
@@ -416,7 +467,9 @@ class DevicePluginAgent:
                                               beside_dra=self.bookings.beside_dra,
                                               fail_requests_greater_than_one=(
                                                   self.opts.sharing.fail_requests_greater_than_one
-                                                  and self.opts.time_sliced(kind) is not None))
+                                                  and self.opts.time_sliced(kind) is not None),
+                                              mps=self.mps_daemon if (entry := self.opts.time_sliced(kind))
+                                              is not None and entry.mps else None)
                 server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource))
                 self.servers[kind] = server
             if not server.alive():

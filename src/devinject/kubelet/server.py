@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from devinject.agent.mps import LOG_IN_CONTAINER, PIPE_IN_CONTAINER, Daemon
 from devinject.core.model import Spec
 from devinject.kubelet.allocation import HEALTHY, UNHEALTHY, AllocationError, PluginDevice, answer, preferred
 from devinject.kubelet.api import v1beta1_pb2 as api
@@ -64,6 +65,23 @@ def device_message(device: PluginDevice) -> api.Device:
     return api.Device(ID=device.id, health=HEALTHY if device.offered else UNHEALTHY, topology=topology)
 
 
+def mps_client(daemon_of: Callable[[str], Daemon | None], devices: dict[str, PluginDevice], ids: list[str],
+               envs: dict[str, str], mounts: list[tuple[str, str, bool]]) -> None:
+    """What an MPS client needs in Allocate's answer: its GPU's daemon's pipe and log directories mounted where
+    CUDA looks (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY) and its share of the GPU's threads
+    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: 100 / replicas, as NVIDIA's daemon's default). AllocationError when the
+    GPU's daemon is not running (a client without one would fall back to the GPU unshared)."""
+    for device_id in ids:
+        device = devices.get(device_id)
+        gpu = device.parent or device.id if device is not None else ""
+        daemon = daemon_of(gpu) if gpu else None
+        if device is None or daemon is None:
+            raise AllocationError(f"{device_id}: the MPS control daemon of its GPU is not running; not allocated")
+        envs.update({"CUDA_MPS_PIPE_DIRECTORY": PIPE_IN_CONTAINER, "CUDA_MPS_LOG_DIRECTORY": LOG_IN_CONTAINER,
+                     "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, 100 // max(1, device.replicas)))})
+        mounts += [(PIPE_IN_CONTAINER, daemon.pipe_dir, False), (LOG_IN_CONTAINER, daemon.log_dir, False)]
+
+
 class DevicePluginService(api_grpc.DevicePluginServicer):
     def __init__(self, state: ResourceState, *, fallback: bool = True, stopping: threading.Event | None = None,
                  on_allocate: Callable[[str, int | None], None] | None = None,
@@ -71,8 +89,10 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
                  book: Callable[[str, list[PluginDevice]], None] | None = None,
                  held_now: Callable[[dict[str, PluginDevice]], dict[str, str]] | None = None,
                  beside_dra: Callable[[], bool] | None = None,
-                 fail_requests_greater_than_one: bool = False) -> None:
+                 fail_requests_greater_than_one: bool = False,
+                 mps: Callable[[str], Daemon | None] | None = None) -> None:
         self.fail_requests_greater_than_one = fail_requests_greater_than_one  # time-sliced replicas: one each
+        self.mps = mps  # a resource shared through MPS: GPU -> its running daemon (None: not running)
         self.state = state
         self.grant_dir = grant_dir  # the state dir grants are written in (nodestate/grants.py); None: none
         self.book = book  # the ledger's booking of what Allocate hands out (AllocationError: refused)
@@ -151,13 +171,16 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
                 given = answer(self.state.resource, spec, devices, list(container.devices_ids),
                                fallback=self.fallback)
                 envs = dict(given.envs)
+                mounts = list(given.mounts)
+                if self.mps is not None:
+                    mps_client(self.mps, devices, list(container.devices_ids), envs, mounts)
                 if self.grant_dir is not None:  # the hook's proof, in a pod, that these devices are this container's
                     envs[grant_env_key(self.state.resource)] = self._grant(given.cdi_devices)
                 responses.append(api.ContainerAllocateResponse(
                     envs=envs, annotations=given.annotations,
                     cdi_devices=[api.CDIDevice(name=name) for name in given.cdi_devices],
                     devices=[api.DeviceSpec(container_path=c, host_path=h, permissions=p) for c, h, p in given.devices],
-                    mounts=[api.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in given.mounts]))
+                    mounts=[api.Mount(container_path=c, host_path=h, read_only=ro) for c, h, ro in mounts]))
             if self.book is not None:  # all of the request's devices or none, under the ledger's lock
                 self.book(self.state.resource, [devices[i] for c in request.container_requests
                                                 for i in c.devices_ids])

@@ -1,8 +1,12 @@
-"""Time-slicing through the device plugin, in the shape NVIDIA's device plugin reads (`sharing.timeSlicing`), so
-an admin's config carries over: each device of a time-sliced resource is offered as `replicas` devices with IDs
-`<device ID>::<k>` (k = 0 .. replicas-1: stable across restarts, and they name the device they share), under
-the resource's own name or a new one (`rename`, or `<resource>.shared` by `renameByDefault`) so that pods
-choose. Plain data and pure functions; the differences from NVIDIA's plugin are in docs/sharing.md."""
+"""Time-slicing and MPS through the device plugin, in the shape NVIDIA's device plugin reads
+(`sharing.timeSlicing`, `sharing.mps`), so an admin's config carries over: each device of a time-sliced
+resource is offered as `replicas` devices with IDs `<device ID>::<k>` (k = 0 .. replicas-1: stable across
+restarts, and they name the device they share), under the resource's own name or a new one (`rename`, or
+`<resource>.shared` by `renameByDefault`) so that pods choose. An MPS resource is replicated the same way, over
+whole GPUs only, each GPU's clients served by its own MPS control daemon (agent/mps.py; the plugin runs one per
+GPU while it serves the resource) and given one replica each (NVIDIA's MPS implies
+failRequestsGreaterThanOne). Plain data and pure functions; the differences from NVIDIA's plugin are in
+docs/sharing.md."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ class TimeSliced:
     name: str  # the resource (or kind) the config names, e.g. nvidia.com/gpu
     replicas: int
     rename: str = ""  # the resource it is served as instead; "" keeps its name
+    mps: bool = False  # shared through MPS (sharing.mps) rather than time-sliced
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +83,22 @@ def _mapping(source: str, field: str, value: object, allowed: tuple[str, ...]) -
 
 
 def parse_sharing(value: object, source: str) -> SharingConfig:
-    """The `sharing:` section of the device plugin's config file `source` (NVIDIA's shape)."""
+    """The `sharing:` section of the device plugin's config file `source` (NVIDIA's shape): `timeSlicing` or
+    `mps`, one of them (as NVIDIA's plugin, one strategy per config)."""
     section = _mapping(source, "sharing", value, ("timeSlicing", "mps"))
-    if "mps" in section:
-        raise SharingConfigError(f"{source}: sharing.mps: MPS is not offered through the device plugin; "
-                                 "use a DRA claim's GpuConfig (docs/sharing.md)")
-    if "timeSlicing" not in section:
+    given = [k for k in ("timeSlicing", "mps") if section.get(k) is not None]
+    if len(given) > 1:
+        raise SharingConfigError(f"{source}: sharing: timeSlicing and mps cannot both be set (one strategy per "
+                                 "config)")
+    if not given:
         return SharingConfig()
-    field = "sharing.timeSlicing"
-    slicing = _mapping(source, field, section["timeSlicing"],
+    mps = given[0] == "mps"
+    field = f"sharing.{given[0]}"
+    slicing = _mapping(source, field, section[given[0]],
                        ("renameByDefault", "failRequestsGreaterThanOne", "resources"))
     rename_by_default = _bool(source, f"{field}.renameByDefault", slicing.get("renameByDefault", False))
     fail_more = _bool(source, f"{field}.failRequestsGreaterThanOne", slicing.get("failRequestsGreaterThanOne", False))
+    fail_more = fail_more or mps  # an MPS client is one process on one GPU's daemon: one replica a request
     listed = slicing.get("resources", [])
     if not isinstance(listed, list):
         raise SharingConfigError(f"{source}: {field}.resources: expected a list, got {listed!r}")
@@ -123,7 +132,7 @@ def parse_sharing(value: object, source: str) -> SharingConfig:
         if resolved in served:
             raise SharingConfigError(f"{source}: {at}: served as {resolved}, as {served[resolved]} is")
         served[resolved] = at
-        resources.append(TimeSliced(name, replicas, rename))
+        resources.append(TimeSliced(name, replicas, rename, mps))
     return SharingConfig(tuple(resources), rename_by_default, fail_more)
 
 
