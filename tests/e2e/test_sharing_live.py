@@ -130,3 +130,81 @@ def test_under_runc_the_hook_lets_a_time_sliced_gpu_hold_its_replicas_and_no_mor
     finally:
         for name in (first, second, third):
             subprocess.run(["runc", "delete", "-f", name], capture_output=True, timeout=30)
+
+
+MPS_CONFIG = """version: v1
+kind: [nvidia.com/gpu]
+sharing:
+  mps:
+    renameByDefault: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 2
+"""
+
+
+@pytest.fixture(scope="module")
+def mps_plugin(kubelet: Path) -> Iterator[Path]:
+    """The device plugin with NVIDIA's sharing.mps over the HGX host, whose driver root (the host's /) holds a
+    stand-in nvidia-cuda-mps-control (no GPU here: tests/integration/test_dra_sharing.py's, `-f` serves
+    until `quit`). The daemons it leaves running when it stops (as a real node keeps its clients') are
+    killed at the end."""
+    from tests.integration.test_dra_sharing import STAND_IN, kill_stand_ins
+
+    work = Path(tempfile.mkdtemp(prefix="dp-mps-", dir="/tmp"))
+    builder = LibBuilder()
+    try:
+        host = FakeHost(work / "host", real_nodes=True)
+        build_hgx_h100(builder, host)
+        host.finish(ldconfig=False)
+    finally:
+        shutil.rmtree(builder.tmp, ignore_errors=True)
+    control = work / "host/usr/bin/nvidia-cuda-mps-control"
+    control.parent.mkdir(parents=True, exist_ok=True)
+    control.write_text(STAND_IN)
+    control.chmod(0o755)
+    (work / "dp.yaml").write_text(MPS_CONFIG)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(work / "plugin.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [DEVINJECT, "-v", "device-plugin", "--config", str(work / "dp.yaml"), "--host-root", str(work / "host"),
+         "--output-dir", str(work / "cdi"), "--state-dir", str(work / "state"), "--test-timings", "--no-uevents",
+         "--metrics-address", f"127.0.0.1:{port}", "--hook-path", DEVINJECT], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _until(lambda: _get(f"http://127.0.0.1:{port}/readyz")[0] == 200, 30, "the plugin to register")
+        yield work
+    finally:
+        terminate(process)
+        log.close()
+        kill_stand_ins(str(work / "host"))
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_mps_clients_get_their_gpus_daemon(kubelet: Path, mps_plugin: Path) -> None:
+    """Two pods of one MPS replica each: each reaches one GPU, with CUDA_MPS_PIPE_DIRECTORY and
+    CUDA_MPS_LOG_DIRECTORY set and its GPU's own daemon's pipe directory mounted there (the stand-in's
+    `visible` file names the GPU it serves: the GPU's UUID), and its thread share; one daemon per GPU runs."""
+    from devinject.agent.mps import MpsDaemons
+
+    script = ("ls /dev | grep -E '^nvidia[0-9]+$'; env | grep '^CUDA_MPS' | sort; "
+              "echo \"visible=$(cat /tmp/nvidia-mps/visible)\"; ls /tmp/nvidia-mps; echo finished; sleep 3600")
+    names = ["mps-0", "mps-1"]
+    for name in names:
+        run_pod(kubelet, name, 1, SHARED, script)
+    try:
+        for name in names:
+            _until(lambda n=name: "finished" in pod_log(n), 180, f"pod {name}'s output")  # type: ignore[misc]
+        daemons = MpsDaemons(str(mps_plugin / "state"), str(mps_plugin / "host")).running()
+        assert len(daemons) == 8 and all(h == [f"device-plugin:{SHARED}"] for h in daemons.values()), daemons
+        for name in names:
+            log = pod_log(name)
+            assert len(_gpu_nodes(name)) == 1, log
+            assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in log and \
+                "CUDA_MPS_LOG_DIRECTORY=/var/log/nvidia-mps" in log, log
+            assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in log and "control" in log, log
+            assert re.search(r"visible=GPU-[0-9a-f-]+", log), log  # its GPU's daemon, named by its UUID
+    finally:
+        for name in names:
+            remove_pod(kubelet, name)
