@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from devinject.agent.mps import LOG_IN_CONTAINER, PIPE_IN_CONTAINER, Daemon, MpsDaemons, MpsError
+from devinject.agent.timeslice import TimesliceError, apply_timeslice
 from devinject.core import jsonlite
 from devinject.core.atomicfile import replace as replace_file
 from devinject.core.errors import DevinjectError, LedgerError
@@ -28,7 +29,7 @@ from devinject.core.spec import dump
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
-from devinject.dra.gpuconfig import MPS, GpuConfigError, GpuSharing, request_sharing
+from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
 from devinject.nodestate.claimcheckpoints import (
     CHECKPOINT_VERSION,
@@ -279,7 +280,7 @@ class Preparer:
                  get_claim: Callable[[str, str], dict[str, object]], generate: GenerateOptions,
                  ledger: Ledger | None = None, mps: MpsDaemons | None = None) -> None:
         self.driver = driver
-        driver_root = os.path.join(generate.root, (generate.driver_root or "/").lstrip("/"))
+        driver_root = self.driver_root = os.path.join(generate.root, (generate.driver_root or "/").lstrip("/"))
         self.mps = mps if mps is not None else MpsDaemons(state_dir, driver_root)
         self.cdi_dir = cdi_dir
         self.inventory = inventory
@@ -379,12 +380,14 @@ class Preparer:
                     visible[gpu] = offer.device.uuid or str(offer.device.index)
                     self.mps.acquire(gpu, uid, visible[gpu])
                     started.append(gpu)
-            except MpsError as err:
+                self._timeslices(namespace, name, results, offers, sharing)
+            except (MpsError, TimesliceError, PrepareError) as err:
                 for gpu in started:
                     self.mps.release(gpu, uid)
                 self.ledger.release(self.booking(uid))
                 _remove(path)
-                raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
+                raise PrepareError(err.message if isinstance(err, PrepareError)
+                                   else f"claim {namespace}/{name}: {err.message}") from None
             # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base
             prepared = [PreparedDevice((request.partition("/")[0],), offer.pool, offer.name,
                                        (f"{self.kind}={uid}-{label}",), share)
@@ -429,6 +432,23 @@ class Preparer:
             except CapacityError as err:
                 raise PrepareError(err.message) from None
         return out
+
+    def _timeslices(self, namespace: str, name: str, results: list[tuple[str, str, str]], offers: list[Offer],
+                    sharing: dict[str, GpuSharing]) -> None:
+        """The time slice of each GPU a TimeSlicing request holds, set as its interval says (agent/timeslice.py,
+        as NVIDIA's driver: Default too, which puts back what another claim set). Whole GPUs only: a MIG
+        instance has no time slice of its own."""
+        for (request, _, _), offer in zip(results, offers, strict=True):
+            settings = sharing.get(request)
+            if settings is None or settings.strategy != TIME_SLICING or offer.found is None:
+                continue
+            if offer.partition is not None:
+                if settings.interval != "Default":
+                    raise PrepareError(f"claim {namespace}/{name}: request {request}: timeSlicingConfig.interval "
+                                       f"{settings.interval}: a time slice is set for whole GPUs, not {offer.name}")
+                continue
+            if apply_timeslice(self.driver_root, offer.device.address, offer.device.uuid or "", settings.interval):
+                log.info("claim %s/%s: %s time slice %s", namespace, name, offer.device.address, settings.interval)
 
     def _mps_gpus(self, namespace: str, name: str, results: list[tuple[str, str, str]], offers: list[Offer],
                   sharing: dict[str, GpuSharing]) -> dict[str, tuple[str, Daemon]]:
