@@ -6,9 +6,11 @@
   got before every GPU had one (the spread), and the pods served;
 - the device plugin's answer per pod, exclusive (one device per GPU) against 4 replicas per GPU: preferred
   allocation + Allocate's answer, p50;
-- DRA prepare (claim spec written and fsynced, booked, checkpointed) of one GPU: exclusive, TimeSlicing, and
-  MPS (a stand-in control program as the daemon: its start is in the time), p50 and p99, each against the
-  exclusive baseline measured in the same run.
+- DRA prepare (claim spec written and fsynced, booked, checkpointed) of one GPU: exclusive, TimeSlicing (its
+  interval set through the fixture's stand-in nvidia-smi: two calls), MPS (a stand-in control program as the
+  daemon: its start is in the time), and a consumable-capacity share (20Gi of a GPU published with 80Gi and 4
+  shares, three other shares of it held: the ledger sums them), p50 and p99, each against the exclusive
+  baseline measured in the same run.
 
 Prints figures; asserts nothing."""
 
@@ -29,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from devinject.agent.mps import MpsDaemons  # noqa: E402
 from devinject.discovery.topology import Place  # noqa: E402
+from devinject.dra.capacity import CapacitySharing  # noqa: E402
 from devinject.dra.driver import DraDriver, DraOptions  # noqa: E402
 from devinject.kubelet.allocation import PluginDevice, answer, preferred  # noqa: E402
 from devinject.kubelet.sharing import check_replicas, preferred_replicas, replicated  # noqa: E402
@@ -132,6 +135,14 @@ def dra_prepare(runs: int) -> None:
         driver = DraDriver(opts, api)
         driver.preparer.mps = MpsDaemons(dirs["state"], driver_root=dirs["driver"])
         driver.refresh()
+        shares = {name: str(work / "shares" / name) for name in ("plugins", "registry", "cdi", "state")}
+        os.makedirs(shares["state"], mode=0o755)
+        shared = DraDriver(DraOptions(generate=opts.generate, node_name="node1", plugin_dir=shares["plugins"],
+                                      registry_dir=shares["registry"], cdi_dir=shares["cdi"], state_dir=shares["state"],
+                                      rescan=3600, capacity=CapacitySharing(4, 80 * 2**30)), api)
+        shared.refresh()
+        for _ in range(3):  # three shares held: the fourth's booking sums theirs
+            book_share(api, shared, str(uuid.uuid4()))
         configs: dict[str, list[dict[str, Any]]] = {
             "exclusive": [],
             "TimeSlicing": [{"opaque": {"driver": "dra.devinject.io", "parameters": {
@@ -143,8 +154,14 @@ def dra_prepare(runs: int) -> None:
         }
         print(f"DRA prepare of one GPU ({runs} new claims each, the strategies in turn so that the machine's "
               "noise falls on all; MPS: the daemon's start included, its stop not):")
-        samples: dict[str, list[float]] = {label: [] for label in configs}
+        samples: dict[str, list[float]] = {label: [] for label in [*configs, "capacity share"]}
         for round_ in range(runs + 5):
+            uid = str(uuid.uuid4())
+            start = time.perf_counter()
+            book_share(api, shared, uid)
+            if round_ >= 5:
+                samples["capacity share"].append((time.perf_counter() - start) * 1000)
+            shared.preparer.unprepare(uid)
             for label, config in configs.items():
                 uid = str(uuid.uuid4())
                 api.claims[uid] = {"metadata": {"uid": uid}, "status": {"allocation": {"devices": {
@@ -161,8 +178,17 @@ def dra_prepare(runs: int) -> None:
             print(f"  {label}: p50 {median:.2f} ms, p99 {percentile(taken, 99):.2f} ms, "
                   f"ratio to exclusive {median / base:.2f}")
         driver.servers.stop()
+        shared.servers.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def book_share(api: Api, driver: DraDriver, uid: str) -> None:
+    """A claim the scheduler gave a 20Gi share of GPU 0, prepared."""
+    api.claims[uid] = {"metadata": {"uid": uid}, "status": {"allocation": {"devices": {"results": [
+        {"request": "gpu", "driver": "dra.devinject.io", "pool": "node1-nvidia-com-gpu", "device": "gpu-0000-18-00-0",
+         "shareID": str(uuid.uuid4()), "consumedCapacity": {"memory": "20Gi", "shares": "1"}}], "config": []}}}}
+    driver.preparer.prepare("default", uid, uid)
 
 
 def main() -> int:
