@@ -195,3 +195,17 @@ def test_the_kubelet_is_told_each_share_id(dirs: dict[str, str]) -> None:
         driver.servers.stop()
     assert [(d.share_id, d.HasField("share_id")) for d in answer.claims[UID_A].devices] == [(SHARE_A, True)]
     assert [d.HasField("share_id") for d in answer.claims[UID_B].devices] == [False]
+
+
+def test_a_gpus_shares_are_all_mps_clients_or_none(dirs: dict[str, str]) -> None:
+    api = FakeApi()
+    share(api, "a", UID_A, [(SHARE_A, "10Gi")])
+    share(api, "b", UID_B, [(SHARE_B, "10Gi")])
+    api.claims[("default", "b")]["status"]["allocation"]["devices"]["config"] = [
+        {"source": "FromClaim", "requests": ["gpus"], "opaque": {"driver": "dra.devinject.io", "parameters": {
+            "apiVersion": "dra.devinject.io/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "MPS"}}}}]
+    driver = capacity_driver(dirs, api)
+    driver.preparer.prepare("default", "a", UID_A)
+    with pytest.raises(PrepareError, match=f"{GPU} is shared with claim default/a, not an MPS client"):
+        driver.preparer.prepare("default", "b", UID_B)
+    assert not os.path.exists(driver.preparer.spec_path(UID_B))

@@ -342,6 +342,7 @@ class Preparer:
             labels = [o.name if share is None else f"{o.name}-{share}" for o, (share, _) in zip(offers, shares,
                                                                                                  strict=True)]
             mps_gpus = self._mps_gpus(namespace, name, results, offers, sharing)
+            _same_sharing(namespace, name, claims, offers, shares, set(mps_gpus))
             extra = {gpu: mps_env(sharing[request], daemon.pipe_dir, daemon.log_dir)
                      for gpu, (request, daemon) in mps_gpus.items()}
             spec, edits = self._spec(inventory.node, uid, offers, extra, labels)
@@ -694,6 +695,28 @@ def _checked_name(namespace: str, name: str) -> None:
         raise PrepareError(f"claim namespace {namespace[:80]!r} is not a namespace name; refused")
     if not (0 < len(name) <= 253 and set(name) <= _NAME_CHARS and ".." not in name and name[0] not in ".-"):
         raise PrepareError(f"claim name {name[:80]!r} is not a resource name; refused")
+
+
+def _same_sharing(namespace: str, name: str, claims: dict[str, dict[str, object]], offers: list[Offer],
+                  shares: list[tuple[str | None, dict[str, object]]], mps_gpus: set[str]) -> None:
+    """A GPU shared by consumable capacity holds MPS clients only or none: a share that is an MPS client and
+    one that is not would meet on it (the one outside MPS would reach the GPU beside the daemon's clients).
+    Checked against the shares the checkpoint holds. PrepareError naming the other claim."""
+    for offer, (share, _) in zip(offers, shares, strict=True):
+        if share is None or offer.found is None:
+            continue
+        gpu = offer.device.address
+        for other in claims.values():
+            devices = other.get("devices")
+            if not any(isinstance(d, dict) and d.get("device") == offer.name and d.get("share")
+                       for d in (devices if isinstance(devices, list) else ())):
+                continue
+            theirs = gpu in (other.get("mps") or {})  # type: ignore[operator]
+            if theirs != (gpu in mps_gpus):
+                raise PrepareError(f"claim {namespace}/{name}: {offer.name} is shared with claim "
+                                   f"{other.get('namespace')}/{other.get('name')}, "
+                                   f"{'an MPS client' if theirs else 'not an MPS client'}: its shares are all MPS "
+                                   "clients or none")
 
 
 def _booked(entry: dict[str, object]) -> tuple[Claim, ...]:
