@@ -11,6 +11,8 @@ each time (a snapshotter's):
   each a run of the `devinject` console script: an interpreter with `site`); BENCH_BEFORE=REV runs them on
   that git revision's code (e.g. the commit before the merged hook), else on this tree's;
 - `1 hook, launcher -IS`: as generate writes it now (links-and-ldcache, this interpreter on the hook launcher);
+- `1 hook, launcher -IS, served`: the same hook handed to the running hook server (`--server`), whose worker
+  joins the container's mount namespace and runs it with its imports done;
 - `1 hook, node hook`: the same hook through the node hook bundle (agent/nodehook.py, in a scratch host root);
 - `floor: /bin/true hook`: one createContainer hook that does nothing: the runtime's own cost of a hook;
 - `bare` and `OCI hook, served`: no CDI edits, without and with `devinject hook` as prestart (install-hook's
@@ -139,12 +141,16 @@ def main() -> int:
         base = json.loads((bundle / "config.json").read_text())
         base["process"].update(terminal=False, args=["true"])
         server_socket = work / "server" / "hook.sock"
-        server = subprocess.Popen([DEVINJECT, "hook-server", "--socket", str(server_socket)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server_log = work / "server.log"  # -v: a line for each cdi-hook it serves, counted below
+        with open(server_log, "w") as log:
+            server = subprocess.Popen([DEVINJECT, "-v", "hook-server", "--socket", str(server_socket)],
+                                      stdout=subprocess.DEVNULL, stderr=log)
         for _ in range(200):
             if server_socket.exists():
                 break
             time.sleep(0.025)
+        served_hooks = tuple(h._replace(args=(*h.args, "--server", str(server_socket)))
+                             for h in specs["launcher"].hooks)
         subprocess.run([DEVINJECT, "generate", "--root", str(work / "host"), "--output-dir", str(work / "cdi-oci"),
                         "--hook-path", DEVINJECT], check=True, capture_output=True)
 
@@ -201,6 +207,7 @@ def main() -> int:
             "CDI edits, no hooks": specs["launcher"]._replace(hooks=()),
             "today: 2 hooks, console script": today,
             "1 hook, launcher -IS": specs["launcher"],
+            "1 hook, launcher -IS, served": specs["launcher"]._replace(hooks=served_hooks),
             "1 hook, node hook": specs["node"],
             "floor: /bin/true hook": floor,
             "bare": None,
@@ -219,6 +226,9 @@ def main() -> int:
                 took = one_run()
                 if round_:
                     starts[label].append(took)
+        served_count = server_log.read_text().count("cdi-hook served for pid")
+        if served_count != runs + 1:  # never a silent fall back to in-process
+            raise RuntimeError(f"the hook server served {served_count} cdi-hooks of {runs + 1}")
         medians = {label: statistics.median(values) for label, values in starts.items()}
         cdi_base, bare = medians["CDI edits, no hooks"], medians["bare"]
         served = medians["OCI hook, served"] - bare
@@ -232,7 +242,7 @@ def main() -> int:
                 extra = medians[label] - cdi_base
                 added = "" if label.startswith("CDI edits") else \
                     f"  added {extra:5.1f} ms ({extra / served:.2f}x the served OCI hook's)"
-            print(f"  {label:32} {medians[label]:6.1f} ms (IQR {quartiles[0]:.1f}-{quartiles[2]:.1f}){added}")
+            print(f"  {label:34} {medians[label]:6.1f} ms (IQR {quartiles[0]:.1f}-{quartiles[2]:.1f}){added}")
     finally:
         if server is not None:
             server.terminate()

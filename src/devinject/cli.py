@@ -393,7 +393,8 @@ def run(args: list[str]) -> int:
 @click.option("--socket", "socket_path", default=None, metavar="PATH",
               help=f"Where to listen [default: {HOOK_SOCKET}, where the hook looks].")
 def hook_server(socket_path: str | None) -> None:
-    """Serve `devinject hook` from a resident process: each container start skips the hook's imports.
+    """Serve `devinject hook` and the specs' `cdi-hook` from a resident process: each container start skips
+    the hook's imports.
 
     The hook hands its invocation over when the socket answers and runs in-process otherwise."""
     from devinject.hook.client import DEFAULT_SOCKET

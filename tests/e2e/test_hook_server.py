@@ -103,7 +103,8 @@ def test_the_server_serves_only_its_own_user_and_survives_garbage(bundle: Bundle
     dry_run = encode_request(["hook", "--dry-run", "--no-server", "--log-file", "/dev/null"])
     assert _raw_request(path, dry_run, as_nobody=True) == b""  # refused: closed without an answer
     assert _raw_request(path, b"\x00\x00\x00\x09garbage") == b""
-    assert _raw_request(path, encode_request(["cdi-hook", "create-symlinks"])) == b""  # only `hook` is served
+    assert _raw_request(path, encode_request(["generate", "--output-dir", "/tmp"])) == b""  # only the hooks
+    assert _raw_request(path, encode_request(["cdi-hook", "create-symlinks"])) == b"\x00"  # served: nothing to make
     assert process.poll() is None
     bundle.use_server(path)
     bundle.save(["true"], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=0"})

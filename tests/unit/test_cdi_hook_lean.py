@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 from devinject.core.ldcache import parse_ldcache
+from devinject.entry import worth_serving
 from devinject.specs.generate import hook_command
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
@@ -23,6 +24,7 @@ CDI_HOOK_MODULES = {
     "devinject.hook.state", "devinject.core", "devinject.core.jsonlite", "devinject.core.errors",
     "devinject.core.paths", "devinject.core.records", "devinject.core.devcgroup", "devinject.core.atomicfile",
     "devinject.core.ldcache", "devinject.core.elfinfo", "devinject.core.identity", "devinject.core.deadline",
+    "devinject.hook.client",  # no hook server answered: the socket client found none, and the hook ran here
 }
 NOT_IMPORTED = ("_ctypes", "ctypes", "json", "typing", "re", "enum", "dataclasses", "pathlib", "subprocess",
                 "collections", "functools", "contextlib", "signal", "socket", "site", "yaml", "click")
@@ -53,7 +55,8 @@ def test_one_process_makes_the_links_and_the_linker_cache_importing_only_what_it
     state, rootfs = _container(tmp_path)
     real = os.path.basename(os.path.realpath(f"{LIBDIR}/libz.so.1"))
     done = _run_as_the_spec_names_it(["links-and-ldcache", "--link", f"{real}::{LIBDIR}/libz.so.1",
-                                      "--folder", LIBDIR], state, "-X", "importtime")
+                                      "--folder", LIBDIR, "--server", str(tmp_path / "nobody-listens.sock")],
+                                     state, "-X", "importtime")
     assert done.returncode == 0, done.stderr
     assert os.readlink(rootfs / LIBDIR.lstrip("/") / "libz.so.1") == real
     entries = {e.soname: e.path for e in parse_ldcache((rootfs / "etc/ld.so.cache").read_bytes())}
@@ -69,5 +72,16 @@ def test_a_cdi_hook_with_nothing_to_make_returns_before_reading_its_state(tmp_pa
         done = _run_as_the_spec_names_it(args, None, "-X", "importtime")  # no state on stdin: not read
         assert (done.returncode, [line for line in done.stderr.splitlines() if "import time" not in line]) == (0, [])
         assert "devinject.hook.executor" not in done.stderr
+        assert "devinject.hook.client" not in done.stderr  # nothing to hand a hook server either
     bad = _run_as_the_spec_names_it(["links-and-ldcache", "--link", "bad"], None)
     assert bad.returncode == 1 and "is not TARGET::/ABSOLUTE/LINK" in bad.stderr  # checked before returning
+
+
+def test_only_a_cdi_hook_with_something_to_make_is_offered_to_a_hook_server() -> None:
+    assert worth_serving(["hook", "--spec-dir", "/x"])
+    assert worth_serving(["cdi-hook", "links-and-ldcache", "--link", "a::/b"])
+    assert worth_serving(["cdi-hook", "update-ldcache", "--folder=/usr/lib"])
+    assert not worth_serving(["cdi-hook", "links-and-ldcache"])  # nothing to make: returns at once, here
+    assert not worth_serving(["cdi-hook", "update-ldcache", "--forward-compat", "/c:libx.so:1"])
+    assert not worth_serving(["cdi-hook", "links-and-ldcache", "--link", "a::/b", "--help"])  # printed here
+    assert not worth_serving(["generate"]) and not worth_serving([])

@@ -178,3 +178,15 @@ def test_a_merged_cdi_hook_takes_both_commands_flags_and_the_single_ones_keep_th
     for single, foreign in (("create-symlinks", "--folder"), ("update-ldcache", "--link")):
         with pytest.raises(HookError, match="unexpected argument"):
             parse_cdi_hook([single, foreign, "/x"])
+
+
+def test_a_cdi_hook_takes_the_launchers_server_flags_and_nothing_else_new():
+    """`--server SOCKET` / `--no-server` choose the hook server (hook/client.py); the hook itself ignores them."""
+    from devinject.hook.plan import parse_cdi_hook
+
+    for extra in (["--server", "/run/x.sock"], ["--server=/run/x.sock"], ["--no-server"]):
+        command, values = parse_cdi_hook(["links-and-ldcache", "--link", "a::/l", *extra, "--folder", "/usr/lib"])
+        assert values["--link"] == ["a::/l"] and values["--folder"] == ["/usr/lib"], extra
+    for bad in (["--server"], ["--servers", "/x"], ["--no-server=1"]):
+        with pytest.raises(HookError, match="unexpected argument"):
+            parse_cdi_hook(["create-symlinks", *bad])

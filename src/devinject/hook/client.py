@@ -2,10 +2,14 @@
 stdin, stdout and stderr, passed as file descriptors) to a resident server, whose worker has every module
 loaded already, and exit with its status (bench/bench_hook.py measures both ways).
 
+A spec's `cdi-hook` (a createContainer hook, run in the container's mount namespace) is handed over the same
+way when it has links or library folders to make (entry.py `worth_serving`): the server's worker joins that very
+process's mount namespace and root and runs what it would have run.
+
 No server (no socket, nobody listening, or not running as this user) means the hook runs in-process, as
 it always could, and so does a server's REFUSED answer: this hook runs in other namespaces than the server
-(a runtime in a nested pid namespace), and nothing was done for it. Once the request is otherwise handed over
-it is the server's: the hook never runs it a second time.
+(a runtime in a nested pid namespace; a cdi-hook in another user namespace), and nothing was done for it.
+Once the request is otherwise handed over it is the server's: the hook never runs it a second time.
 
 The served path runs on every container start in an interpreter started with -S, so it imports only what
 is built in: `posix` and `_socket` (not `os`, ~1.4 ms of imports there, nor `socket`, which adds `enum` and

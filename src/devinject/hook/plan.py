@@ -167,7 +167,9 @@ def cdi_hook_usage(command: str | None = None) -> str:
     summary, flags = CDI_HOOK_COMMANDS[command]
     width = max(len(f"{flag} {value}") for flag, value, _ in flags)
     return "\n".join([f"usage: {usage(command)}", "", summary, "", "flags (each repeatable; --flag=value too):",
-                      *(f"  {f'{flag} {value}':{width}}  {meaning}" for flag, value, meaning in flags)])
+                      *(f"  {f'{flag} {value}':{width}}  {meaning}" for flag, value, meaning in flags),
+                      "", "--server SOCKET hands the work to the hook server there (default: its usual socket, "
+                      "when one listens); --no-server runs it here."])
 
 
 def parse_cdi_hook(args: list[str]) -> tuple[str, dict[str, list[str]]]:
@@ -191,6 +193,8 @@ def parse_cdi_hook(args: list[str]) -> tuple[str, dict[str, list[str]]]:
         elif arg in own and i + 1 < len(rest):
             values[arg].append(rest[i + 1])
             i += 2
+        elif (flag == "--server" and (eq or i + 1 < len(rest))) or arg == "--no-server":
+            i += 1 if eq or arg == "--no-server" else 2  # the launcher's: which hook server (hook/client.py)
         else:
             raise HookError(f"cdi-hook {command}: unexpected argument {arg!r}")
     return command, values

@@ -12,6 +12,13 @@ namespaces is served: the OCI state's pid, its bundle and the hook's paths mean 
 that ran the hook, so a runtime elsewhere (a nested pid namespace: Docker-in-Docker, kind) is answered
 REFUSED before anything is done, and its hook runs in-process. A new devinject version takes effect when
 the server restarts.
+
+A `cdi-hook` (a spec's createContainer hook) runs in the container's mount namespace, before `pivot_root`,
+and often in its pid and network namespaces too (runc runs it from the container's init): its paths mean
+what they mean there. Its peer must share the server's user namespace only (the files it makes are owned as
+the in-process hook's would be); the worker joins the peer's own mount namespace, root and working directory,
+held while the peer is checked alive, and runs exactly the in-process `run_cdi_hook` there, confined to the
+rootfs by the same code. A peer in another user namespace is answered REFUSED.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # What the OCI state and the hook's arguments are read in: the pid, the bundle and spec paths, the uid the
 # nodes are made for, and the host interfaces a netDevices edit moves.
 NAMESPACES = ("pid", "mnt", "user", "net")
+CDI_HOOK_NAMESPACES = ("user",)  # a cdi-hook's peer is in the container's others: the worker joins its mount
+CDI_HOOK_TIMEOUT = 30.0  # the in-process hook's deadline in a container's namespace (hook/nsenter.py)
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux 6.5: a pidfd of the very process that connected
 
 Namespaces = tuple[tuple[int, int], ...]  # (st_dev, st_ino) of each of NAMESPACES
@@ -233,9 +242,12 @@ def namespaces_of(pid: int | str, *, proc: str = "/proc") -> Namespaces:
     return tuple(found)
 
 
-def refusal(conn: socket.socket, pid: int, own: Namespaces) -> str | None:
+def refusal(conn: socket.socket, pid: int, own: Namespaces, *, shared: tuple[str, ...] = NAMESPACES,
+            hold: list[int] | None = None) -> str | None:
     """Why the peer on `conn`, which connected as `pid` (SO_PEERCRED: 0 when its pid namespace is no
-    descendant of this one), is not served: None when its namespaces are `own`.
+    descendant of this one), is not served: None when its namespaces named in `shared` are `own`'s. With
+    `hold`, its mount namespace, root and working directory are opened into it while the peer is held (a
+    cdi-hook's: the worker joins them), so they are that very process's.
 
     Pid reuse cannot pass another process off as the peer: the peer is held as a pidfd (SO_PEERPIDFD) and
     its namespaces count only if it has not exited once they are read, so the pid still named it then.
@@ -250,6 +262,9 @@ def refusal(conn: socket.socket, pid: int, own: Namespaces) -> str | None:
     try:
         try:
             theirs = namespaces_of(pid)
+            if hold is not None:
+                for what, flags in (("ns/mnt", os.O_RDONLY), ("root", os.O_PATH), ("cwd", os.O_PATH)):
+                    hold.append(os.open(f"/proc/{pid}/{what}", flags | os.O_CLOEXEC))
         except OSError as err:
             return f"pid {pid}: its namespaces: {err.strerror}"
         if pidfd is not None and _ended(pidfd):
@@ -259,7 +274,8 @@ def refusal(conn: socket.socket, pid: int, own: Namespaces) -> str | None:
             os.close(pidfd)
     if _ended(conn.fileno(), select.POLLRDHUP):
         return f"pid {pid} hung up"
-    different = [kind for kind, mine, its in zip(NAMESPACES, own, theirs, strict=True) if mine != its]
+    different = [kind for kind, mine, its in zip(NAMESPACES, own, theirs, strict=True)
+                 if mine != its and kind in shared]
     if different:
         return f"pid {pid} is not in the hook server's namespaces ({', '.join(different)})"
     return None
@@ -300,17 +316,24 @@ def _take(conn: socket.socket, own: Namespaces) -> None:  # pragma: no cover - r
            for i in range(0, len(cmsg[2]) - 3, 4)]
     if not data and not ancillary:
         return  # a probe (`install-hook` asking whether a server answers), not a request
-    why = refusal(conn, pid, own)
-    if why is not None:  # before anything is done: the hook runs in-process, in the runtime's namespaces
+    args = decode_request(data)
+    if args is None or len(fds) != 3 or not args or args[0] not in ("hook", "cdi-hook"):
         for fd in fds:
+            os.close(fd)
+        log.warning("malformed hook request refused")
+        return
+    cdi_hook = args[0] == "cdi-hook"
+    place: list[int] = []  # a cdi-hook's: the peer's mount namespace, root and working directory
+    why = refusal(conn, pid, own, shared=CDI_HOOK_NAMESPACES if cdi_hook else NAMESPACES,
+                  hold=place if cdi_hook else None)
+    if why is not None:  # before anything is done: the hook runs in-process, in the runtime's namespaces
+        for fd in fds + place:
             os.close(fd)
         log.warning("hook request refused, to be run in-process: %s", why)
         conn.sendall(REFUSED)
         return
-    args = decode_request(data)
-    if args is None or len(fds) != 3 or not args or args[0] != "hook":
-        log.warning("malformed hook request refused")
-        return
+    if cdi_hook:
+        log.info("cdi-hook served for pid %d", pid)  # while this worker's stderr is still the server's
     for target, fd in enumerate(fds):
         os.dup2(fd, target)  # the runtime's stdin (the OCI state), stdout, stderr
         os.close(fd)
@@ -319,7 +342,7 @@ def _take(conn: socket.socket, own: Namespaces) -> None:  # pragma: no cover - r
         from devinject.hook import main as hook
 
         hook.SERVED_BY = os.getppid()
-        status = hook.main(args)
+        status = _run_cdi_hook_in(place, args, pid) if cdi_hook else hook.main(args)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -331,3 +354,36 @@ def _take(conn: socket.socket, own: Namespaces) -> None:  # pragma: no cover - r
         os.close(null)
         conn.settimeout(RECEIVE_TIMEOUT)
         conn.sendall(bytes([status & 0xFF]))
+
+
+def _run_cdi_hook_in(place: list[int], args: list[str], pid: int) -> int:  # pragma: no cover - in a worker
+    """`args` (a cdi-hook) as the peer `pid` would have run it: in its mount namespace, root and working
+    directory (`place`), within the in-process hook's deadline. This worker serves one request and exits,
+    so it never goes back to the host's namespace."""
+    from devinject.core.errors import HookError
+    from devinject.hook import main as hook
+    from devinject.hook import syscalls
+
+    mnt, root, cwd = place
+    try:
+        syscalls.setns(mnt, syscalls.CLONE_NEWNS)
+        os.fchdir(root)
+        os.chroot(".")
+        os.fchdir(cwd)
+    except OSError as err:
+        print(f"devinject: error: cdi-hook: cannot join process {pid}'s mount namespace: "
+              f"{os.strerror(err.errno or 0)}", file=sys.stderr)
+        return 1
+    finally:
+        for fd in place:
+            os.close(fd)
+    def out_of_time(signum: int, frame: object) -> None:
+        raise HookError(f"cdi-hook: the work in the container's mount namespace did not finish in "
+                        f"{CDI_HOOK_TIMEOUT:g}s")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, CDI_HOOK_TIMEOUT)
+    try:
+        return hook.main(args)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)

@@ -1,0 +1,195 @@
+"""A spec's `cdi-hook` handed to `devinject hook-server` under real runc and podman (a createContainer hook,
+run in the container's mount and pid namespaces): the worker joins the hook's own mount namespace and makes
+exactly what the in-process hook makes, confined to the rootfs the same way (the hostile images of
+test_hostile_image.py, through the served path); a peer in another user namespace is refused and its hook
+runs in-process; a hook with nothing to make is never offered. Each served request is one line of the
+server's log (`-v`), so a silent fall back to in-process fails these tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from devinject.core.ldcache import parse_ldcache
+from devinject.core.spec import load_file
+from devinject.specs.generate import hook_command
+from tests.e2e import test_hostile_image as hostile_images
+from tests.e2e.conftest import PODMAN, Bundle, container_name, in_cdi_dir, terminate
+from tests.e2e.test_hostile_image import LIBDIR, hostile, untouched
+
+pytestmark = pytest.mark.live
+DEVINJECT = str(Path(sys.executable).parent / "devinject")
+SERVED = "cdi-hook served for pid"
+canary = hostile_images.canary  # the hostile images' fixtures, shared
+hostile_image = hostile_images.hostile_image
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen[str], socket: Path, log: Path) -> None:
+        self.process, self.socket, self.log = process, socket, log
+
+    def served(self) -> int:
+        return self.log.read_text().count(SERVED)
+
+    def refused(self) -> int:
+        return self.log.read_text().count("hook request refused")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    path = Path(f"/tmp/di-cs-{os.getpid()}-{tmp_path.name[-12:]}") / "hook.sock"  # a short socket path
+    log = tmp_path / "hook-server.log"
+    with open(log, "w") as errors:
+        process = subprocess.Popen([DEVINJECT, "-v", "hook-server", "--socket", str(path)], stderr=errors, text=True)
+    try:
+        for _ in range(400):
+            if path.exists() or process.poll() is not None:
+                break
+            time.sleep(0.025)
+        assert path.exists(), log.read_text()
+        yield Server(process, path, log)
+    finally:
+        terminate(process, timeout=10)
+        shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def cdi_container(bundle: Bundle, spec_dir: Path, server: Path | None) -> int:
+    """The bundle as a CDI runtime writes it for nvidia.com/gpu=0: the spec's mounts and its createContainer
+    hooks (no OCI hook), pointed at `server` (else at a socket nobody listens on: in-process); how many."""
+    spec = load_file(spec_dir / "nvidia.com-gpu.yaml")
+    edits = spec.edits.merge(next(d for d in spec.devices if d.name == "0").edits)
+    assert "links-and-ldcache" in edits.hooks[0].args  # the spec's; the device's own: its /dev/dri links
+    socket = str(server) if server is not None else str(bundle.path / "nobody-listens.sock")
+    bundle.config["hooks"] = {"createContainer": [{"path": hook.path, "args": [*hook.args, "--server", socket],
+                                                   "timeout": 30} for hook in edits.hooks]}
+    bundle.config["mounts"] += [{"destination": m.container_path, "type": "bind", "source": m.host_path,
+                                 "options": ["ro", "nosuid", "nodev", "bind"]} for m in edits.mounts]
+    return len(edits.hooks)
+
+
+def made(rootfs: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The links the hook made in the image's library directory and the cache's entries."""
+    libdir = rootfs / LIBDIR
+    links = {p.name: os.readlink(p) for p in libdir.iterdir() if p.is_symlink()} if libdir.is_dir() else {}
+    cache = [(e.soname, e.path) for e in parse_ldcache((rootfs / "etc" / "ld.so.cache").read_bytes())]
+    return links, cache
+
+
+def test_a_served_cdi_hook_makes_what_the_in_process_one_makes(live_host: Path, spec_dir: Path, tmp_path: Path,
+                                                               server: Server) -> None:
+    results = {}
+    for how in ("in-process", "served"):
+        bundle = Bundle(tmp_path / how, spec_dir, tmp_path / f"state-{how}")
+        hooks = cdi_container(bundle, spec_dir, server.socket if how == "served" else None)
+        bundle.save(["sh", "-c", f"readlink /{LIBDIR}/libcuda.so.1; readlink /dev/dri/by-path/pci-0000:01:00.0-card"])
+        before = server.served()
+        done = bundle.run(container_name())
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["libcuda.so.550.54.14", "../card1"]  # made over the spec's mounts
+        assert server.served() - before == (hooks if how == "served" else 0), server.log.read_text()
+        results[how] = made(bundle.rootfs)
+    links, cache = results["served"]
+    assert links and ("libcuda.so.1", f"/{LIBDIR}/libcuda.so.1") in cache
+    assert results["served"] == results["in-process"]
+
+
+@pytest.mark.parametrize("variant", ["etc", "libdir"])
+def test_a_served_cdi_hook_never_writes_through_proc_1_root(bundle: Bundle, spec_dir: Path, canary: Path,
+                                                            server: Server, variant: str) -> None:
+    hostile(bundle.rootfs, variant, canary)
+    hooks = cdi_container(bundle, spec_dir, server.socket)
+    bundle.save(["true"])
+    done = bundle.run(container_name())
+    assert untouched(canary), done.stderr  # nothing written on the host
+    assert done.returncode == 0, done.stderr  # and the container still starts, its edits kept in-root
+    assert server.served() == hooks, server.log.read_text()
+
+
+def test_a_served_cdi_hook_meets_the_links_a_device_plugin_mounted(bundle: Bundle, spec_dir: Path,
+                                                                   live_host: Path, server: Server) -> None:
+    """`allocate: both`: the device plugin's Allocate answer mounts a SONAME link's target as a file where the
+    spec's hook would make the link; the served hook, as the in-process one, finds it there and goes on."""
+    hooks = cdi_container(bundle, spec_dir, server.socket)
+    real = next(live_host.glob(f"{LIBDIR}/libcuda.so.*.*"))
+    bundle.config["mounts"].append({"destination": f"/{LIBDIR}/libcuda.so.1", "type": "bind",
+                                    "source": str(real), "options": ["ro", "nosuid", "nodev", "bind"]})
+    bundle.save(["sh", "-c", f"test -f /{LIBDIR}/libcuda.so.1 && ! readlink /{LIBDIR}/libcuda.so.1 && "
+                             f"readlink /{LIBDIR}/libnvidia-ml.so.1"])
+    done = bundle.run(container_name())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "libnvidia-ml.so.550.54.14"  # the other links made as before
+    assert server.served() == hooks, server.log.read_text()
+
+
+@pytest.fixture
+def served_spec(spec_dir: Path, tmp_path: Path, server: Server) -> Iterator[Path]:
+    """The generated nvidia.com/gpu spec, its hooks pointed at the test's server, installed for podman."""
+    spec = yaml.safe_load((spec_dir / "nvidia.com-gpu.yaml").read_text())
+    hooks = [h for edits in (spec.get("containerEdits", {}), *(d["containerEdits"] for d in spec["devices"]))
+             for h in edits.get("hooks", [])]
+    assert hooks
+    for hook in hooks:
+        hook["args"] += ["--server", str(server.socket)]
+    copy = tmp_path / "served" / "nvidia.com-gpu.yaml"
+    copy.parent.mkdir()
+    copy.write_text(yaml.safe_dump(spec))
+    with in_cdi_dir(copy) as target:
+        yield target
+
+
+@pytest.mark.parametrize("hostile_image", ["etc", "libdir"], indirect=True)
+def test_podman_served_cdi_hook_never_writes_through_proc_1_root(hostile_image: str, served_spec: Path,
+                                                                 canary: Path, server: Server) -> None:
+    done = subprocess.run([*PODMAN, "--device", "nvidia.com/gpu=0", hostile_image, "true"],
+                          capture_output=True, text=True, timeout=180)
+    assert untouched(canary), done.stderr
+    assert done.returncode == 0, done.stderr
+    assert server.served() == 2, server.log.read_text()  # the spec's hook and the device's (its /dev/dri links)
+
+
+def _hook_state(tmp_path: Path) -> tuple[Path, Path]:
+    rootfs = tmp_path / "bundle" / "rootfs"
+    libdir = rootfs / LIBDIR
+    libdir.mkdir(parents=True)
+    (rootfs / "etc").mkdir()
+    libz = os.path.realpath(f"/{LIBDIR}/libz.so.1")
+    shutil.copy(libz, libdir / os.path.basename(libz))
+    (rootfs.parent / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"}}))
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": os.getpid(),
+                                 "bundle": str(rootfs.parent)}))
+    return state, rootfs
+
+
+def test_a_cdi_hook_in_another_user_namespace_is_refused_and_runs_in_process(tmp_path: Path,
+                                                                              server: Server) -> None:
+    state, rootfs = _hook_state(tmp_path)
+    real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
+    path, argv = hook_command(None)
+    with open(state, "rb") as stdin:  # root mapped to root, in a user namespace of its own
+        done = subprocess.run(["unshare", "--user", "--map-root-user", path, *argv[1:], "cdi-hook",
+                               "links-and-ldcache", "--link", f"{real}::/{LIBDIR}/libz.so.1", "--folder",
+                               f"/{LIBDIR}", "--server", str(server.socket)], stdin=stdin, capture_output=True,
+                              text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (server.served(), server.refused()) == (0, 1), server.log.read_text()
+    assert os.readlink(rootfs / LIBDIR / "libz.so.1") == real
+    assert ("libz.so.1", f"/{LIBDIR}/libz.so.1") in made(rootfs)[1]
+
+
+def test_a_cdi_hook_with_nothing_to_make_is_not_offered_to_the_server(server: Server) -> None:
+    path, argv = hook_command(None)
+    done = subprocess.run([path, *argv[1:], "cdi-hook", "links-and-ldcache", "--server", str(server.socket)],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (0, "")
+    time.sleep(0.2)
+    assert "hook request" not in server.log.read_text() and server.served() == 0
