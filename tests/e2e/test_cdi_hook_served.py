@@ -193,3 +193,26 @@ def test_a_cdi_hook_with_nothing_to_make_is_not_offered_to_the_server(server: Se
     assert (done.returncode, done.stderr) == (0, "")
     time.sleep(0.2)
     assert "hook request" not in server.log.read_text() and server.served() == 0
+
+
+def test_a_peer_inside_a_container_is_refused_and_runs_in_process(tmp_path: Path, server: Server) -> None:
+    """A process whose root is not the host's (inside a running container, after pivot_root) that reached the
+    socket is no runtime's createContainer hook: refused, before anything is done, and its hook runs here."""
+    state, rootfs = _hook_state(tmp_path)
+    real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
+    path, argv = hook_command(None)
+    jail = tmp_path / "jail"
+    binds = sorted({"/usr", "/lib", "/lib64", "/bin", "/proc", "/tmp", "/dev", str(Path(argv[2]).parents[3])})
+    script = f"mount -t tmpfs jail {jail} && " + " && ".join(
+        f"mkdir -p {jail}{d} && mount --rbind {d} {jail}{d}" for d in binds if os.path.exists(d))
+    command = " ".join([path, *argv[1:], "cdi-hook", "links-and-ldcache", "--link", f"{real}::/{LIBDIR}/libz.so.1",
+                        "--folder", f"/{LIBDIR}", "--server", str(server.socket)])
+    jail.mkdir()
+    with open(state, "rb") as stdin:
+        done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                               f"{script} && exec chroot {jail} {command}"], stdin=stdin, capture_output=True,
+                              text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert (server.served(), server.refused()) == (0, 1), server.log.read_text()
+    assert "its root is not the host's" in server.log.read_text()
+    assert os.readlink(rootfs / LIBDIR / "libz.so.1") == real  # in-process, in its own root's view

@@ -16,9 +16,11 @@ the server restarts.
 A `cdi-hook` (a spec's createContainer hook) runs in the container's mount namespace, before `pivot_root`,
 and often in its pid and network namespaces too (runc runs it from the container's init): its paths mean
 what they mean there. Its peer must share the server's user namespace only (the files it makes are owned as
-the in-process hook's would be); the worker joins the peer's own mount namespace, root and working directory,
-held while the peer is checked alive, and runs exactly the in-process `run_cdi_hook` there, confined to the
-rootfs by the same code. A peer in another user namespace is answered REFUSED.
+the in-process hook's would be) and its root must be the server's `/` (a hook runs before `pivot_root`; a
+process inside a running container that reached the socket has the container's root); the worker joins the
+peer's own mount namespace, root and working directory, held while the peer is checked alive, and runs
+exactly the in-process `run_cdi_hook` there, confined to the rootfs by the same code. Any other peer is
+answered REFUSED.
 """
 
 from __future__ import annotations
@@ -265,6 +267,7 @@ def refusal(conn: socket.socket, pid: int, own: Namespaces, *, shared: tuple[str
             if hold is not None:
                 for what, flags in (("ns/mnt", os.O_RDONLY), ("root", os.O_PATH), ("cwd", os.O_PATH)):
                     hold.append(os.open(f"/proc/{pid}/{what}", flags | os.O_CLOEXEC))
+                root_is_ours = _same_file(os.fstat(hold[1]), os.stat("/"))
         except OSError as err:
             return f"pid {pid}: its namespaces: {err.strerror}"
         if pidfd is not None and _ended(pidfd):
@@ -274,11 +277,17 @@ def refusal(conn: socket.socket, pid: int, own: Namespaces, *, shared: tuple[str
             os.close(pidfd)
     if _ended(conn.fileno(), select.POLLRDHUP):
         return f"pid {pid} hung up"
+    if hold is not None and not root_is_ours:  # a createContainer hook runs before pivot_root, on the host's /
+        return f"pid {pid}: its root is not the host's (a process inside a container, not a runtime's hook)"
     different = [kind for kind, mine, its in zip(NAMESPACES, own, theirs, strict=True)
                  if mine != its and kind in shared]
     if different:
         return f"pid {pid} is not in the hook server's namespaces ({', '.join(different)})"
     return None
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _peer_pidfd(conn: socket.socket, pid: int) -> int | None:
