@@ -33,6 +33,9 @@ from typing import TYPE_CHECKING, Any
 from devinject.agent.health import PutBack
 from devinject.core import atomicfile, filelock, jsonlite
 from devinject.core.errors import DevinjectError
+from devinject.nodestate import healthverdicts
+from devinject.nodestate.healthverdicts import DeviceVerdict
+from devinject.nodestate.statefile import StateFileError, UnreadableStateFile
 
 if TYPE_CHECKING:
     from devinject.discovery.node import Node
@@ -371,46 +374,23 @@ def _record_put_back(state_dir: str, key: str, aer: dict[str, tuple[int, int]],
 
 
 # --- the verdicts the agents act on, as the readers show them -------------------------------------------------
-@dataclass(frozen=True)
-class Published:
-    """One device as the agent published it (health.json): `published` is what the specs, the kubelet, the
-    ledger and the DRA driver act on; `status` and `reasons` the verdict of its latest check."""
-
-    published: str
-    status: str | None
-    reasons: tuple[str, ...]
+Published = DeviceVerdict  # one device as the agent published it (nodestate/healthverdicts.py owns health.json)
 
 
-def load_published(state_dir: str | None) -> dict[str, Published] | None:
+def load_published(state_dir: str | None) -> dict[str, DeviceVerdict] | None:
     """The agent's published verdicts per device key (health.json, the file the ledger and the DRA driver
     read); None when no agent wrote one. DevinjectError naming the file when it cannot be read or is not a
     devinject health file: the ledger refuses every booking on such a file, so no reader may call it healthy."""
-    from devinject.nodestate.ledger import HEALTH_FILE
-
     if not state_dir:
         return None
-    path = os.path.join(state_dir, HEALTH_FILE)
     try:
-        try:
-            raw = _load_readable(path)
-        except FileNotFoundError:
-            return None
-        except OSError as err:
-            raise DevinjectError(f"{path}: cannot read the agent's health verdicts: {err.strerror}") from None
-        _need(raw, dict, path)
-        _strings(raw.get("unhealthy_nodes"), f"{path}.unhealthy_nodes")
-        out: dict[str, Published] = {}
-        for key, entry in _need(raw.get("devices"), dict, f"{path}.devices").items():
-            at = f"{path}.devices[{key!r}]"
-            _need(entry, dict, at)
-            status = entry.get("status")
-            out[key] = Published(_status(entry.get("published"), f"{at}.published"),
-                                 None if status is None else _status(status, f"{at}.status"),
-                                 _strings(entry.get("reasons", []), f"{at}.reasons"))
-    except Untrusted as err:
+        verdicts = healthverdicts.read(state_dir)
+    except UnreadableStateFile as err:
+        raise DevinjectError(err.message) from None
+    except StateFileError as err:
         raise DevinjectError(f"{err} (not a devinject health file: the ledger books nothing while it is there; "
                              "the agent writes it again at its next change, or remove it)") from None
-    return out
+    return None if verdicts is None else verdicts.devices
 
 
 def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple[str, ...] = (), *,

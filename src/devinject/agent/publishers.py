@@ -8,21 +8,20 @@ new publisher is one class here and one line in `default_publishers`."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from devinject.agent.health import UNHEALTHY
 from devinject.agent.healthtracker import DeviceTrack
-from devinject.core import atomicfile, jsonlite
 from devinject.core.model import Spec
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import Profile
-from devinject.nodestate.ledger import HEALTH_FILE
+from devinject.nodestate import healthverdicts
+from devinject.nodestate.healthverdicts import DeviceVerdict, HealthVerdicts
 from devinject.specs.generate import GenerateOptions, build_specs, write_specs
 
 log = logging.getLogger("devinject.agent.watch")  # what the loop says, under the loop's name
@@ -79,12 +78,10 @@ class SpecFiles:
         self.generation = current(self.output_dir)
 
 
-def write_health_file(state_dir: str, unhealthy_nodes: list[str], devices: dict[str, Any]) -> None:
+def write_health_file(state_dir: str, unhealthy_nodes: list[str], devices: dict[str, DeviceVerdict]) -> None:
     """health.json: what the ledger refuses (`unhealthy_nodes`) and each device's published verdict with its
-    latest check, which `list` and `health` show."""
-    state = {"time": time.time(), "unhealthy_nodes": unhealthy_nodes, "devices": devices}
-    os.makedirs(state_dir, mode=0o755, exist_ok=True)
-    atomicfile.replace(os.path.join(state_dir, HEALTH_FILE), jsonlite.dumps(state, sort_keys=True).encode(), 0o644)
+    latest check, which `list` and `health` show (its record and reader: nodestate/healthverdicts.py)."""
+    healthverdicts.write(state_dir, HealthVerdicts(tuple(unhealthy_nodes), devices, time.time()))
 
 
 class HealthFile:
@@ -93,7 +90,7 @@ class HealthFile:
 
     def __init__(self, state_dir: str) -> None:
         self.state_dir = state_dir
-        self.written: tuple[list[str], dict[str, Any]] | None = None  # as last written
+        self.written: tuple[list[str], dict[str, DeviceVerdict]] | None = None  # as last written
 
     def __call__(self, result: Round, /) -> None:
         self.write(result.tracks)
@@ -106,8 +103,8 @@ class HealthFile:
     def write(self, tracks: dict[str, DeviceTrack], *, only_if_changed: bool = False) -> None:
         unhealthy_nodes = sorted({n for t in tracks.values() if t.published == UNHEALTHY and t.last
                                   for n in t.last.nodes})
-        devices = {k: {"published": t.published, "status": t.last.status if t.last else None,
-                       "reasons": list(t.last.reasons) if t.last else []} for k, t in tracks.items()}
+        devices = {k: DeviceVerdict(t.published, t.last.status if t.last else None,
+                                    tuple(t.last.reasons) if t.last else ()) for k, t in tracks.items()}
         if only_if_changed and (unhealthy_nodes, devices) == self.written:
             return
         self.written = (unhealthy_nodes, devices)

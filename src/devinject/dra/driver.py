@@ -33,11 +33,10 @@ from typing import Any, Protocol
 
 from devinject import __version__
 from devinject.agent import healthstate
-from devinject.agent.health import UNHEALTHY, faults_of
+from devinject.agent.health import faults_of
 from devinject.agent.metricsserver import MetricsServer, serve
 from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions, watched_node
-from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
 from devinject.core.identity import device_key, node_id_of, path_identity
 from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
@@ -60,7 +59,10 @@ from devinject.dra.slices import (
     resource_slices,
     shareable,
 )
-from devinject.nodestate.ledger import HEALTH_FILE, LEDGER_FILE, Ledger, clashes, describe, held_nodes, is_plugin
+from devinject.nodestate import healthverdicts
+from devinject.nodestate.healthverdicts import HEALTH_FILE
+from devinject.nodestate.ledger import LEDGER_FILE, Ledger, clashes, describe, held_nodes, is_plugin
+from devinject.nodestate.statefile import StateFileError
 from devinject.specs.generate import GenerateOptions, driver_version
 
 log = logging.getLogger(__name__)
@@ -107,29 +109,13 @@ class NodeHealth:
 
 
 def read_health(state_dir: str) -> NodeHealth:
-    """health.json as the loop wrote it; nothing out when no loop writes it or it cannot be read (the ledger
-    refuses those bookings itself)."""
-    try:
-        with open(os.path.join(state_dir, HEALTH_FILE), encoding="utf-8") as handle:
-            raw = jsonlite.loads(handle.read())
-    except (OSError, ValueError):
+    """health.json as the loop wrote it (nodestate/healthverdicts.py); nothing out when no loop writes it.
+    StateFileError naming the file and field when it cannot be believed (the driver then keeps the taints it
+    read last, and the ledger refuses every booking)."""
+    verdicts = healthverdicts.read(state_dir)
+    if verdicts is None:
         return NodeHealth()
-    if not isinstance(raw, dict):
-        return NodeHealth()
-    nodes = raw.get("unhealthy_nodes", [])
-    devices = raw.get("devices", {})
-    reasons = {}
-    for key, entry in (devices.items() if isinstance(devices, dict) else ()):
-        if isinstance(entry, dict) and entry.get("published") == UNHEALTHY:
-            said = entry.get("reasons")
-            reasons[str(key)] = tuple(r for r in said if isinstance(r, str)) if isinstance(said, list) else ()
-    return NodeHealth(frozenset(n for n in nodes if isinstance(n, str)) if isinstance(nodes, list) else frozenset(),
-                      reasons)
-
-
-def unhealthy_nodes(state_dir: str) -> set[str]:
-    """The device nodes the health loop took out (health.json)."""
-    return set(read_health(state_dir).nodes)
+    return NodeHealth(frozenset(verdicts.unhealthy_nodes), verdicts.taken_out())
 
 
 def offer_key(offer: Offer) -> str:
@@ -227,6 +213,8 @@ class DraDriver:
         self.wake = threading.Event()  # the loop published a verdict: publish the slices now
         self._health_thread: threading.Thread | None = None
         self._loop_stop: threading.Event | None = None  # set to stop the loop this process runs
+        self._health_read = NodeHealth()  # health.json as last read whole: what a broken one leaves in place
+        self._health_problem: str | None = None  # why health.json could not be read at the last look
         self._health_seen: str | None = None  # health.json as last looked at, when another agent's loop writes it
         self.rediscover = threading.Event()  # the loop found other devices: discover again before publishing
         self.publishing = threading.Lock()  # one publish at a time: the rescan's and the ledger follower's
@@ -274,7 +262,14 @@ class DraDriver:
         updated on the way. A device out of discovery stays, tainted, while the loop keeps it out (a channel:
         always, as `gone`); one the loop has not judged yet is left out until it does (discovery may see an
         unbound or removed function before the loop's next round)."""
-        health = read_health(self.opts.state_dir)
+        try:
+            health = self._health_read = read_health(self.opts.state_dir)
+            self._health_problem = None
+        except StateFileError as err:  # never read as "all healthy": what it said last stands
+            health = self._health_read
+            if err.message != self._health_problem:
+                log.warning("%s; the slices keep the taints read before", err.message)
+            self._health_problem = err.message
         with self.lock:
             host, offered = self._host, list(self._all)
             present = {(o.pool, o.name) for o in offered}

@@ -22,8 +22,9 @@ from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
 from devinject.core.filelock import exclusive
 from devinject.core.trusteddir import trusted_dir
-from devinject.nodestate import events
+from devinject.nodestate import events, healthverdicts
 from devinject.nodestate.claimcheckpoints import consumes_problem
+from devinject.nodestate.statefile import StateFileError, UnreadableStateFile, problem_in
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ else:
 LEDGER_FILE = "ledger.json"
 LOCK_FILE = "ledger.lock"
 CLAIMS_FILE = "ledger-claims.json"  # the claims' bookings alone (DRA), beside the ledger: a rebuild keeps them
-HEALTH_FILE = "health.json"
+HEALTH_FILE = healthverdicts.HEALTH_FILE  # owned by nodestate/healthverdicts.py
 LOCK_TIMEOUT = 10.0
 RECLAIM_TIMEOUT = 30.0
 
@@ -499,20 +500,15 @@ class Ledger:
     def _unhealthy_nodes(self) -> set[str]:
         """The nodes the node agent took out. No health.json: no agent runs, nothing is out. One that cannot
         be read refuses the booking: taking it as "all healthy" would hand out a failing device."""
-        path = os.path.join(self.state_dir, HEALTH_FILE)
+        path = healthverdicts.health_path(self.state_dir)
         try:
-            with open(path, encoding="utf-8") as handle:
-                nodes = jsonlite.loads(handle.read()).get("unhealthy_nodes", [])
-        except FileNotFoundError:
-            return set()
-        except OSError as err:
-            raise LedgerError(f"{path}: cannot read the node's health: {err.strerror}") from None
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            nodes = None
-        if not _strings(nodes):
-            raise LedgerError(f"{path}: not a devinject health file (unhealthy_nodes); no device allocated "
-                              "until the node agent rewrites it")
-        return set(nodes)
+            verdicts = healthverdicts.read(self.state_dir)
+        except UnreadableStateFile as err:
+            raise LedgerError(err.message) from None
+        except StateFileError as err:
+            raise LedgerError(f"{path}: not a devinject health file ({problem_in(err, path)}); no device allocated "
+                              "until the node agent rewrites it") from None
+        return set() if verdicts is None else set(verdicts.unhealthy_nodes)
 
     # --- the operations ------------------------------------------------------------------------------
     def book(self, container_id: str, pid: int, claims: tuple[Claim, ...],
