@@ -17,6 +17,7 @@ import pytest
 from devinject.core.errors import LedgerError
 from devinject.dra.claims import Checkpoint, CheckpointError, reserved_pods
 from devinject.dra.driver import DraDriver
+from devinject.nodestate.claimcheckpoints import DraCheckpoint
 from devinject.nodestate.ledger import Claim, Ledger
 from tests.e2e.conftest import stand_ins
 from tests.integration.test_dra_driver import GPU_POOL, FakeApi, make_driver
@@ -139,7 +140,7 @@ def test_a_checkpoint_without_pods_loads_and_learns_them_from_the_api(driver: Dr
     path = Path(dirs["state"], "dra-dra.devinject.io.checkpoint.json")
     old = json.loads(path.read_text())
     del old["claims"][UID]["pods"]
-    path.write_text(json.dumps(old))
+    path.write_text(json.dumps({"version": 1, "claims": old["claims"]}))  # as written before checksums
     assert "pods" not in Checkpoint(str(path)).load()[UID]
     with pod_container(v1_device_cgroup, POD):
         corrupt_ledger(dirs)
@@ -153,7 +154,7 @@ def test_a_checkpoint_whose_pods_are_not_uids_is_corrupt(driver: DraDriver, dirs
     path = Path(dirs["state"], "dra-dra.devinject.io.checkpoint.json")
     data = json.loads(path.read_text())
     data["claims"][UID]["pods"] = POD
-    path.write_text(json.dumps(data))
+    path.write_bytes(DraCheckpoint(data["claims"]).encode())  # checksummed: the claim's own check refuses it
     with pytest.raises(CheckpointError, match=f"claim {UID}: pods is not a list of pod UIDs"):
         Checkpoint(str(path)).load()
 
@@ -167,7 +168,7 @@ def test_a_claim_checkpointed_without_pods_learns_them_though_the_ledger_holds_i
     path = Path(dirs["state"], "dra-dra.devinject.io.checkpoint.json")
     old = json.loads(path.read_text())
     del old["claims"][UID]["pods"]
-    path.write_text(json.dumps(old))
+    path.write_text(json.dumps({"version": 1, "claims": old["claims"]}))  # as written before checksums
     ledger_path = Path(dirs["state"], "ledger.json")
     ledger = json.loads(ledger_path.read_text())
     del ledger["allocations"][BOOKING]["pods"]

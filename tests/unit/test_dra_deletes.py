@@ -13,6 +13,7 @@ import pytest
 
 from devinject.dra.claims import Preparer
 from devinject.dra.driver import DraDriver
+from devinject.nodestate.claimcheckpoints import DraCheckpoint
 from devinject.nodestate.ledger import Ledger
 from tests.integration.test_dra_driver import GPU_POOL, FakeApi, make_driver
 
@@ -56,7 +57,7 @@ def test_a_checkpoint_naming_another_file_gets_it_left_alone(driver: DraDriver, 
     victim = tmp_path / "precious"
     victim.write_text("root's")
     data["claims"][UID]["spec"] = str(victim)
-    checkpoint.write_text(json.dumps(data))
+    checkpoint.write_bytes(DraCheckpoint(data["claims"]).encode())  # whoever can write it can checksum it too
     driver.preparer.unprepare(UID)
     assert victim.read_text() == "root's"
     assert not Path(driver.preparer.spec_path(UID)).exists()  # its own spec: removed

@@ -73,3 +73,89 @@ def test_the_dra_driver_keeps_its_taints_when_health_json_breaks(tmp_path: Path)
     with pytest.raises(StateFileError, match=f"^{tmp_path}/health.json: not JSON"):
         read_health(str(tmp_path))
 
+
+# --- the DRA driver's checkpoint -----------------------------------------------------------------------------
+CLAIM_UID = "0b7f8e7c-1111-4c1b-9a55-000000000001"
+CLAIMS: dict[str, dict[str, object]] = {CLAIM_UID: {
+    "namespace": "default", "name": "held", "spec": "/var/run/cdi/dra.devinject.io-x.json",
+    "devices": [{"requests": ["gpu"], "pool": "node1", "device": "gpu-0", "cdi": ["k=x"]}], "pods": ["p1"],
+    "ledger": [["nvidia.com/gpu=0", ["c 195:0"], []]]}}
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    from devinject.dra.claims import Checkpoint
+
+    path = tmp_path / "dra-dra.devinject.io.checkpoint.json"
+    Checkpoint(str(path)).save(CLAIMS)
+    return path
+
+
+def test_a_checkpoint_reads_back_what_was_saved_with_its_version_and_checksum(tmp_path: Path) -> None:
+    from devinject.dra.claims import Checkpoint
+    from devinject.nodestate.claimcheckpoints import CHECKPOINT_VERSION, checksum_of
+
+    path = _checkpoint(tmp_path)
+    raw = json.loads(path.read_text())
+    assert raw["version"] == CHECKPOINT_VERSION == 2 and raw["checksum"] == checksum_of(CLAIMS)
+    assert raw["checksum"].startswith("sha256:") and len(raw["checksum"]) == 7 + 64
+    assert Checkpoint(str(path)).load() == CLAIMS
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_a_checkpoint_from_before_checksums_is_still_read(tmp_path: Path) -> None:
+    """An upgrade: the driver restarts on a version 1 checkpoint; its claims stay prepared."""
+    from devinject.dra.claims import Checkpoint
+
+    path = tmp_path / "dra-x.checkpoint.json"
+    path.write_text(json.dumps({"version": 1, "claims": CLAIMS}))
+    assert Checkpoint(str(path)).load() == CLAIMS
+
+
+def _without(text: str, key: str) -> str:
+    return json.dumps({k: v for k, v in json.loads(text).items() if k != key})
+
+
+def _flip_a_byte(text: str) -> str:
+    at = text.index("c 195:0") + 6
+    return text[:at] + "1" + text[at + 1:]  # c 195:1: the claim's GPU silently another one
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (_flip_a_byte, ".checksum: does not match its claims"),  # a disk's bit, or a hand's edit
+    (lambda text: text.replace('"pods": ["p1"]', '"pods": ["p1", "intruder"]'), ".checksum: does not match"),
+    (lambda text: text.replace('"version": 2', '"version": 3'), ".version: 3 is not a version this devinject "
+                                                                "reads (1, 2)"),
+    (lambda text: _without(text, "version"), ".version: None is not a version"),
+    (lambda text: _without(text, "checksum"), ".checksum: expected a string"),
+    (lambda text: text[: len(text) // 2], ": not JSON"),  # truncated
+    (lambda text: "", ": not JSON"),
+    (lambda text: "[]", ": expected an object"),
+])
+def test_a_corrupt_or_tampered_checkpoint_is_refused_naming_the_file_and_field(tmp_path: Path, change: object,
+                                                                               field: str) -> None:
+    """The checkpoint had a version but no checksum: a changed node or pod in it was believed, and the
+    claim's devices booked as it said."""
+    from devinject.dra.claims import Checkpoint, CheckpointError
+    from devinject.nodestate.claimcheckpoints import parse_checkpoint
+
+    path = _checkpoint(tmp_path)
+    assert callable(change)
+    path.write_text(change(path.read_text()))
+    with pytest.raises(StateFileError) as raised:
+        parse_checkpoint(path.read_bytes(), str(path))
+    assert raised.value.message.startswith(f"{path}{field}"), raised.value.message
+    with pytest.raises(CheckpointError, match=f"^{path}: corrupt checkpoint .*; no claim is prepared until"):
+        Checkpoint(str(path)).load()
+
+
+def test_the_ledger_rebuild_books_no_claim_from_a_tampered_checkpoint(tmp_path: Path) -> None:
+    """The rebuild (ledger and its claims' copy both lost) books what the checkpoints hold: a tampered one is
+    named in an event and left out, never believed."""
+    from devinject.nodestate.claimcheckpoints import checkpointed_bookings
+
+    path = _checkpoint(tmp_path)
+    assert checkpointed_bookings(str(tmp_path)) == (
+        {f"dra-claim:dra.devinject.io:{CLAIM_UID}": [("nvidia.com/gpu=0", ["c 195:0"], [])]},
+        {f"dra-claim:dra.devinject.io:{CLAIM_UID}": ["p1"]}, [])
+    path.write_text(_flip_a_byte(path.read_text()))
+    assert checkpointed_bookings(str(tmp_path)) == ({}, {}, [path.name])

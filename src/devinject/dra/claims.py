@@ -31,14 +31,9 @@ from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
 from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
-from devinject.nodestate.claimcheckpoints import (
-    CHECKPOINT_VERSION,
-    NODE_PID,
-    booking_id,
-    checkpoint_path,
-    consumes_problem,
-)
+from devinject.nodestate.claimcheckpoints import NODE_PID, DraCheckpoint, booking_id, checkpoint_path, parse_checkpoint
 from devinject.nodestate.ledger import PLUGIN_PREFIX, Claim, Ledger
+from devinject.nodestate.statefile import StateFileError, problem_in
 from devinject.specs.generate import GenerateOptions, build_specs, versioned
 
 log = logging.getLogger(__name__)
@@ -78,36 +73,10 @@ class Inventory:
     offers: dict[tuple[str, str], Offer]
 
 
-def _problem(data: object) -> str | None:
-    if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION or not isinstance(
-            data.get("claims"), dict):
-        return f"not a version {CHECKPOINT_VERSION} devinject DRA checkpoint"
-    for uid, entry in data["claims"].items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("spec"), str) or not isinstance(
-                entry.get("devices"), list):
-            return f"claim {uid}: expected spec and devices"
-        for device in entry["devices"]:
-            if not isinstance(device, dict) or not all(isinstance(device.get(k), str) for k in ("pool", "device")) \
-                    or not all(isinstance(device.get(k), list) and all(isinstance(v, str) for v in device[k])
-                               for k in ("requests", "cdi")):
-                return f"claim {uid}: a device without pool, device, requests and cdi"
-            if not isinstance(device.get("share", ""), str):
-                return f"claim {uid}: a device whose share is not a string"
-        if consumes_problem(entry.get("consumes", {})):
-            return f"claim {uid}: consumes is not node -> capacity -> [amount, total]"
-        pods = entry.get("pods", [])
-        if not (isinstance(pods, list) and all(isinstance(p, str) for p in pods)):
-            return f"claim {uid}: pods is not a list of pod UIDs"
-        for booked in entry.get("ledger", []):
-            if not (isinstance(booked, list) and len(booked) == 3 and isinstance(booked[0], str)
-                    and all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in booked[1:])):
-                return f"claim {uid}: a ledger entry that is not [name, nodes, shared]"
-    return None
-
-
 class Checkpoint:
     """The prepared claims, one JSON file in the state dir, replaced atomically (fsynced: it must outlive a
-    crash of the driver, which is when it is read)."""
+    crash of the driver, which is when it is read). Its format, version and checksum are
+    nodestate/claimcheckpoints.py's (`DraCheckpoint`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -121,20 +90,14 @@ class Checkpoint:
         except OSError as err:
             raise CheckpointError(f"{self.path}: cannot read the checkpoint: {err.strerror}") from None
         try:
-            data = jsonlite.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{self.path}: corrupt checkpoint ({err}); no claim is prepared until it is "
-                                  "repaired or removed") from None
-        problem = _problem(data)
-        if problem:
-            raise CheckpointError(f"{self.path}: corrupt checkpoint ({problem}); no claim is prepared until it "
-                                  "is repaired or removed")
-        return data["claims"]  # type: ignore[no-any-return]
+            return parse_checkpoint(raw, self.path).claims
+        except StateFileError as err:
+            raise CheckpointError(f"{self.path}: corrupt checkpoint ({problem_in(err, self.path)}); no claim is "
+                                  "prepared until it is repaired or removed") from None
 
     def save(self, claims: dict[str, dict[str, object]]) -> None:
-        data = {"version": CHECKPOINT_VERSION, "claims": claims}
         try:
-            replace_file(self.path, jsonlite.dumps(data, sort_keys=True).encode(), 0o600, sync=True)
+            replace_file(self.path, DraCheckpoint(claims).encode(), 0o600, sync=True)
         except OSError as err:
             raise CheckpointError(f"{self.path}: cannot write the checkpoint: {err.strerror}") from None
 

@@ -3,6 +3,12 @@ its devices whether or not any container runs yet, and live evidence cannot show
 `<state dir>/dra-<driver>.checkpoint.json` (dra/claims.py writes it, 0600, fsynced); each claim's `ledger`
 entries are its bookings ([name, nodes, shared]), `pods` the pods it is reserved for and `consumes` its
 consumable-capacity shares (node -> capacity -> [amount, total]).
+
+This module owns the file's format (`DraCheckpoint`): version 2 carries a checksum of its claims, as the
+kubelet's own checkpoints do, so a file cut short, changed by a disk or edited by hand is refused rather
+than believed (version 1, written before, had none and is still read; the next save writes version 2). A
+checkpoint that fails is a StateFileError naming the file and the field: the driver prepares no claim until
+it is repaired or removed (dra/claims.py), the ledger's rebuild names it in an event and books without it.
 """
 
 from __future__ import annotations
@@ -11,13 +17,18 @@ import os
 import stat
 
 from devinject.core import jsonlite
+from devinject.nodestate.statefile import StateFileError, need_object, need_str, need_version, parse_document
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from collections.abc import Mapping
+    from typing import NamedTuple
+else:
+    from devinject.core.records import NamedTuple
 
 PREFIX, SUFFIX = "dra-", ".checkpoint.json"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: a checksum of the claims; 1 had none
+READABLE_VERSIONS = (1, 2)
 NODE_PID = 1  # a claim is held for the node (pid 1 lives as long as it runs) until it is unprepared
 MAX_CHECKPOINT = 64 * 1024 * 1024
 
@@ -49,8 +60,70 @@ def _strings(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
-def _load(path: str) -> dict[str, Any] | None:
-    """A checkpoint's claims: a regular file of this user's nobody else can write; None when it is not one."""
+def checksum_of(claims: Mapping[str, object]) -> str:
+    """The claims' checksum as a checkpoint carries it: sha256 of their canonical JSON (sorted keys)."""
+    import hashlib  # here: the ledger imports this module only to rebuild
+
+    return "sha256:" + hashlib.sha256(jsonlite.dumps(claims, sort_keys=True).encode()).hexdigest()
+
+
+def claim_problem(uid: str, raw: object) -> str | None:
+    """Why one checkpointed claim is not what the driver wrote (`claim <uid>: ...`), or None."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("spec"), str) or not isinstance(raw.get("devices"), list):
+        return f"claim {uid}: expected spec and devices"
+    for device in raw["devices"]:
+        if not isinstance(device, dict) or not all(isinstance(device.get(k), str) for k in ("pool", "device")) \
+                or not all(_strings(device.get(k)) for k in ("requests", "cdi")):
+            return f"claim {uid}: a device without pool, device, requests and cdi"
+        if not isinstance(device.get("share", ""), str):
+            return f"claim {uid}: a device whose share is not a string"
+    if consumes_problem(raw.get("consumes", {})):
+        return f"claim {uid}: consumes is not node -> capacity -> [amount, total]"
+    if not _strings(raw.get("pods", [])):
+        return f"claim {uid}: pods is not a list of pod UIDs"
+    for booked in raw.get("ledger", []):
+        if not (isinstance(booked, list) and len(booked) == 3 and isinstance(booked[0], str)
+                and _strings(booked[1]) and _strings(booked[2])):
+            return f"claim {uid}: a ledger entry that is not [name, nodes, shared]"
+    return None
+
+
+class DraCheckpoint(NamedTuple):
+    """One driver's prepared claims by claim UID, each as the driver recorded it (`spec`, `devices`, `pods`,
+    `ledger`, and what its sharing adds: a field the driver adds is kept as it is, and covered by the
+    checksum)."""
+    claims: dict[str, dict[str, object]]
+    version: int = CHECKPOINT_VERSION
+
+    def to_json(self) -> dict[str, object]:
+        return {"version": CHECKPOINT_VERSION, "checksum": checksum_of(self.claims), "claims": self.claims}
+
+    @classmethod
+    def from_json(cls, raw: object, path: str) -> DraCheckpoint:
+        data = need_object(raw, path)
+        version = need_version(data, path, READABLE_VERSIONS, absent=None)
+        claims = need_object(data.get("claims"), f"{path}.claims")
+        if version >= 2 and need_str(data.get("checksum"), f"{path}.checksum") != checksum_of(claims):
+            raise StateFileError(f"{path}.checksum: does not match its claims (a corrupt or edited checkpoint)")
+        checked: dict[str, dict[str, object]] = {}
+        for uid, entry in claims.items():
+            problem = claim_problem(uid, entry)
+            if problem:
+                raise StateFileError(f"{path}: {problem}")
+            checked[uid] = need_object(entry, f"{path}.claims[{uid!r}]")
+        return cls(checked, version)
+
+    def encode(self) -> bytes:
+        return jsonlite.dumps(self.to_json(), sort_keys=True).encode()
+
+
+def parse_checkpoint(data: bytes, path: str) -> DraCheckpoint:
+    """A checkpoint file's bytes as its record; StateFileError naming the file and the field."""
+    return DraCheckpoint.from_json(parse_document(data, path), path)
+
+
+def _load(path: str) -> DraCheckpoint | None:
+    """A checkpoint: a regular file of this user's nobody else can write, that parses; None when it is not one."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -59,15 +132,11 @@ def _load(path: str) -> dict[str, Any] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             return None
-        data = jsonlite.loads(os.read(fd, MAX_CHECKPOINT).decode("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        return parse_checkpoint(os.read(fd, MAX_CHECKPOINT), path)
+    except (OSError, StateFileError):
         return None
     finally:
         os.close(fd)
-    if not isinstance(data, dict) or data.get("version") != CHECKPOINT_VERSION \
-            or not isinstance(data.get("claims"), dict):
-        return None
-    return data["claims"]  # type: ignore[no-any-return]
 
 
 def checkpointed_bookings(state_dir: str) -> tuple[dict[str, list[tuple[str, list[str], list[str]]]],
@@ -85,19 +154,16 @@ def checkpointed_bookings(state_dir: str) -> tuple[dict[str, list[tuple[str, lis
         if not (filename.startswith(PREFIX) and filename.endswith(SUFFIX)):
             continue
         driver = filename[len(PREFIX):-len(SUFFIX)]
-        claims = _load(os.path.join(state_dir, filename))
-        if claims is None:
+        checkpoint = _load(os.path.join(state_dir, filename))
+        if checkpoint is None:
             unreadable.append(filename)
             continue
-        for uid, entry in claims.items():
-            if not isinstance(entry, dict):
-                continue
-            booked = [(b[0], b[1], b[2]) for b in entry.get("ledger", [])
-                      if isinstance(b, list) and len(b) == 3 and isinstance(b[0], str) and _strings(b[1])
-                      and _strings(b[2])]
+        for uid, entry in checkpoint.claims.items():  # each checked whole by the record
+            ledger, claimed_for = entry.get("ledger", []), entry.get("pods", [])
+            booked = [(b[0], b[1], b[2]) for b in ledger] if isinstance(ledger, list) else []
             if booked:
-                bookings[booking_id(driver, str(uid))] = booked
-                pods[booking_id(driver, str(uid))] = [p for p in entry.get("pods", []) if isinstance(p, str)]
+                bookings[booking_id(driver, uid)] = booked
+                pods[booking_id(driver, uid)] = list(claimed_for) if isinstance(claimed_for, list) else []
     return bookings, pods, unreadable
 
 
@@ -113,9 +179,9 @@ def checkpointed_consumes(state_dir: str) -> dict[str, dict[str, dict[str, list[
     for filename in names:
         if not (filename.startswith(PREFIX) and filename.endswith(SUFFIX)):
             continue
-        claims = _load(os.path.join(state_dir, filename)) or {}
-        for uid, entry in claims.items():
-            consumes = entry.get("consumes") if isinstance(entry, dict) else None
-            if consumes and not consumes_problem(consumes):
-                out[booking_id(filename[len(PREFIX):-len(SUFFIX)], str(uid))] = consumes
+        checkpoint = _load(os.path.join(state_dir, filename))
+        for uid, entry in (checkpoint.claims if checkpoint is not None else {}).items():
+            consumes = entry.get("consumes")  # checked by the record: node -> capacity -> [amount, total]
+            if isinstance(consumes, dict) and consumes:
+                out[booking_id(filename[len(PREFIX):-len(SUFFIX)], uid)] = consumes
     return out
