@@ -159,3 +159,53 @@ def test_the_ledger_rebuild_books_no_claim_from_a_tampered_checkpoint(tmp_path: 
         {f"dra-claim:dra.devinject.io:{CLAIM_UID}": ["p1"]}, [])
     path.write_text(_flip_a_byte(path.read_text()))
     assert checkpointed_bookings(str(tmp_path)) == ({}, {}, [path.name])
+
+
+# --- the ledger ----------------------------------------------------------------------------------------------
+def test_the_ledger_is_written_with_its_version_and_its_entries_read_back_as_records(tmp_path: Path) -> None:
+    from devinject.nodestate.ledger import LEDGER_VERSION, Claim, Ledger, LedgerEntry
+
+    Ledger(str(tmp_path)).book("c1", os.getpid(), (Claim("vendor.com/gpu=0", ("c 195:0",)),),
+                               {"vendor.com/gpu": "exclusive"})
+    raw = json.loads((tmp_path / "ledger.json").read_text())
+    assert raw["version"] == LEDGER_VERSION == 1
+    (cid, entry), = Ledger(str(tmp_path)).entries().items()
+    assert cid == "c1" and entry.exclusive == ("c 195:0",) and entry.pid == os.getpid()
+    assert entry.state == "active" and entry.holds({"c 195:0"}) and not entry.holds({"c 195:1"})
+    assert LedgerEntry.from_json(entry.to_json()) == entry
+    assert entry.to_json() == raw["allocations"]["c1"]
+
+
+def test_reading_the_ledgers_entries_where_none_was_written_creates_nothing(tmp_path: Path) -> None:
+    from devinject.nodestate.ledger import Ledger
+
+    assert Ledger(str(tmp_path)).entries() == {}
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("version", [2, "1", True])
+def test_a_ledger_of_a_version_it_does_not_read_is_rebuilt_as_a_corrupt_one_is(tmp_path: Path,
+                                                                               version: object) -> None:
+    """A newer release's ledger after a downgrade: its bookings are not guessed at; it is kept aside and the
+    ledger rebuilt from live evidence, as for any ledger that does not validate."""
+    from devinject.nodestate.ledger import Claim, Ledger
+
+    content = json.dumps({"version": version, "allocations": {}})
+    (tmp_path / "ledger.json").write_text(content)
+    Ledger(str(tmp_path)).book("c2", os.getpid(), (Claim("vendor.com/gpu=0", ("c 195:0",)),),
+                               {"vendor.com/gpu": "exclusive"})
+    (aside,) = tmp_path.glob("ledger.json.broken-*")
+    assert aside.read_text() == content
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    (rebuilt,) = [e for e in events if e["event"] == "ledger-rebuilt"]
+    assert rebuilt["reason"] == f"version {version!r} is not one this devinject reads (1)"
+
+
+def test_a_ledger_from_before_versions_is_read_as_version_1(tmp_path: Path) -> None:
+    from devinject.nodestate.ledger import Ledger
+
+    entry = {"devices": ["vendor.com/gpu=0"], "exclusive": ["c 195:0"], "shared": [], "pid": 1, "start_time": 1,
+             "state": "reclaiming", "pods": ["p"], "plugin": "vendor.com/gpu"}
+    (tmp_path / "ledger.json").write_text(json.dumps({"allocations": {"device-plugin:vendor.com/gpu:x": entry}}))
+    assert Ledger(str(tmp_path)).read() is not None
+    assert not list(tmp_path.glob("ledger.json.broken-*"))

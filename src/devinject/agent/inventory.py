@@ -4,7 +4,6 @@ A device that is a char node and no PCI function (an IMEX channel: Node.channels
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +15,7 @@ from devinject.core.identity import NodeId, device_key, node_id_of
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.node import Node
 from devinject.discovery.topology import known_numa
-from devinject.nodestate.ledger import Ledger, holders_of
+from devinject.nodestate.ledger import Ledger, LedgerEntry, holders_of
 from devinject.nodestate.profilefacts import time_slicing
 
 
@@ -113,11 +112,8 @@ class DeviceRecord:
         }
 
 
-def _allocations(state_dir: str | None) -> dict[str, dict[str, Any]]:
-    if not state_dir or not os.path.exists(os.path.join(state_dir, "ledger.json")):
-        return {}
-    allocations: dict[str, dict[str, Any]] = Ledger(state_dir).snapshot()["allocations"]
-    return allocations
+def _allocations(state_dir: str | None) -> dict[str, LedgerEntry]:
+    return Ledger(state_dir).entries() if state_dir else {}
 
 
 def verdicts(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[Verdict]:
@@ -200,12 +196,11 @@ def inventory(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceRecor
                    for c in node.channels()]
 
 
-def _booked(nodes: set[NodeId], allocations: dict[str, dict[str, Any]]) -> tuple[Holder, ...]:
+def _booked(nodes: set[NodeId], allocations: dict[str, LedgerEntry]) -> tuple[Holder, ...]:
     """The containers the ledger booked one of `nodes` for, by container id."""
-    held_by = sorted(cid for cid, entry in allocations.items()
-                     if nodes & set(entry.get("exclusive", []) + entry.get("shared", [])))
-    return tuple(Holder(allocations[cid].get("pid"), cid, state=allocations[cid].get("state", "active"))
-                 for cid in held_by)
+    wanted: set[str] = set(nodes)
+    return tuple(Holder(allocations[cid].pid, cid, state=allocations[cid].state)
+                 for cid in sorted(cid for cid, entry in allocations.items() if entry.holds(wanted)))
 
 
 def _allocation(holders: tuple[Holder, ...]) -> str:
@@ -260,8 +255,7 @@ def holders(node: Node, device: str | None = None) -> list[HeldNode]:
     allocations = _allocations(node.state_dir)
     rows = []
     for held, pids in sorted(holders_of(set(owner)).items()):
-        container = next((cid for cid, entry in allocations.items() if held in entry.get("exclusive", [])
-                          + entry.get("shared", [])), None)
+        container = next((cid for cid, entry in allocations.items() if entry.holds({held})), None)
         name, kind, address = owner[held]
         rows += [HeldNode(name, kind, address, Holder(pid, container, _command(pid), held)) for pid in sorted(pids)]
     return rows

@@ -37,6 +37,7 @@ else:
 
 
 LEDGER_FILE = "ledger.json"
+LEDGER_VERSION = 1  # ledger.json's format; a file without `version` (written before it had one) is version 1
 LOCK_FILE = "ledger.lock"
 CLAIMS_FILE = "ledger-claims.json"  # the claims' bookings alone (DRA), beside the ledger: a rebuild keeps them
 HEALTH_FILE = healthverdicts.HEALTH_FILE  # owned by nodestate/healthverdicts.py
@@ -80,6 +81,70 @@ class Claim(NamedTuple):
     shared: tuple[NodeId, ...] = ()
 
 
+class LedgerEntry(NamedTuple):
+    """One booking as ledger.json holds it, for readers outside the ledger (`list`, `who`): the device names,
+    the nodes it holds exclusively and shared, the process it is for (pid and start time; pid 1 for a claim's
+    or the device plugin's), `active` or `reclaiming`; a container's `pod`, a claim's or the plugin's
+    `pods`, the plugin's resource (`plugin`); `recovered` when a rebuild booked it from live evidence."""
+    devices: tuple[str, ...]
+    exclusive: tuple[str, ...]
+    shared: tuple[str, ...]
+    pid: int
+    start_time: int
+    state: str = "active"
+    time: float = 0.0
+    own_pid_ns: bool = False
+    pod: str | None = None
+    pods: tuple[str, ...] | None = None
+    plugin: str | None = None
+    recovered: bool = False
+    released_at: float | None = None
+
+    @classmethod
+    def from_json(cls, raw: dict[str, object]) -> LedgerEntry:
+        """An entry of a ledger `ledger_problem` passed (so every field has its type)."""
+        get = raw.get
+        pods = get("pods")
+        return cls(_tuple(get("devices")), _tuple(get("exclusive")), _tuple(get("shared")), _int(get("pid")),
+                   _int(get("start_time")), str(get("state", "active")), _float(get("time")),
+                   get("own_pid_ns") is True, _str(get("pod")), None if pods is None else _tuple(pods),
+                   _str(get("plugin")), get("recovered") is True,
+                   None if get("released_at") is None else _float(get("released_at")))
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"devices": list(self.devices), "exclusive": list(self.exclusive),
+                                  "shared": list(self.shared), "pid": self.pid, "start_time": self.start_time,
+                                  "state": self.state, "time": self.time, "own_pid_ns": self.own_pid_ns}
+        for key, value in (("pod", self.pod), ("plugin", self.plugin), ("released_at", self.released_at)):
+            if value is not None:
+                out[key] = value
+        if self.pods is not None:
+            out["pods"] = list(self.pods)
+        if self.recovered:
+            out["recovered"] = True
+        return out
+
+    def holds(self, nodes: set[str]) -> bool:
+        """Whether it holds one of `nodes`, exclusively or shared."""
+        return not nodes.isdisjoint(self.exclusive) or not nodes.isdisjoint(self.shared)
+
+
+def _tuple(value: object) -> tuple[str, ...]:
+    return tuple(str(v) for v in value) if isinstance(value, list) else ()
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) else 0
+
+
+def _float(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _strings(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(item, str) for item in value)
 
@@ -89,6 +154,9 @@ def ledger_problem(data: object) -> str | None:
     disable the clash check), or None."""
     if not isinstance(data, dict) or not isinstance(data.get("allocations"), dict):
         return "not a devinject ledger"
+    version = data.get("version", LEDGER_VERSION)
+    if version != LEDGER_VERSION or isinstance(version, bool):
+        return f"version {version!r} is not one this devinject reads ({LEDGER_VERSION})"
     if not isinstance(data.get("pid_namespace", ""), str):
         return "pid_namespace is not a string"
     for cid, entry in data["allocations"].items():
@@ -442,6 +510,7 @@ class Ledger:
             raise LedgerError(f"{path}: cannot write the claims' bookings: {err.strerror}") from None
 
     def _write(self, data: dict[str, Any]) -> None:
+        data["version"] = LEDGER_VERSION
         namespace = self.pid_namespace()
         if namespace is not None:
             data["pid_namespace"] = namespace
@@ -750,6 +819,13 @@ class Ledger:
         except ForeignLedgerError:
             return False
         return True
+
+    def entries(self) -> dict[str, LedgerEntry]:
+        """Every booking by its id, after the housekeeping `snapshot` does, as records: what `list` and
+        `who` show. None booked (and nothing created) where no ledger was ever written."""
+        if not os.path.exists(self.path):
+            return {}
+        return {cid: LedgerEntry.from_json(entry) for cid, entry in self.snapshot()["allocations"].items()}
 
     def snapshot(self) -> dict[str, Any]:
         with self.locked() as data:
