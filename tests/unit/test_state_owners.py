@@ -209,3 +209,57 @@ def test_a_ledger_from_before_versions_is_read_as_version_1(tmp_path: Path) -> N
     (tmp_path / "ledger.json").write_text(json.dumps({"allocations": {"device-plugin:vendor.com/gpu:x": entry}}))
     assert Ledger(str(tmp_path)).read() is not None
     assert not list(tmp_path.glob("ledger.json.broken-*"))
+
+
+# --- sharing.json and the profile-facts cache ----------------------------------------------------------------
+def _state(tmp_path: Path) -> str:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    return str(state)
+
+
+def test_time_slicing_reads_back_what_the_device_plugin_wrote(tmp_path: Path) -> None:
+    from devinject.nodestate.profilefacts import TimeSlicing, read_time_slicing, write_time_slicing
+
+    state = _state(tmp_path)
+    assert read_time_slicing(state) is None
+    write_time_slicing(state, {"nvidia.com/gpu": 4}, {"nvidia.com/gpu": "nvidia.com/gpu.shared"})
+    assert read_time_slicing(state) == TimeSlicing({"nvidia.com/gpu": 4}, {"nvidia.com/gpu": "nvidia.com/gpu.shared"})
+    assert json.loads(Path(state, "sharing.json").read_text())["version"] == 1
+
+
+@pytest.mark.parametrize(("content", "field"), [
+    ('{"version": 2, "time-slicing": {}}', ".version: 2 is not a version this devinject reads (1)"),
+    ('{"time-slicing": {"nvidia.com/gpu": 4', ": not JSON"),  # truncated
+    ('{"time-slicing": {"nvidia.com/gpu": true}}', ".time-slicing['nvidia.com/gpu']: expected an integer"),
+    ('{"time-slicing": {"nvidia.com/gpu": 0}}', ".time-slicing['nvidia.com/gpu']: expected 1 to 1024 replicas"),
+    ('{"time-slicing": {}, "resources": {"k": 1}}', ".resources['k']: expected a string"),
+    ('{"resources": {}}', ".time-slicing: expected an object"),
+])
+def test_a_sharing_file_that_fails_is_named_and_counts_as_no_time_slicing(tmp_path: Path, content: str,
+                                                                          field: str) -> None:
+    from devinject.nodestate.profilefacts import read_time_slicing, served_resources, time_slicing
+
+    state = _state(tmp_path)
+    Path(state, "sharing.json").write_text(content)
+    with pytest.raises(StateFileError) as raised:
+        read_time_slicing(state)
+    assert raised.value.message.startswith(f"{state}/sharing.json{field}"), raised.value.message
+    assert time_slicing(state) == {} and served_resources(state) == {}  # every kind booked as its profile says
+
+
+@pytest.mark.parametrize("content", ['{"fingerprint": "x", "policy": {}, "request_env": {}}',  # before versions
+                                     '{"version": 9}', '{"version": 1, "fingerprint": "', "[]",
+                                     '{"version": 1, "fingerprint": "x", "policy": {"k": 1}, "request_env": {}}'])
+def test_a_profile_facts_cache_that_fails_is_a_miss_read_again_and_rewritten(tmp_path: Path, content: str) -> None:
+    from devinject.nodestate.profilefacts import FACTS_VERSION, ProfileFacts, sharing_policy
+
+    state = _state(tmp_path)
+    facts = sharing_policy(state)
+    cache = Path(state, "profile-facts.json")
+    written = ProfileFacts.from_json(json.loads(cache.read_text()), str(cache))
+    assert written.version == FACTS_VERSION and written.policy == facts
+    assert ProfileFacts.from_json(written.to_json(), str(cache)) == written
+    cache.write_text(content)
+    assert sharing_policy(state) == facts
+    assert ProfileFacts.from_json(json.loads(cache.read_text()), str(cache)) == written

@@ -2,7 +2,13 @@
 profiles through the node (discovery/node.py) and cached as JSON in the state dir, so a container start never
 parses YAML: each kind's sharing mode ("exclusive" or "shared", which the ledger books by), and the env
 variables other vendors' hooks read, mapped onto kinds (`NVIDIA_VISIBLE_DEVICES` -> `nvidia.com/gpu`). The
-cache is keyed on the identity of every profile file, so an edit (even a `touch -r` one) is read again."""
+cache is keyed on the identity of every profile file, so an edit (even a `touch -r` one) is read again.
+
+Two state files, each with its record and one reader: `profile-facts.json` (`ProfileFacts`), a cache, so a
+file that fails (corrupt, truncated, another version) is a miss, read again from the profiles and rewritten;
+`sharing.json` (`TimeSlicing`), the device plugin's time-slicing, where a file that fails counts as no
+time-slicing at all: every kind is booked as its profile says (exclusive GPUs stay exclusive), until the
+plugin writes it again when it starts."""
 
 from __future__ import annotations
 
@@ -12,8 +18,40 @@ from devinject.core import jsonlite
 from devinject.core.identity import file_identity
 from devinject.core.paths import SHIPPED_PROFILE_DIR, profile_search_path
 from devinject.core.trusteddir import trusted_dir
+from devinject.nodestate.statefile import StateFileError, need_int, need_object, need_str, need_version, read_document
+
+TYPE_CHECKING = False  # the hook reads these facts on every container start: `typing` stays off it
+if TYPE_CHECKING:
+    from typing import NamedTuple
+else:
+    from devinject.core.records import NamedTuple
 
 CACHE_NAME = "profile-facts.json"
+FACTS_VERSION = 1
+
+
+def _str_map(raw: object, at: str) -> dict[str, str]:
+    return {str(k): need_str(v, f"{at}[{k!r}]") for k, v in need_object(raw, at).items()}
+
+
+class ProfileFacts(NamedTuple):
+    """profile-facts.json: the facts of the profile files whose identities make `fingerprint`."""
+    fingerprint: str
+    policy: dict[str, str]  # kind -> "exclusive" or "shared"
+    request_env: dict[str, str]  # env variable -> kind
+    version: int = FACTS_VERSION
+
+    def to_json(self) -> dict[str, object]:
+        return {"version": self.version, "fingerprint": self.fingerprint, "policy": self.policy,
+                "request_env": self.request_env}
+
+    @classmethod
+    def from_json(cls, raw: object, path: str) -> ProfileFacts:
+        data = need_object(raw, path)
+        version = need_version(data, path, (FACTS_VERSION,), absent=None)
+        return cls(need_str(data.get("fingerprint"), f"{path}.fingerprint"),
+                   _str_map(data.get("policy"), f"{path}.policy"),
+                   _str_map(data.get("request_env"), f"{path}.request_env"), version)
 
 
 def _profile_files(root: str, profile_dirs: tuple[str, ...]) -> list[str]:
@@ -43,12 +81,12 @@ def _facts(state_dir: str, root: str, profile_dirs: tuple[str, ...]) -> dict[str
     cache = os.path.join(state_dir, CACHE_NAME)
     trusted_dir(state_dir)  # the hook books by these facts: read only from a directory that is root's alone
     try:
-        with open(cache, encoding="utf-8") as handle:
-            data = jsonlite.loads(handle.read())
-        if data.get("fingerprint") == fingerprint:
-            return {"policy": dict(data["policy"]), "request_env": dict(data["request_env"])}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+        raw = read_document(cache)
+        cached = None if raw is None else ProfileFacts.from_json(raw, cache)
+    except StateFileError:  # a cache: read again from the profiles, and rewritten
+        cached = None
+    if cached is not None and cached.fingerprint == fingerprint:
+        return {"policy": cached.policy, "request_env": cached.request_env}
     from devinject.discovery.node import Node
 
     policy: dict[str, str] = {}
@@ -58,55 +96,79 @@ def _facts(state_dir: str, root: str, profile_dirs: tuple[str, ...]) -> dict[str
     for profile in reversed(node.profiles):  # highest priority last, so it wins
         policy[profile.kind] = profile.sharing
         request_env.update(dict.fromkeys(profile.request_env, profile.kind))
-    facts = {"policy": policy, "request_env": request_env}
     try:
-        jsonlite.replace_file(cache, {"fingerprint": fingerprint, **facts})
+        jsonlite.replace_file(cache, ProfileFacts(fingerprint, policy, request_env).to_json())
     except OSError:
         pass
-    return facts
+    return {"policy": policy, "request_env": request_env}
 
 
-SHARING_FILE = "sharing.json"  # the device plugin's time-slicing: {"time-slicing": {kind: replicas}}
+SHARING_FILE = "sharing.json"  # the device plugin's time-slicing
+SHARING_VERSION = 1  # a file without `version` (written before it had one) is version 1
 MAX_REPLICAS = 1024
+
+
+class TimeSlicing(NamedTuple):
+    """sharing.json: kind -> how many containers may share each of its devices (the device plugin's config's
+    sharing.timeSlicing), and kind -> the resource it is served as (`doctor` looks for its socket by it)."""
+    replicas: dict[str, int]
+    resources: dict[str, str]
+    version: int = SHARING_VERSION
+
+    def to_json(self) -> dict[str, object]:
+        return {"version": self.version, "time-slicing": self.replicas, "resources": self.resources}
+
+    @classmethod
+    def from_json(cls, raw: object, path: str) -> TimeSlicing:
+        data = need_object(raw, path)
+        version = need_version(data, path, (SHARING_VERSION,))
+        replicas: dict[str, int] = {}
+        for kind, count in need_object(data.get("time-slicing"), f"{path}.time-slicing").items():
+            at = f"{path}.time-slicing[{kind!r}]"
+            number = need_int(count, at)
+            if not 1 <= number <= MAX_REPLICAS:
+                raise StateFileError(f"{at}: expected 1 to {MAX_REPLICAS} replicas")
+            replicas[str(kind)] = number
+        return cls(replicas, _str_map(data.get("resources", {}), f"{path}.resources"), version)
+
+
+def read_time_slicing(state_dir: str) -> TimeSlicing | None:
+    """sharing.json; None when the device plugin wrote none. StateFileError naming the file and field."""
+    path = os.path.join(state_dir, SHARING_FILE)
+    raw = read_document(path)
+    return None if raw is None else TimeSlicing.from_json(raw, path)
+
+
+def _time_slicing(state_dir: str) -> TimeSlicing:
+    """sharing.json as every reader takes it: one that fails is no time-slicing (see the module's doc)."""
+    try:
+        return read_time_slicing(state_dir) or TimeSlicing({}, {})
+    except StateFileError:
+        return TimeSlicing({}, {})
 
 
 def time_slicing(state_dir: str) -> dict[str, int]:
     """kind -> how many containers may share each of its devices, as the device plugin time-slices them (its
     config's sharing.timeSlicing, written to the state dir when it starts); {} when none, or unreadable."""
-    try:
-        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as handle:
-            data = jsonlite.loads(handle.read())
-        kinds = data["time-slicing"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    if not isinstance(kinds, dict):
-        return {}
-    return {k: v for k, v in kinds.items() if isinstance(k, str) and type(v) is int and 1 <= v <= MAX_REPLICAS}
+    return _time_slicing(state_dir).replicas
 
 
 def write_time_slicing(state_dir: str, kinds: dict[str, int], resources: dict[str, str] | None = None) -> None:
     """The device plugin's word on which kinds it time-slices, and the resource each is served as (`doctor`
     looks for its socket by it). OSError is the caller's."""
-    data = {"time-slicing": kinds, "resources": resources or {}}
+    wanted = TimeSlicing(dict(kinds), dict(resources or {}))
     try:
-        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as handle:
-            if jsonlite.loads(handle.read()) == data:
-                return
-    except (OSError, ValueError):
-        pass
+        if read_time_slicing(state_dir) == wanted:
+            return
+    except StateFileError:
+        pass  # replaced below
     trusted_dir(state_dir)
-    jsonlite.replace_file(os.path.join(state_dir, SHARING_FILE), data, sort_keys=True)
+    jsonlite.replace_file(os.path.join(state_dir, SHARING_FILE), wanted.to_json(), sort_keys=True)
 
 
 def served_resources(state_dir: str) -> dict[str, str]:
     """kind -> the resource the device plugin serves it as when it renamed it (time-slicing)."""
-    try:
-        with open(os.path.join(state_dir, SHARING_FILE), encoding="utf-8") as handle:
-            names = jsonlite.loads(handle.read()).get("resources", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
-    return {k: v for k, v in names.items() if isinstance(k, str) and isinstance(v, str)} \
-        if isinstance(names, dict) else {}
+    return _time_slicing(state_dir).resources
 
 
 def sharing_policy(state_dir: str, root: str = "/", profile_dirs: tuple[str, ...] = (), *,
