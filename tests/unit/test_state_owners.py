@@ -263,3 +263,37 @@ def test_a_profile_facts_cache_that_fails_is_a_miss_read_again_and_rewritten(tmp
     cache.write_text(content)
     assert sharing_policy(state) == facts
     assert ProfileFacts.from_json(json.loads(cache.read_text()), str(cache)) == written
+
+
+# --- the devices' event rings --------------------------------------------------------------------------------
+def test_the_event_ring_reads_back_what_was_recorded_and_a_ring_from_before_versions(tmp_path: Path) -> None:
+    from devinject.nodestate import events
+
+    state = _state(tmp_path)
+    events.record(state, "taken-out", device=KEY, reason="Xid 79")
+    ring = events.read_ring(state)
+    assert ring.version == events.RING_VERSION and [e["event"] for e in ring.rings[KEY]] == ["taken-out"]
+    assert events.DeviceEvents.from_json(ring.to_json(), "x") == ring
+    Path(state, "device-events.json").write_text(json.dumps({KEY: ring.rings[KEY]}))  # as written before versions
+    assert events.device_history(state, KEY) == ring.rings
+
+
+@pytest.mark.parametrize(("content", "field"), [
+    ('{"version": 2, "devices": {}}', ".version: 2 is not a version this devinject reads (1)"),
+    ('{"version": 1, "devices": {"k": [{"event": "x"', ": not JSON"),  # truncated
+    ('{"version": 1, "devices": {"k": "x"}}', ".devices['k']: expected a list of events"),
+    ('{"version": 1, "devices": {"k": [3]}}', ".devices['k'][0]: expected an object"),
+    ('{"version": 1}', ".devices: expected an object"),
+])
+def test_a_ring_that_fails_is_named_to_its_reader_and_replaced_by_the_next_event(tmp_path: Path, content: str,
+                                                                                  field: str) -> None:
+    """It read as "no events" before: `events` showed nothing for a device with a history."""
+    from devinject.nodestate import events
+
+    state = _state(tmp_path)
+    Path(state, "device-events.json").write_text(content)
+    with pytest.raises(StateFileError) as raised:
+        events.device_history(state)
+    assert raised.value.message.startswith(f"{state}/device-events.json{field}"), raised.value.message
+    events.record(state, "put-back", device=KEY)
+    assert [e["event"] for e in events.device_history(state)[KEY]] == ["put-back"]
