@@ -70,8 +70,10 @@ def test_a_linked_record_is_not_followed(tmp_path: Path) -> None:
 
 def test_a_dra_claim_booked_for_the_pod_counts_when_named(tmp_path: Path) -> None:
     (tmp_path / "ledger.json").write_text(json.dumps({"allocations": {
-        "dra-claim:x": {"devices": ["nvidia.com/gpu=1"], "pods": [POD], "exclusive": [], "pid": 1},
-        "dra-claim:y": {"devices": ["nvidia.com/gpu=2"], "pods": [OTHER], "exclusive": [], "pid": 1}}}))
+        "dra-claim:x": {"devices": ["nvidia.com/gpu=1"], "pods": [POD], "exclusive": [], "pid": 1,
+                        "start_time": 1, "state": "active"},  # as the ledger books a claim
+        "dra-claim:y": {"devices": ["nvidia.com/gpu=2"], "pods": [OTHER], "exclusive": [], "pid": 1,
+                        "start_time": 1, "state": "active"}}}))
     asked = Request(("nvidia.com/gpu=1", "nvidia.com/gpu=2"), "annotation")
     request, notes = pod_request(asked, (), POD, str(tmp_path))
     assert request.names == ("nvidia.com/gpu=1",) and "nvidia.com/gpu=2" in notes[0]

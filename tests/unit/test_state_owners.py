@@ -297,3 +297,25 @@ def test_a_ring_that_fails_is_named_to_its_reader_and_replaced_by_the_next_event
     assert raised.value.message.startswith(f"{state}/device-events.json{field}"), raised.value.message
     events.record(state, "put-back", device=KEY)
     assert [e["event"] for e in events.device_history(state)[KEY]] == ["put-back"]
+
+
+def test_the_hooks_lock_free_ledger_read_takes_only_a_valid_ledger_file_of_its_own(tmp_path: Path) -> None:
+    """The grants' reader (a claim's devices for a pod, the pods that keep bindings) was a second ledger
+    reader of its own that took any entry it could parse; it is the ledger's read_entries now."""
+    from devinject.nodestate.ledger import Claim, Ledger, read_entries
+
+    Ledger(str(tmp_path)).book("c1", os.getpid(), (Claim("vendor.com/gpu=0", ("c 195:0",)),),
+                               {"vendor.com/gpu": "exclusive"}, for_pods=("pod-a",))
+    assert read_entries(str(tmp_path)) == Ledger(str(tmp_path)).entries()
+    assert read_entries(str(tmp_path))["c1"].pods == ("pod-a",)
+    ledger = tmp_path / "ledger.json"
+    ledger.chmod(0o666)
+    assert read_entries(str(tmp_path)) == {}  # anyone could have written it
+    ledger.chmod(0o644)
+    ledger.rename(tmp_path / "real.json")
+    ledger.symlink_to(tmp_path / "real.json")
+    assert read_entries(str(tmp_path)) == {}  # no link followed
+    ledger.unlink()
+    ledger.write_text(json.dumps({"allocations": {"c1": {"devices": [], "exclusive": "c 195:0", "shared": [],
+                                                         "pid": 1, "start_time": 1, "state": "active"}}}))
+    assert read_entries(str(tmp_path)) == {}  # fails validation: the next booking rebuilds it

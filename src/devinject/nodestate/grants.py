@@ -151,26 +151,10 @@ def redeem(state_dir: str, tokens: list[str], pod: str) -> tuple[list[str], list
 
 def claimed_for_pod(state_dir: str, pod: str) -> list[str]:
     """The devices of the DRA claims booked in the ledger for `pod` (a broken ledger: none)."""
-    names: list[str] = []
-    for entry in _ledger_entries(state_dir):
-        pods, devices = entry.get("pods"), entry.get("devices", ())
-        if isinstance(pods, list) and pod in pods and isinstance(devices, (list, tuple)):
-            names.extend(n for n in devices if isinstance(n, str))
-    return names
+    from devinject.nodestate.ledger import read_entries
 
-
-def _ledger_entries(state_dir: str) -> list[dict[str, object]]:
-    """The ledger's bookings, read as the grants are (root's alone, no link followed); none when it is
-    missing, not root's or broken."""
-    from devinject.nodestate.ledger import LEDGER_FILE
-
-    raw = _read_owned(os.path.join(state_dir, LEDGER_FILE))
-    try:
-        data = jsonlite.loads(raw) if raw else {}
-    except ValueError:
-        return []
-    allocations = data.get("allocations") if isinstance(data, dict) else None
-    return [e for e in (allocations.values() if isinstance(allocations, dict) else ()) if isinstance(e, dict)]
+    return [name for entry in read_entries(state_dir).values() if pod in (entry.pods or ())
+            for name in entry.devices]
 
 
 def prune(state_dir: str, *, now: float | None = None, live_pods: set[str] | None = None) -> int:
@@ -214,11 +198,11 @@ def prune(state_dir: str, *, now: float | None = None, live_pods: set[str] | Non
 
 
 def _booked_pods(state_dir: str) -> set[str]:
+    from devinject.nodestate.ledger import read_entries
+
     pods: set[str] = set()
-    for entry in _ledger_entries(state_dir):
-        one, many = entry.get("pod"), entry.get("pods", ())
-        if isinstance(one, str):
-            pods.add(one)
-        if isinstance(many, (list, tuple)):
-            pods.update(p for p in many if isinstance(p, str))
+    for entry in read_entries(state_dir).values():
+        if entry.pod is not None:
+            pods.add(entry.pod)
+        pods.update(entry.pods or ())
     return pods

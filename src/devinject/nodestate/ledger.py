@@ -68,6 +68,33 @@ def has_own_pid_namespace(pid: int, proc: str = "/proc") -> bool:
         return False
 
 
+def read_entries(state_dir: str) -> dict[str, LedgerEntry]:
+    """The ledger's bookings as they are now (no lock, no housekeeping: the file is replaced whole), read as a
+    file the hook may act on: a regular file of this user's that nobody else can write, no link followed.
+    None when it is missing, not that, or fails validation (the next booking rebuilds it)."""
+    import stat
+
+    try:
+        fd = os.open(os.path.join(state_dir, LEDGER_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return {}
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        data = jsonlite.loads(b"".join(chunks))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    finally:
+        os.close(fd)
+    if ledger_problem(data) is not None:
+        return {}
+    return {cid: LedgerEntry.from_json(entry) for cid, entry in data["allocations"].items()}
+
+
 class ForeignLedgerError(LedgerError):
     """The ledger's pids belong to another pid namespace than this process's."""
 
