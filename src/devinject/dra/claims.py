@@ -23,7 +23,7 @@ from devinject.agent.timeslice import TimesliceError, apply_timeslice
 from devinject.core import jsonlite
 from devinject.core.atomicfile import replace as replace_file
 from devinject.core.errors import DevinjectError, LedgerError
-from devinject.core.identity import node_id_of
+from devinject.core.identity import NodeId, node_id_of
 from devinject.core.model import ContainerEdits, Device, Spec
 from devinject.core.spec import dump
 from devinject.discovery.discover import FoundDevice
@@ -31,7 +31,17 @@ from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
 from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
-from devinject.nodestate.claimcheckpoints import NODE_PID, DraCheckpoint, booking_id, checkpoint_path, parse_checkpoint
+from devinject.nodestate.claimcheckpoints import (
+    NODE_PID,
+    DraCheckpoint,
+    booking_id,
+    bookings_of,
+    checkpoint_path,
+    consumes_of,
+    objects_of,
+    parse_checkpoint,
+    strings_of,
+)
 from devinject.nodestate.ledger import PLUGIN_PREFIX, Claim, Ledger
 from devinject.nodestate.statefile import StateFileError, problem_in
 from devinject.specs.generate import GenerateOptions, build_specs, versioned
@@ -271,7 +281,7 @@ class Preparer:
         claims = self.checkpoint.load()
         entry = claims.get(uid)
         if entry is not None and os.path.exists(self.spec_path(uid)):
-            return claims, [_device(d) for d in entry["devices"]]  # type: ignore[attr-defined]
+            return claims, [_device(d) for d in objects_of(entry.get("devices"))]
         return claims, None
 
     def prepare(self, namespace: str, name: str, uid: str) -> list[PreparedDevice]:
@@ -477,7 +487,8 @@ class Preparer:
             claims = self.checkpoint.load()
             entry = claims.get(uid)
             _remove(path)
-            for gpu in (entry or {}).get("mps") or []:  # type: ignore[attr-defined]
+            mps = (entry or {}).get("mps")  # GPU -> what its daemon names it by
+            for gpu in mps if isinstance(mps, dict) else ():
                 try:
                     self.mps.release(str(gpu), uid)  # the last claim on its GPU stops the daemon
                 except MpsError as err:
@@ -515,8 +526,8 @@ class Preparer:
                     continue
                 try:
                     self.ledger.book(self.booking(uid), NODE_PID, booked,
-                                     for_pods=tuple(entry.get("pods") or ()),  # type: ignore[arg-type]
-                                     consumes=entry.get("consumes") or None)  # type: ignore[arg-type]
+                                     for_pods=strings_of(entry.get("pods")),
+                                     consumes=consumes_of(entry))
                 except LedgerError as err:
                     ask[uid] = (entry, err)
             self._mps_round(self.checkpoint.load())  # every round: the daemons follow the checkpoint
@@ -532,7 +543,7 @@ class Preparer:
                     continue  # unprepared (or prepared anew) meanwhile
                 entry = found
                 now = answers[uid]
-                pods: tuple[str, ...] = tuple(entry.get("pods") or ())  # type: ignore[arg-type]
+                pods: tuple[str, ...] = strings_of(entry.get("pods"))
                 try:
                     if first is None:  # a checkpoint without pods: booked with what the API says, if it could
                         if now is not None:
@@ -683,14 +694,14 @@ def _same_sharing(namespace: str, name: str, claims: dict[str, dict[str, object]
 
 
 def _booked(entry: dict[str, object]) -> tuple[Claim, ...]:
-    return tuple(Claim(str(n), tuple(nodes), tuple(shared))
-                 for n, nodes, shared in entry.get("ledger") or [])  # type: ignore[attr-defined]
+    return tuple(Claim(name, tuple(map(NodeId, nodes)), tuple(map(NodeId, shared)))
+                 for name, nodes, shared in bookings_of(entry))
 
 
 def _device(entry: dict[str, object]) -> PreparedDevice:
     share = entry.get("share")
-    return PreparedDevice(tuple(entry["requests"]), str(entry["pool"]), str(entry["device"]),  # type: ignore[arg-type]
-                          tuple(entry["cdi"]), str(share) if share else None)  # type: ignore[arg-type]
+    return PreparedDevice(strings_of(entry.get("requests")), str(entry["pool"]), str(entry["device"]),
+                          strings_of(entry.get("cdi")), str(share) if share else None)
 
 
 def _remove(path: str) -> None:

@@ -117,6 +117,34 @@ class DraCheckpoint(NamedTuple):
         return jsonlite.dumps(self.to_json(), sort_keys=True).encode()
 
 
+def strings_of(value: object) -> tuple[str, ...]:
+    """A checkpointed claim's list of strings (`pods`, `mps`, a device's `requests` and `cdi`) as a tuple;
+    () where it has none."""
+    return tuple(str(v) for v in value) if isinstance(value, list) else ()
+
+
+def objects_of(value: object) -> list[dict[str, object]]:
+    """A checkpointed claim's list of objects (its `devices`)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def bookings_of(entry: Mapping[str, object]) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """A checkpointed claim's `ledger` entries: (name, nodes, shared nodes) each."""
+    ledger = entry.get("ledger")
+    return [(str(b[0]), strings_of(b[1]), strings_of(b[2])) for b in ledger if isinstance(b, list) and len(b) == 3] \
+        if isinstance(ledger, list) else []
+
+
+def consumes_of(entry: Mapping[str, object]) -> dict[str, dict[str, list[int]]] | None:
+    """A checkpointed claim's consumable-capacity shares (node -> capacity -> [amount, total]); None when it
+    holds none."""
+    consumes = entry.get("consumes")
+    if not isinstance(consumes, dict) or not consumes or consumes_problem(consumes):
+        return None
+    return {str(node): {str(name): [int(v) for v in pair] for name, pair in capacities.items()}
+            for node, capacities in consumes.items()}
+
+
 def parse_checkpoint(data: bytes, path: str) -> DraCheckpoint:
     """A checkpoint file's bytes as its record; StateFileError naming the file and the field."""
     return DraCheckpoint.from_json(parse_document(data, path), path)
