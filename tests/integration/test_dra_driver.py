@@ -297,6 +297,23 @@ def test_a_device_watch_took_out_stays_tainted_and_is_unhealthy_until_put_back(d
     assert not driver.refresh()  # nothing changed: nothing published
 
 
+def test_a_broken_health_file_keeps_the_taints_the_driver_read_last(driver: DraDriver, api: FakeApi,
+                                                                    dirs: dict[str, str]) -> None:
+    """health.json cut short (or of another shape): the driver read it as "nothing out" and untainted every
+    device the loop had taken out, while the ledger refused them. Now it keeps what it read last."""
+    health_file = Path(dirs["state"]) / "health.json"
+    health_file.write_text(json.dumps({"unhealthy_nodes": ["c 195:2"]}))
+    assert driver.refresh()
+    assert devices(api)["gpu-0000-18-00-0"]["taints"]
+    health_file.write_text('{"unhealthy_nodes": ["c 19')
+    driver.refresh()
+    assert devices(api)["gpu-0000-18-00-0"]["taints"]
+    assert "taints" not in devices(api)["gpu-0000-2a-00-0"]
+    health_file.write_text(json.dumps({"unhealthy_nodes": []}))  # the agent's next write
+    assert driver.refresh()
+    assert "taints" not in devices(api)["gpu-0000-18-00-0"]
+
+
 def test_a_lost_ledger_learns_the_prepared_claims_again(driver: DraDriver, api: FakeApi,
                                                         dirs: dict[str, str]) -> None:
     """A ledger rebuilt from live evidence (or gone) knows no claim: the next round books them again, so a
