@@ -1,8 +1,8 @@
 """health.json: the node agent's published verdicts, the one file every reader of the node's health acts on.
 
-Written by the health loop (agent/watch.py, in `watch`, `device-plugin` or the DRA driver) whenever a verdict
-changes, 0644 (it says nothing secret); read by the ledger (a booking of a node taken out is refused), the DRA
-driver (its slices' taints), `list` and `health` (agent/healthstate.py `load_published`).
+Written by the health loop (agent/publishers.py's HealthFile, in `watch`, `device-plugin` or the DRA driver)
+whenever a verdict changes, 0644 (it says nothing secret); read by the ledger (a booking of a node taken out
+is refused), the DRA driver (its slices' taints), `list` and `health` (agent/healthstate.py `load_published`).
 
 One reader rule (`read`): no file is "no agent runs, nothing is out"; a file that cannot be read, is not JSON,
 has a field of the wrong type or a version this devinject does not read is a StateFileError naming the file
