@@ -553,7 +553,7 @@ class Preparer:
                     else:
                         pods = now
                     self.ledger.book(self.booking(uid), NODE_PID, _booked(entry), for_pods=pods,
-                                     consumes=entry.get("consumes") or None)  # type: ignore[arg-type]
+                                     consumes=consumes_of(entry))
                     if first is not None:
                         entry["pods"], changed = list(now or ()), True
                 except LedgerError as err:
@@ -685,7 +685,8 @@ def _same_sharing(namespace: str, name: str, claims: dict[str, dict[str, object]
             if not any(isinstance(d, dict) and d.get("device") == offer.name and d.get("share")
                        for d in (devices if isinstance(devices, list) else ())):
                 continue
-            theirs = gpu in (other.get("mps") or {})  # type: ignore[operator]
+            mps = other.get("mps")
+            theirs = isinstance(mps, dict) and gpu in mps
             if theirs != (gpu in mps_gpus):
                 raise PrepareError(f"claim {namespace}/{name}: {offer.name} is shared with claim "
                                    f"{other.get('namespace')}/{other.get('name')}, "
