@@ -94,7 +94,9 @@ def start_drivers(count: int, rescan: float) -> list[subprocess.Popen[bytes]]:
             [DEVINJECT, "dra-driver", "--host-root", str(HOST), "--node-name", f"sim-{i}", "--kubeconfig",
              str(KUBE_DIR / "admin.kubeconfig"), "--state-dir", str(base / "state"), "--cdi-dir", str(base / "cdi"),
              "--plugin-dir", str(base / "plugins"), "--registry-dir", str(base / "registry"),
-             "--hook-path", DEVINJECT, "--rescan", str(rescan)], stdout=log, stderr=log, stdin=subprocess.DEVNULL))
+             "--hook-path", DEVINJECT, "--rescan", str(rescan),
+             "--metrics-address", ""],  # N drivers on one machine: the default port is one driver's
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL))
         log.close()
     return drivers
 

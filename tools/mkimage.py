@@ -6,7 +6,9 @@
    keyed on everything that goes into it.
 2. The image keeps only the listed packages and their Depends/Pre-Depends: the files of every other package
    (the ones dpkg needed to install them) go, and so do their dpkg records, dangling links, apt's and
-   dpkg's leftovers and the caches.
+   dpkg's leftovers and the caches. deploy/image/files.txt names single files kept from a package that is
+   installed for them alone (`journalctl` of `systemd`: the package whole is a service manager the image
+   never runs); the libraries such a file needs must come with the kept packages (the build checks it).
 3. The wheels of deploy/image/requirements.txt (binary only, pinned by hash, for the image's Python and
    glibc) and devinject from this tree go into /usr/local, byte-compiled (unchecked-hash, so a read-only
    root never recompiles); /usr/local/bin/devinject is the entrypoint.
@@ -96,6 +98,17 @@ def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
 def recipe_lines(name: str) -> list[str]:
     lines = (RECIPE / name).read_text().splitlines()
     return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
+
+
+def kept_files(lines: list[str]) -> tuple[tuple[str, str], ...]:
+    """files.txt's `<package> <absolute path>` lines: a file kept from a package the image drops."""
+    out: list[tuple[str, str]] = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].startswith("/") or ".." in parts[1].split("/"):
+            raise BuildError(f"files.txt: {line!r}: expected `<package> <absolute path>`")
+        out.append((parts[0], parts[1]))
+    return tuple(out)
 
 
 # --- the Debian tree ------------------------------------------------------------------------------------------
@@ -205,11 +218,17 @@ def arch(stage: Path) -> str:
         else "amd64"
 
 
-def trim(stage: Path, keep: set[str], installed: dict[str, dict[str, str]]) -> list[str]:
+def trim(stage: Path, keep: set[str], installed: dict[str, dict[str, str]],
+         files: tuple[tuple[str, str], ...] = ()) -> list[str]:
     """Drop every installed package outside keep from the stage: its files (not those a kept package also
-    owns), its dpkg records; then the links left dangling and the build's leftovers. Returns the dropped."""
+    owns, nor the `files` kept of it), its dpkg records; then the links left dangling and the build's
+    leftovers. Returns the dropped."""
     dropped = set(installed) - keep
     kept_paths: set[str] = set().union(*(_owned(stage, name) for name in keep))
+    for package, path in files:
+        if _inside(stage, path) not in _owned(stage, package):
+            raise BuildError(f"files.txt: {path} is not a file of {package}")
+        kept_paths.add(_inside(stage, path))
     gone: set[str] = set().union(*(_owned(stage, name) for name in dropped)) - kept_paths
     for path in sorted(gone, key=lambda p: (p.count(os.sep), p), reverse=True):  # files before their dirs
         if os.path.islink(path) or os.path.isfile(path):
@@ -499,13 +518,14 @@ def main(argv: list[str] | None = None) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         with locked(args.work):
             packages = recipe_lines("packages.txt")
-            tree = debian_tree(args.work, packages)
+            files = kept_files(recipe_lines("files.txt"))
+            tree = debian_tree(args.work, [*packages, *sorted({p for p, _ in files} - set(packages))])
             stage = args.work / "stage"
             shutil.rmtree(stage, ignore_errors=True)
             run(["cp", "-a", "--link", str(tree), str(stage)])
             installed = parse_status((stage / "var/lib/dpkg/status").read_text())
             keep = closure(installed, packages)
-            dropped = trim(stage, keep, installed)
+            dropped = trim(stage, keep, installed, files)
             python, glibc = python_of(installed)
             install_python(stage, python, glibc, args.work, args.source)
             run(["ldconfig", "-r", str(stage)])  # the image's own libraries only

@@ -80,6 +80,15 @@ class Node(Cluster):
                 self.driver.wait(5)
         self.driver = None
 
+    def logged_since(self, offset: int, text: str, timeout: float) -> None:
+        """`text` in the driver's log after byte `offset`, within `timeout` s."""
+        def found() -> bool:
+            with open(self.log, "rb") as handle:
+                handle.seek(offset)
+                return text in handle.read().decode(errors="replace")
+
+        until(found, timeout, f"the driver's log saying {text!r}")
+
     def published(self) -> list[str]:
         """The GPUs in the driver's slices, by device name."""
         items = self.json("resourceslices", "--field-selector", f"spec.driver={DRIVER}")["items"]
@@ -339,3 +348,90 @@ def test_across_a_restart_of_both_agents_and_a_ledger_rebuild(node: Node) -> Non
     node.await_allocatable(8, 60, "every GPU back in the kubelet's count")
     until(lambda: not [b for b in node.ledger() if b.startswith(("device-plugin:", "dra-claim:"))], 60,
           "the ledger free of both paths' bookings")
+
+
+def test_a_claim_allocated_on_the_gpu_the_plugin_just_booked_gets_its_pod_evicted_and_replaced(node: Node) -> None:
+    """The race made deterministic: a claim for 7 GPUs leaves one free; the driver is stopped (SIGSTOP), so its
+    slice still offers that GPU when a device-plugin pod takes it (Allocate books it) and a Deployment's claim
+    is allocated on it (the only free GPU the scheduler sees). The driver resumed, the claim's prepare is
+    refused; the GPU stays in the slice tainted `held-by-device-plugin` NoExecute, kube-controller-manager
+    evicts the claim's pod, and the Deployment's next pod runs on another GPU; nothing stays in
+    ContainerCreating, and the GPU then leaves the slice. Fails on the driver before, which left the held GPU
+    out of its slice: the claim's pod waited in ContainerCreating until the plugin's pod was gone."""
+    assert node.driver is not None
+    until(lambda: len(node.published()) == 8, 60, "every GPU in the slices")
+    node.await_allocatable(8, 60, "every GPU in the kubelet's count")
+    node.created.append("filler")
+    node.apply(
+        {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "filler"},
+         "spec": {"spec": {"devices": {"requests": [
+             {"name": "gpu", "exactly": {"deviceClassName": CLASS, "count": 7}}]}}}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "filler", "labels": {"test": "both"}},
+         "spec": {"terminationGracePeriodSeconds": 1,
+                  "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "filler"}],
+                  "containers": [{"name": "c", "image": BUSYBOX, "imagePullPolicy": "Never",
+                                  "command": SLEEPER, "resources": {"claims": [{"name": "gpu"}]}}]}})
+    node.running("filler")
+    node.await_allocatable(1, 60, "the filler's 7 GPUs out of the kubelet's count")
+    log_start = node.log.stat().st_size
+    template = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "race"},
+                "spec": {"spec": {"devices": {"requests": [
+                    {"name": "gpu", "exactly": {"deviceClassName": CLASS, "count": 1}}]}}}}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "race"},
+                  "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "race"}},
+                           "template": {"metadata": {"labels": {"app": "race", "test": "both"}}, "spec": {
+                               "terminationGracePeriodSeconds": 1,
+                               "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "race"}],
+                               "containers": [{"name": "c", "image": BUSYBOX, "imagePullPolicy": "Never",
+                                               "command": SLEEPER, "resources": {"claims": [{"name": "gpu"}]}}]}}}}
+
+    def race_pods() -> list[dict[str, Any]]:
+        return list(node.json("pods", "-l", "app=race")["items"])
+
+    def claim_device(pod: dict[str, Any]) -> str | None:
+        statuses = pod["status"].get("resourceClaimStatuses") or []
+        if not statuses or not statuses[0].get("resourceClaimName"):
+            return None
+        claim = node.json("resourceclaim", statuses[0]["resourceClaimName"])
+        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []
+        return str(results[0]["device"]) if results else None
+
+    stopped = node.driver
+    stopped.send_signal(signal.SIGSTOP)
+    try:
+        node.plugin_pod("dp-race")  # Allocate books the last GPU; the stopped driver's slice still offers it
+        node.running("dp-race")
+        node.apply(template, deployment)
+        first = until(lambda: next((p for p in race_pods() if claim_device(p)), None), 60,
+                      "the Deployment's claim allocated")
+        contested = claim_device(first)
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+    start = time.monotonic()
+    try:
+        node.delete("filler")  # room elsewhere for the replacement
+
+        def replaced() -> dict[str, Any] | None:
+            pods = race_pods()
+            up = [p for p in pods if p["metadata"]["uid"] != first["metadata"]["uid"]
+                  and p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+            return up[0] if up and all(p["metadata"]["uid"] != first["metadata"]["uid"] for p in pods) else None
+
+        try:
+            second = until(replaced, 120, "the evicted pod gone and its replacement Running", every=0.5)
+        except AssertionError as err:
+            raise AssertionError(f"{err}; {node.diagnosis()}") from None
+        record("contested_claim_pod_replaced_s", round(time.monotonic() - start, 2))
+        node.logged_since(log_start, f"{contested} stays in the slice tainted {DRIVER}/held-by-device-plugin", 10)
+        assert claim_device(second) != contested
+        seen = node.assert_never_shared()  # dp-race and the replacement: one GPU each, not the same, none stuck
+        assert seen[second["metadata"]["name"]] != seen["dp-race"]
+        # no claim points at the plugin's GPU any more: it leaves the slice, as any the plugin holds
+        until(lambda: contested not in node.published(), 60, f"{contested} out of the slice")
+    finally:
+        node.kubectl("delete", "deployment", "race", "--ignore-not-found", "--wait=true", timeout=120)
+        node.kubectl("delete", "resourceclaimtemplate", "race", "--ignore-not-found", timeout=60)
+        for name in [n for n in ("filler", "dp-race") if n in node.created]:
+            node.delete(name)
+    until(lambda: len(node.published()) == 8, 60, "every GPU back in the slices")
+    node.await_allocatable(8, 60, "every GPU back in the kubelet's count")

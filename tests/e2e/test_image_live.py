@@ -32,7 +32,7 @@ ARCHIVE = REPO / "build" / "devinject-image.tar"
 FIXTURE = REPO / "tests" / "fixtures" / "hosts" / "hgx-h100"
 NAMESPACE = "devinject-image-test"
 MIB = 1 << 20
-UNPACKED_MAX_MIB = 110  # 91 MiB when written; a hand-built image was 264 MiB
+UNPACKED_MAX_MIB = 110  # 91 MiB when written, 101 MiB with journalctl; a hand-built image was 264 MiB
 
 
 def need(condition: bool, reason: str) -> None:
@@ -246,3 +246,82 @@ def test_image_build_is_reproducible(archive: Path, tmp_path: Path) -> None:
         done = make_image(build, epoch=1_700_000_000, source=source)
         assert done.returncode == 0, done.stderr
     assert builds[0].read_bytes() == builds[1].read_bytes()
+
+
+FOLLOW_JOURNAL = """import sys, time
+from devinject.agent import kernelmsg
+from devinject.discovery.host import Host
+source = kernelmsg.open_source(Host("/host"), "auto")
+print(type(source).__name__, source.description, flush=True)
+print("read:", b"|".join(m.text for m in source.messages()).decode(), flush=True)
+source.read()  # the first look notes the newest entry
+print("following", flush=True)
+deadline, got = time.monotonic() + 60, b""
+while b"Xid" not in got and time.monotonic() < deadline:
+    time.sleep(0.05)
+    if source.pending():
+        got += source.read()
+print("followed:", got.decode(errors="replace"), flush=True)
+source.close()
+"""
+
+
+def test_image_reads_a_journald_only_nodes_journal(containerd: Containerd, tmp_path: Path) -> None:
+    """A node whose kernel messages reach the journal alone (no kern.log, /dev/kmsg closed to the pod): the
+    image's journalctl reads the node's journal directory mounted read-only as the DaemonSets mount the host
+    (/host), `--kernel-log auto` picks the journal, the follower sees an Xid appended while it runs, and
+    `devinject health` in the image calls the GPU unhealthy for it. Fails on the image before, which had no
+    journalctl (auto fell back to the missing kern.log and saw no Xid)."""
+    from tests.integration.test_kernel_sources import write_journal, xid
+
+    root = tmp_path / "host"
+    shutil.copytree(FIXTURE, root, symlinks=True)
+    (root / "var/log/kern.log").unlink(missing_ok=True)
+    boot = uuid.uuid4().hex
+    (root / "proc/sys/kernel/random").mkdir(parents=True, exist_ok=True)
+    (root / "proc/sys/kernel/random/boot_id").write_text(str(uuid.UUID(boot)) + "\n")
+    journal = root / "var/log/journal" / uuid.uuid4().hex  # a machine id
+    journal.mkdir(parents=True)
+    write_journal(journal, boot, "Linux version 6.1.0")
+    for path in (tmp_path, root, *root.rglob("*")):
+        if path.is_dir() and not path.is_symlink():
+            path.chmod(0o755)
+    mount = ["--mount", f"type=bind,src={root},dst=/host,options=rbind:ro"]
+
+    def in_image(*args: str) -> list[str]:
+        return ["ctr", "--address", containerd.address, "--namespace", NAMESPACE, "run", "--rm", "--read-only",
+                *mount, NAME, f"devinject-{uuid.uuid4().hex[:8]}", *args]
+
+    listed = subprocess.run(in_image("journalctl", "--directory", f"/host/var/log/journal/{journal.name}",
+                                     "-o", "json", "_TRANSPORT=kernel"), capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line)["MESSAGE"] for line in listed.stdout.splitlines()] == ["Linux version 6.1.0"]
+    follower = subprocess.Popen(in_image("python3", "-I", "-c", FOLLOW_JOURNAL), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        assert follower.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = follower.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("following"):
+                break
+        assert lines and lines[0].startswith("Journal the journal (/host/var/log/journal"), (lines, follower.stderr)
+        assert lines[1] == "read: Linux version 6.1.0\n"
+        write_journal(journal, boot, xid())
+        out, err = follower.communicate(timeout=90)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait(10)
+    assert follower.returncode == 0, err
+    assert f"followed: {xid()}" in out, (out, err)
+    health = subprocess.run(in_image("devinject", "health", "--root", "/host", "--json"), capture_output=True,
+                            text=True, timeout=120)
+    verdicts = {d["pci_address"]: d for d in json.loads(health.stdout)}
+    assert verdicts["0000:18:00.0"]["health"] == "unhealthy", health.stderr
+    assert any("Xid 79" in r for r in verdicts["0000:18:00.0"]["reasons"]), verdicts["0000:18:00.0"]
+    assert verdicts["0000:2a:00.0"]["health"] == "healthy"

@@ -170,6 +170,57 @@ def test_a_device_the_plugin_gave_a_pod_leaves_the_slice_and_is_not_prepared_unt
     assert answer.error == "" and [d.device_name for d in answer.devices] == ["gpu-0000-18-00-0"]
 
 
+def _taints(node: Node, name: str) -> list[dict[str, Any]] | None:
+    """The taints of device `name` in the slices, None when it is not in them."""
+    found = [d for s in node.api.slices for d in s["spec"].get("devices", []) if d["name"] == name]
+    return found[0].get("taints", []) if found else None
+
+
+def test_a_claim_allocated_on_a_device_the_plugin_holds_keeps_it_tainted_no_execute_until_the_claim_is_gone(
+        node: Node) -> None:
+    """The scheduler allocated a claim on a GPU in the instant the kubelet gave it to a device-plugin pod: the
+    claim's prepare is refused, and the GPU, which had left the slice, is back in it with a NoExecute taint
+    (kube-controller-manager evicts the claim's pod rather than it waiting in ContainerCreating); once the API
+    server no longer has the claim (its pod evicted), the GPU leaves the slice again. Fails on the driver
+    before it, which left the held GPU out of the slice whatever claim pointed at it."""
+    node.allocate("0000:18:00.0")
+    assert wait(lambda: _taints(node, "gpu-0000-18-00-0") is None), "still offered to the scheduler"
+    node.api.add("loser", CLAIM, [(GPU_POOL, "gpu-0000-18-00-0")])
+    answer = prepare(node.driver, ("loser", CLAIM)).claims[CLAIM]
+    assert "held by the device plugin" in answer.error
+    assert wait(lambda: _taints(node, "gpu-0000-18-00-0") is not None), "not back in the slice, tainted"
+    assert _taints(node, "gpu-0000-18-00-0") == [
+        {"key": f"{DRIVER}/held-by-device-plugin", "value": "nvidia.com-gpu", "effect": "NoExecute",
+         "timeAdded": _taints(node, "gpu-0000-18-00-0")[0]["timeAdded"]}]  # type: ignore[index]
+    assert _taints(node, "gpu-0000-2a-00-0") == []  # the others untouched
+    assert node.driver.health.snapshot()[1][(GPU_POOL, "gpu-0000-18-00-0")][0], "a held device is not unhealthy"
+    # the kubelet's retries change nothing; the claim still there: the taint stays
+    assert "held by the device plugin" in prepare(node.driver, ("loser", CLAIM)).claims[CLAIM].error
+    assert node.driver.check_contests() == []
+    assert _taints(node, "gpu-0000-18-00-0") is not None
+    # the claim's pod evicted, the claim deleted: the GPU leaves the slice, as any the plugin holds
+    del node.api.claims[("default", "loser")]
+    assert node.driver.check_contests() == [CLAIM]
+    assert wait(lambda: _taints(node, "gpu-0000-18-00-0") is None), "the held GPU stayed in the slice"
+    assert not node.driver.preparer.contested()
+
+
+def test_a_contest_ends_when_the_kubelet_unprepares_the_claim_or_prepares_it_after_the_release(node: Node) -> None:
+    node.allocate("0000:18:00.0")
+    assert wait(lambda: _taints(node, "gpu-0000-18-00-0") is None)
+    node.api.add("loser", CLAIM, [(GPU_POOL, "gpu-0000-18-00-0")])
+    assert prepare(node.driver, ("loser", CLAIM)).claims[CLAIM].error
+    assert wait(lambda: _taints(node, "gpu-0000-18-00-0") is not None)
+    assert unprepare(node.driver, ("loser", CLAIM)).claims[CLAIM].error == ""
+    assert wait(lambda: _taints(node, "gpu-0000-18-00-0") is None), "the unprepared claim still taints it"
+    # refused again, then the plugin's pod ends first: the kubelet's retry is prepared, nothing is tainted
+    assert prepare(node.driver, ("loser", CLAIM)).claims[CLAIM].error
+    Ledger(str(node.state)).plugin_update({}, ["device-plugin:nvidia.com/gpu:0000:18:00.0"])
+    assert prepare(node.driver, ("loser", CLAIM)).claims[CLAIM].error == ""
+    assert not node.driver.preparer.contested()
+    assert wait(lambda: _taints(node, "gpu-0000-18-00-0") == [])
+
+
 def test_a_device_a_claim_holds_is_unhealthy_for_the_kubelet_refused_and_avoided_until_unprepared(node: Node) -> None:
     node.api.add("held", CLAIM, [(GPU_POOL, "gpu-0000-2a-00-0")])
     assert prepare(node.driver, ("held", CLAIM)).claims[CLAIM].error == ""
@@ -256,6 +307,11 @@ def test_the_plugins_bookings_outlive_a_restart_a_corrupt_ledger_and_a_lost_one(
     assert wait(lambda: "device-plugin:nvidia.com/gpu:0000:ba:00.0" in node.bookings()
                 if (node.state / "ledger.json").exists() else False), "not booked again from the checkpoint"
     assert refused()
+    # the refused claim is allocated on it: it stays in the slice, tainted NoExecute, until the claim is gone
+    assert wait(lambda: [t["key"] for t in _taints(node, "gpu-0000-ba-00-0") or []] == [
+        f"{DRIVER}/held-by-device-plugin"])
+    del node.api.claims[("default", "want")]
+    assert node.driver.check_contests() == [CLAIM]
     assert wait(lambda: "gpu-0000-ba-00-0" not in node.published())
 
 

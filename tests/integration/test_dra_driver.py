@@ -26,6 +26,7 @@ from devinject.dra.api import health_v1beta1_pb2 as health
 from devinject.dra.api import health_v1beta1_pb2_grpc as health_grpc
 from devinject.dra.api import pluginregistration_v1_pb2 as reg
 from devinject.dra.api import pluginregistration_v1_pb2_grpc as reg_grpc
+from devinject.dra.claims import ClaimReadError
 from devinject.dra.driver import DraDriver, DraOptions
 from devinject.nodestate.ledger import Claim, Ledger
 from devinject.specs.generate import GenerateOptions, generate_specs
@@ -49,6 +50,8 @@ class FakeApi:
         return {}
 
     def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        if (namespace, name) not in self.claims:
+            raise ClaimReadError(f"get resourceclaim {namespace}/{name}: 404 NotFound", 404)
         return json.loads(json.dumps(self.claims[(namespace, name)]))
 
     def add(self, name: str, uid: str, devices: list[tuple[str, str]], request: str = "gpus",

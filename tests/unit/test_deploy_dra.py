@@ -79,12 +79,18 @@ def test_daemonset_runs_a_command_line_dra_driver_accepts(tmp_path: Path) -> Non
                        "/run/devinject"}
     assert pod["hostPID"] is True  # the ledger counts the node's pids
     # the node's health loop, as the device plugin's DaemonSet runs it: its own here, the kernel log under the
-    # host root, uevents in the host's network namespace, NoSchedule unless the admin opts in
-    assert (params["health_mode"], params["kernel_log"], params["uevents"]) == ("auto", "/var/log/kern.log", True)
+    # host root wherever the node keeps it (auto: the journal on a journald-only node, else kern.log), uevents
+    # in the host's network namespace, NoSchedule unless the admin opts in
+    assert (params["health_mode"], params["kernel_log"], params["uevents"]) == ("auto", "auto", True)
     assert params["fatal_taint_effect"] == "NoSchedule"
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     mounts = {m["mountPath"]: host_paths.get(m["name"]) for m in container["volumeMounts"]}
     assert mounts["/host"] == "/" and mounts["/host/sys"] == "/sys"
+    # the node's journal dirs (/var/log/journal, and /run/log/journal on the host's /run submount) are read
+    # through the host root, mounted read-only all the way down, with the image's journalctl
+    (root_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/host"]
+    assert root_mount["readOnly"] is True and root_mount["recursiveReadOnly"] == "IfPossible"
+    assert "systemd /usr/bin/journalctl" in (DRA.parents[1] / "image" / "files.txt").read_text()
     security = container["securityContext"]
     assert security["privileged"] is False and security["capabilities"] == {"drop": ["ALL"]}
     assert pod["serviceAccountName"] == "devinject-dra"

@@ -91,3 +91,33 @@ def test_closure_refuses_an_unmet_dependency_or_root() -> None:
         mkimage.closure(installed, ["app"])
     with pytest.raises(mkimage.BuildError, match=r"packages.txt: not installed by mmdebstrap: nope"):
         mkimage.closure(installed, ["nope"])
+
+
+def test_files_txt_keeps_journalctl_alone_of_systemd() -> None:
+    files = mkimage.kept_files(mkimage.recipe_lines("files.txt"))
+    assert files == (("systemd", "/usr/bin/journalctl"),)
+    assert "libsystemd-shared" in mkimage.recipe_lines("packages.txt")  # its library, kept as a package
+    for bad in ("systemd", "systemd usr/bin/journalctl", "systemd /usr/../etc/shadow", "a /b c"):
+        with pytest.raises(mkimage.BuildError, match="files.txt"):
+            mkimage.kept_files([bad])
+
+
+def test_trim_keeps_a_listed_file_of_a_dropped_package_and_nothing_else_of_it(tmp_path: Path) -> None:
+    stage = tmp_path / "stage"
+    info = stage / "var/lib/dpkg/info"
+    info.mkdir(parents=True)
+    (stage / "usr/bin").mkdir(parents=True)
+    (stage / "bin").symlink_to("usr/bin")  # merged /usr: the package lists /bin/journalctl
+    for name in ("journalctl", "systemctl", "python3"):
+        (stage / "usr/bin" / name).write_text(name)
+    (info / "systemd.list").write_text("/.\n/bin\n/bin/journalctl\n/bin/systemctl\n")
+    (info / "python3.list").write_text("/.\n/usr\n/usr/bin\n/usr/bin/python3\n")
+    (stage / "var/lib/dpkg/status").write_text("Package: systemd\nStatus: install ok installed\n\n"
+                                               "Package: python3\nStatus: install ok installed\n")
+    (stage / "var/lib/dpkg/alternatives").mkdir()
+    installed = mkimage.parse_status((stage / "var/lib/dpkg/status").read_text())
+    dropped = mkimage.trim(stage, {"python3"}, installed, (("systemd", "/usr/bin/journalctl"),))
+    assert dropped == ["systemd"]
+    assert sorted(p.name for p in (stage / "usr/bin").iterdir()) == ["journalctl", "python3"]
+    with pytest.raises(mkimage.BuildError, match="is not a file of systemd"):
+        mkimage.trim(stage, {"python3"}, installed, (("systemd", "/usr/bin/python3"),))

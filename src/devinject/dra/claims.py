@@ -59,6 +59,27 @@ class CheckpointError(PrepareError):
     pass
 
 
+class ClaimReadError(PrepareError):
+    """The claim could not be read from the API server: `status` is the HTTP status (404: it is gone; 0: no
+    answer came)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Contest:
+    """A claim whose prepare the ledger refused: allocated on this node on a device another booking holds
+    (the device plugin gave it to a pod in the instant the scheduler allocated the claim on it). Its identity
+    and the (pool, device) its allocation names: the driver keeps a device the plugin holds in its slice,
+    tainted NoExecute, while such a claim points at it (dra/driver.py contested_offers)."""
+
+    namespace: str
+    name: str
+    devices: tuple[tuple[str, str], ...]
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedDevice:
     requests: tuple[str, ...]
@@ -262,6 +283,8 @@ class Preparer:
         self.ledger = ledger if ledger is not None else Ledger(state_dir)
         self.checkpoint = Checkpoint(checkpoint_path(state_dir, driver))  # the ledger's rebuild reads it too
         self.lock = threading.Lock()
+        self.contests: dict[str, Contest] = {}  # claim uid -> refused on a held device, until it is gone
+        self.contests_changed = threading.Event()  # set when one is added or dropped: publish again
 
     @property
     def kind(self) -> str:
@@ -345,7 +368,12 @@ class Preparer:
                 self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods, consumes=consumes or None)
             except LedgerError as err:
                 _remove(path)
+                contest = Contest(namespace, name, tuple((o.pool, o.name) for o in offers))
+                if self.contests.get(uid) != contest:
+                    self.contests[uid] = contest
+                    self.contests_changed.set()
                 raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
+            self._drop_contest(uid)
             started: list[str] = []
             visible: dict[str, str] = {}  # GPU -> what the daemon's CUDA_VISIBLE_DEVICES names it by
             try:
@@ -480,10 +508,27 @@ class Preparer:
             edits.append(found[0].edits)
         return versioned(Spec(kind=self.kind, devices=tuple(devices), edits=common), self.generate), edits
 
+    # --- contests ---------------------------------------------------------------------------------------
+    def contested(self) -> dict[str, Contest]:
+        """The claims refused on a held device, by uid (a copy)."""
+        with self.lock:
+            return dict(self.contests)
+
+    def drop_contests(self, uids: list[str]) -> None:
+        """Forget claims the API server no longer allocates on the devices they were refused on."""
+        with self.lock:
+            for uid in uids:
+                self._drop_contest(uid)
+
+    def _drop_contest(self, uid: str) -> None:
+        if self.contests.pop(uid, None) is not None:
+            self.contests_changed.set()
+
     # --- unprepare --------------------------------------------------------------------------------------
     def unprepare(self, uid: str) -> None:
         with self.lock:
             path = self.spec_path(uid)
+            self._drop_contest(uid)
             claims = self.checkpoint.load()
             entry = claims.get(uid)
             _remove(path)

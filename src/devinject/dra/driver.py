@@ -44,7 +44,7 @@ from devinject.discovery.channels import channel_fault
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacitySharing
-from devinject.dra.claims import Inventory, Preparer
+from devinject.dra.claims import ClaimReadError, Contest, Inventory, Preparer, allocated
 from devinject.dra.metrics import DraMetrics
 from devinject.dra.server import HealthState, PluginServers
 from devinject.dra.slices import (
@@ -68,6 +68,7 @@ from devinject.specs.generate import GenerateOptions, driver_version
 log = logging.getLogger(__name__)
 
 HEALTH_MODES = ("auto", "check", "follow")
+HELD_CAUSE = "held-by-device-plugin"  # the taint on a device the plugin holds that a claim was allocated on
 TAKEN_OUT = "taken out by the node's health checks"  # a device health.json names by its nodes alone
 
 
@@ -92,6 +93,7 @@ class DraOptions:
     fatal_effect: str = NO_SCHEDULE  # the taints' effect for a fatal fault: NoSchedule or NoExecute
     ledger_poll: float = 0.5  # seconds between looks at the ledger (the device plugin's bookings)
     capacity: CapacitySharing | None = None  # consumable capacity offered (dra/capacity.py); None: not
+    contest_check: float = 5.0  # seconds between reads of the claims refused on a held device, while any is
 
     def watch_options(self) -> WatchOptions:
         """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own."""
@@ -169,23 +171,79 @@ def offer_holding(offer: Offer, policy: dict[str, str]) -> tuple[set[str], set[s
     return nodes - shared, shared
 
 
-def plugin_held(data: dict[str, Any], offered: list[Offer], policy: dict[str, str]) -> dict[tuple[str, str], str]:
+@dataclass(frozen=True, slots=True)
+class PluginHolding:
+    """Who holds an offer through the device plugin: the plugin's resource (`nvidia.com/gpu`) and a line
+    for a person (ledger.describe)."""
+
+    resource: str
+    who: str
+
+
+def plugin_held(data: dict[str, Any], offered: list[Offer],
+                policy: dict[str, str]) -> dict[tuple[str, str], PluginHolding]:
     """(pool, device) -> who holds it through the device plugin: the offers a claim could not be prepared on
     now, left out of the slices so that the scheduler places claims elsewhere."""
     held = held_nodes(data, is_plugin)
     if not held[0] and not held[1]:
         return {}
     plugin = {cid: e for cid, e in data.get("allocations", {}).items() if is_plugin(e)}
-    out: dict[tuple[str, str], str] = {}
+    out: dict[tuple[str, str], PluginHolding] = {}
     for offer in offered:
         exclusive, shared = offer_holding(offer, policy)
         if not clashes(exclusive, shared, held):
             continue
         for cid, entry in plugin.items():
             if clashes(exclusive, shared, (set(entry["exclusive"]), set(entry.get("shared", [])))):
-                out[(offer.pool, offer.name)] = describe(cid, entry)
+                out[(offer.pool, offer.name)] = PluginHolding(str(entry["plugin"]), describe(cid, entry))
                 break
     return out
+
+
+def contested_devices(contests: dict[str, Contest]) -> dict[tuple[str, str], str]:
+    """(pool, device) -> the first claim (`namespace/name`) refused on it, of the contests given."""
+    out: dict[tuple[str, str], str] = {}
+    for uid in sorted(contests):
+        contest = contests[uid]
+        for device in contest.devices:
+            out.setdefault(device, f"{contest.namespace}/{contest.name}")
+    return out
+
+
+def contested_offers(published: list[Offer], held: dict[tuple[str, str], PluginHolding],
+                     contested: dict[tuple[str, str], str], driver: str,
+                     since: Callable[[Offer], Callable[[str], str]]) -> list[Offer]:
+    """The offers for the slices: a device the device plugin holds leaves them, unless a claim allocated on
+    this node points at it (`contested`: the scheduler allocated it in the instant the plugin's Allocate booked
+    it, and the claim's prepare was refused). Such a device stays, with a `NoExecute` taint
+    `<driver>/held-by-device-plugin` (value: the plugin's resource): the scheduler places nothing more on it,
+    and kube-controller-manager's device-taint eviction deletes the claim's pod, whose controller makes a new
+    pod and claim that land on a free device. Without the taint the pod would wait in ContainerCreating until
+    the plugin's pod is gone: the scheduler never moves an allocated claim."""
+    out = []
+    for offer in published:
+        key = (offer.pool, offer.name)
+        holding = held.get(key)
+        if holding is None:
+            out.append(offer)
+        elif key in contested:
+            taint_key = f"{driver}/{HELD_CAUSE}"
+            taint = Taint(taint_key, label_value(holding.resource), NO_EXECUTE, since(offer)(taint_key))
+            out.append(replace(offer, taints=(*offer.taints, taint)))
+    return out
+
+
+def contest_stands(claim: dict[str, Any] | None, uid: str, driver: str, contest: Contest) -> bool:
+    """Whether a claim refused on a held device still points at one of its devices: False when the API says
+    it is gone (None), is another object (deleted and made again), is no longer allocated, or is allocated on
+    none of them."""
+    if claim is None:
+        return False
+    try:
+        results = allocated(claim, driver, contest.namespace, contest.name, uid)
+    except DevinjectError:
+        return False
+    return bool({(pool, device) for _, pool, device in results} & set(contest.devices))
 
 
 class DraDriver:
@@ -218,9 +276,10 @@ class DraDriver:
         self._health_seen: str | None = None  # health.json as last looked at, when another agent's loop writes it
         self.rediscover = threading.Event()  # the loop found other devices: discover again before publishing
         self.publishing = threading.Lock()  # one publish at a time: the rescan's and the ledger follower's
-        self._held: dict[tuple[str, str], str] = {}  # offers the device plugin holds now: not in the slices
+        self._held: dict[tuple[str, str], PluginHolding] = {}  # offers the device plugin holds now
         self._ledger_seen: str | None = None
-        self._held_desired: dict[tuple[str, str], str] = {}  # what desired() last left out for the plugin
+        self._held_desired: dict[tuple[str, str], PluginHolding] = {}  # what desired() last found held
+        self._contested_shown: dict[tuple[str, str], str] = {}  # held devices kept tainted for a claim, logged
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate)
         self.metrics = DraMetrics()
@@ -293,15 +352,24 @@ class DraDriver:
                 continue
             verdicts[(offer.pool, offer.name)] = (False, "; ".join(reasons))
             published.append(self._tainted(offer, reasons))
-        live = {(o.pool, o.name, t.key) for o in published for t in o.taints}
-        self._since = {k: v for k, v in self._since.items() if k in live}
         self.health.update(verdicts)
         held = self._plugin_held(published)
-        self._offered_now = [o for o in published if (o.pool, o.name) not in held]
+        contested = {k: v for k, v in contested_devices(self.preparer.contested()).items() if k in held}
+        for key in sorted(set(contested) - set(self._contested_shown)):
+            log.info("%s/%s stays in the slice tainted %s/%s NoExecute: held by %s, and claim %s is allocated on "
+                     "it (its pod is evicted)", key[0], key[1], self.opts.driver, HELD_CAUSE, held[key].who,
+                     contested[key])
+        for key in sorted(set(self._contested_shown) - set(contested)):
+            if key in held:
+                log.info("%s/%s leaves the slice: no claim allocated on it waits any more", key[0], key[1])
+        self._contested_shown = contested
+        self._offered_now = contested_offers(published, held, contested, self.opts.driver, self._since_of)
+        live = {(o.pool, o.name, t.key) for o in (*published, *self._offered_now) for t in o.taints}
+        self._since = {k: v for k, v in self._since.items() if k in live}
         self._held_desired = held
         return resource_slices(self.opts.driver, self.opts.node_name, self._offered_now)
 
-    def _plugin_held(self, offered: list[Offer]) -> dict[tuple[str, str], str]:
+    def _plugin_held(self, offered: list[Offer]) -> dict[tuple[str, str], PluginHolding]:
         """The offers the device plugin holds now (ledger.json), left out of the slices so that the scheduler
         places claims elsewhere. A ledger missing or broken says nothing of what the plugin holds: what it
         held stays out until the ledger is rebuilt and the plugin's bookings are back in it (each agent books
@@ -313,7 +381,7 @@ class DraDriver:
         held = plugin_held(data, offered, sharing_policy(self.opts.state_dir)) if data is not None else \
             {k: v for k, v in self._held.items() if k in present}
         for key in sorted(set(held) - set(self._held)):
-            log.info("%s/%s leaves the slice: held by %s", key[0], key[1], held[key])
+            log.info("%s/%s leaves the slice: held by %s", key[0], key[1], held[key].who)
         for key in sorted(set(self._held) - set(held)):
             log.info("%s/%s is back in the slice: the device plugin released it", key[0], key[1])
         return held
@@ -423,6 +491,44 @@ class DraDriver:
         with self.publishing:
             return self._publish()
 
+    def follow_contests_once(self) -> bool:
+        """Publish again when a claim was refused on a held device, or forgotten: the device is kept in (or
+        leaves) the slices within `ledger_poll` seconds. True when published."""
+        if not self.preparer.contests_changed.is_set() or self.published is None:
+            return False
+        self.preparer.contests_changed.clear()
+        with self.publishing:
+            return self._publish()
+
+    def check_contests(self) -> list[str]:
+        """Read each claim refused on a held device from the API server (no lock held) and forget those that
+        no longer point at it (deleted: its pod evicted; allocated elsewhere): the device then leaves the
+        slice as any the plugin holds. A claim that cannot be read is kept. Nothing is read while no claim
+        is refused, so an idle node costs the API server nothing. The uids forgotten."""
+        gone = []
+        for uid, contest in self.preparer.contested().items():
+            try:
+                claim: dict[str, Any] | None = self.preparer.get_claim(contest.namespace, contest.name)
+            except ClaimReadError as err:
+                if err.status != 404:
+                    continue
+                claim = None
+            except DevinjectError:
+                continue
+            if not contest_stands(claim, uid, self.opts.driver, contest):
+                gone.append(uid)
+        if gone:
+            log.info("claim(s) %s no longer allocated on a device the device plugin holds", ", ".join(gone))
+            self.preparer.drop_contests(gone)
+        return gone
+
+    def _check_contests(self, stop: threading.Event) -> None:
+        while not stop.wait(self.opts.contest_check):
+            try:
+                self.check_contests()
+            except Exception:  # the checker must outlive any one failure
+                log.exception("reading the claims refused on a held device")
+
     def _followed_health_changed(self) -> bool:
         """health.json is another file than at the last look (the loop that writes it is another agent's)."""
         seen = path_identity(os.path.join(self.opts.state_dir, HEALTH_FILE))
@@ -452,6 +558,7 @@ class DraDriver:
                 if self.loop is None and self._followed_health_changed():
                     self.wake.set()  # another agent's verdict: published now, not at the next rescan
                 self.follow_ledger_once()
+                self.follow_contests_once()
             except DevinjectError as err:
                 self._ledger_seen = None  # try again at the next look
                 log.warning("publishing ResourceSlices after a ledger change: %s", err.message)
@@ -495,6 +602,7 @@ class DraDriver:
         next_scan = 0.0
         follower = threading.Thread(target=self._follow_ledger, args=(stop,), name="ledger", daemon=True)
         follower.start()
+        threading.Thread(target=self._check_contests, args=(stop,), name="contests", daemon=True).start()
         try:
             while not stop.is_set():
                 due = time.monotonic() >= next_scan

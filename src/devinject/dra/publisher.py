@@ -264,13 +264,13 @@ class SlicePublisher:
 
     # --- claims ---------------------------------------------------------------------------------------------
     def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
-        from devinject.dra.claims import PrepareError
+        from devinject.dra.claims import ClaimReadError
 
         try:
             return self._call(f"get resourceclaim {namespace}/{name}",  # type: ignore[no-any-return]
                               self.api.read_namespaced_resource_claim, name, namespace, budget=CLAIM_BUDGET)
         except PublishError as err:
-            raise PrepareError(err.message) from None
+            raise ClaimReadError(err.message, err.status) from None
 
     def remove_all(self) -> None:
         self.close()
