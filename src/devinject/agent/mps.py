@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
+from devinject.core.filelock import exclusive
 from devinject.core.trusteddir import make_dirs
 from devinject.nodestate.ledger import process_start_time
 
@@ -32,6 +33,8 @@ QUIT_TIMEOUT = 10.0  # seconds for `quit` to be taken, and for the daemon to exi
 START_TIMEOUT = 5.0  # seconds for a started daemon to be seen running
 PIPE_IN_CONTAINER = "/tmp/nvidia-mps"  # where CUDA clients find the daemon, as NVIDIA's drivers mount it
 LOG_IN_CONTAINER = "/var/log/nvidia-mps"
+LOCK = ".daemons.lock"  # the device plugin and the DRA driver may both keep daemons on one node
+LOCK_TIMEOUT = START_TIMEOUT + 2 * QUIT_TIMEOUT + 5.0  # a holder may be starting or stopping a daemon
 
 
 class MpsError(DevinjectError):
@@ -100,6 +103,12 @@ class MpsDaemons:
         make_dirs(self.base, 0o755)
         jsonlite.replace_file(os.path.join(self.base, STATE), data)
 
+    def _locked(self) -> exclusive:
+        """Every read-modify-write of daemons.json under one lock: two agents' rounds would otherwise each
+        save what they read, and the second would forget (and later start again) the first one's daemon."""
+        make_dirs(self.base, 0o755)
+        return exclusive(os.path.join(self.base, LOCK), timeout=LOCK_TIMEOUT, what="MPS daemons", error=MpsError)
+
     def daemon(self, gpu: str) -> Daemon:
         if "/" in gpu or gpu in ("", ".", ".."):
             raise MpsError(f"{gpu!r}: not a PCI address")
@@ -116,6 +125,10 @@ class MpsDaemons:
         CUDA_VISIBLE_DEVICES names the GPU by on the host (its index or UUID)."""
         if not visible:
             raise MpsError(f"{gpu}: no name for the GPU to give its MPS daemon (CUDA_VISIBLE_DEVICES)")
+        with self._locked():
+            return self._acquire(gpu, holder, visible)
+
+    def _acquire(self, gpu: str, holder: str, visible: str) -> Daemon:
         data = self._load()
         entry = data.get(gpu) or {}
         daemon = self.daemon(gpu)
@@ -130,6 +143,10 @@ class MpsDaemons:
 
     def release(self, gpu: str, holder: str) -> bool:
         """`holder` no longer needs the daemon; the last one stops it. Whether it was stopped."""
+        with self._locked():
+            return self._release(gpu, holder)
+
+    def _release(self, gpu: str, holder: str) -> bool:
         data = self._load()
         entry = data.get(gpu)
         if entry is None:
@@ -147,6 +164,12 @@ class MpsDaemons:
     def check(self) -> list[str]:
         """Start again every daemon that died while claims still need it (the agent's rounds). The GPUs
         restarted."""
+        if not os.path.isdir(self.base):
+            return []  # no daemon was ever started here: nothing to lock, nor to look for in /proc
+        with self._locked():
+            return self._check()
+
+    def _check(self) -> list[str]:
         data = self._load()
         restarted = []
         for gpu, entry in sorted(data.items()):
