@@ -991,19 +991,38 @@ def runtime_configure(runtime_name: str, config: str | None, spec_dirs: tuple[st
               help="The runtime's version [default: asked of its binary when --root is /].")
 @state_dir_option
 @profile_dir_option
+@click.option("--kubeconfig", default=None, type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="Kubeconfig for the API server: check the node's ResourceSlices (the slice link) [default: "
+                   "$KUBECONFIG, else the pod's service account, else none: the link is left out].")
+@click.option("--node-name", envvar="NODE_NAME", default=None, metavar="NAME",
+              help="This node's name in the API (env NODE_NAME) [default: the host name, in lower case].")
+@click.option("--driver-name", default="dra.devinject.io", show_default=True, metavar="NAME",
+              help="The DRA driver whose slices are checked.")
+@click.option("--dra-metrics", default="127.0.0.1:9401", show_default=True, metavar="HOST:PORT",
+              help="The DRA driver's /metrics, read for the publishes it counts as failed ('' not to).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_name: str | None,
-           runtime_version: str | None, state_dir: str, profile_dirs: tuple[str, ...], as_json: bool) -> None:
+           runtime_version: str | None, state_dir: str, profile_dirs: tuple[str, ...], kubeconfig: str | None,
+           node_name: str | None, driver_name: str, dra_metrics: str, as_json: bool) -> None:
     """Walk each device's chain to a container (pci, driver, nodes, libraries, spec, runtime, ledger, health,
-    kubelet) and name the first broken link and its fix; exit 0 only when every link holds.
+    kubelet, and with an API server its ResourceSlice) and name the first broken link and its fix; exit 0
+    only when every link holds.
 
     DEVICE: an index or CDI name (nvidia.com/gpu=0), a UUID, a PCI address or kind=PCI address."""
     from devinject.core.paths import DEFAULT_SPEC_DIRS
-    from devinject.doctor import DoctorOptions, diagnose, render
+    from devinject.doctor import DoctorOptions, diagnose, render, slice_api
 
+    if kubeconfig is not None:
+        _check_kubeconfig(kubeconfig)
+    import socket
+
+    if dra_metrics and not dra_metrics.rpartition(":")[2].isdigit():
+        raise UsageError(f"--dra-metrics {dra_metrics!r}: expected HOST:PORT")
     node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
-    found = diagnose(node, device, DoctorOptions(spec_dirs=spec_dirs or DEFAULT_SPEC_DIRS, runtime=runtime_name,
-                                                      runtime_version=runtime_version))
+    api = slice_api(kubeconfig)
+    found = diagnose(node, device, DoctorOptions(
+        spec_dirs=spec_dirs or DEFAULT_SPEC_DIRS, runtime=runtime_name, runtime_version=runtime_version, api=api,
+        node_name=node_name or socket.gethostname().lower(), driver=driver_name, metrics_address=dra_metrics or None))
     if as_json:
         click.echo(json.dumps([d.to_json() for d in found], indent=2))
     elif found:

@@ -12,10 +12,16 @@ The links, in order (each one needs the ones before it):
   installed); pod annotations passed through to the OCI spec are flagged;
 - `ledger`: free, or who holds it;
 - `health`: the verdict and its reasons;
-- `kubelet` (on a Kubernetes node): the device plugin registered for its kind, or the DRA driver registered.
+- `kubelet` (on a Kubernetes node): the device plugin registered for its kind, or the DRA driver registered;
+- `slice` (when the API server is given: a kubeconfig or in-cluster credentials): the node's ResourceSlices of
+  the DRA driver, as the scheduler sees them: there or not ("registered but no slices"), each pool complete,
+  the device published, left out (held by the device plugin) or missing, and its taints; when slices are
+  missing, what the driver's /metrics count of publishes the API server refused.
 
-Every check reads files under the node's root and asks no server; a link after a broken one is reported as
-not checked (`ok` null). A module of the top (docs/architecture.md): it reads every layer's answers.
+Every check but `slice` reads files under the node's root; `slice` makes one list call of the node's slices
+(dra/kubeapi.py: a deadline, a bounded answer) and one bounded GET of the driver's /metrics, both shared by
+every device. A link after a broken one is reported as not checked (`ok` null). A module of the top
+(docs/architecture.md): it reads every layer's answers.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from devinject.core.errors import DevinjectError, SpecError
 from devinject.core.identity import device_key
@@ -37,7 +43,7 @@ if TYPE_CHECKING:
     from devinject.discovery.profiles import Profile
     from devinject.discovery.sysfs import PciDevice
 
-LINKS = ("pci", "driver", "nodes", "libraries", "spec", "runtime", "ledger", "health", "kubelet")
+LINKS = ("pci", "driver", "nodes", "libraries", "spec", "runtime", "ledger", "health", "kubelet", "slice")
 KUBELET_DIR = "/var/lib/kubelet"
 DRA_DRIVER = "dra.devinject.io"
 _SO_VERSION = re.compile(r"\.so\.(\d+\.\d+(?:\.\d+)*)$")
@@ -74,6 +80,12 @@ class Diagnosis:
                 "checks": [c.to_json() for c in self.checks]}
 
 
+class SliceLister(Protocol):
+    """What the slice link asks of the API server (dra/kubeapi.ResourceApi)."""
+
+    def list_resource_slice(self, field_selector: str) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class DoctorOptions:
     spec_dirs: tuple[str, ...] = DEFAULT_SPEC_DIRS
@@ -81,6 +93,10 @@ class DoctorOptions:
     kubelet_dir: str = KUBELET_DIR
     hooks_dir: str | None = None
     runtime_version: str | None = None  # None: asked of the binary on the machine's own root, else unknown
+    api: SliceLister | None = None  # the API server (dra/kubeapi.ResourceApi): None, the slice link is left out
+    node_name: str = ""  # this node's name in the API (the slices' spec.nodeName)
+    driver: str = DRA_DRIVER  # the DRA driver whose slices are read
+    metrics_address: str | None = "127.0.0.1:9401"  # the DRA driver's /metrics (HOST:PORT), for refused publishes
 
 
 class _Broken(Exception):
@@ -135,6 +151,28 @@ def _subjects(node: Node) -> list[_Subject]:
     return sorted(subjects, key=lambda s: (s.profile.kind, s.pci.address))
 
 
+API_TIMEOUT, API_BUDGET = 5.0, 10.0  # seconds: one list call's attempt, and all its attempts
+
+
+def slice_api(kubeconfig: str | None, environ: dict[str, str] | None = None) -> SliceLister | None:
+    """The API server the slice link asks, by the DRA driver's credential rules (dra/kubeapi.py): --kubeconfig,
+    else $KUBECONFIG, else the pod's service account; None when none of them is given (the doctor reads the
+    node alone: ~/.kube/config is not taken unasked). DevinjectError (one line) for credentials that cannot
+    be used."""
+    from devinject.dra import kubeapi
+
+    env = dict(os.environ) if environ is None else environ
+    in_cluster = bool(env.get("KUBERNETES_SERVICE_HOST")) and os.path.exists(f"{kubeapi.SERVICE_ACCOUNT}/token")
+    if not kubeconfig and not env.get("KUBECONFIG") and not in_cluster:
+        return None
+    try:
+        creds = kubeapi.credentials(kubeconfig, env)
+    except OSError as err:
+        raise DevinjectError(f"--kubeconfig {kubeconfig or env.get('KUBECONFIG') or '(in-cluster)'}: "
+                             f"{err.strerror}") from None
+    return kubeapi.ResourceApi(creds, timeout=API_TIMEOUT, budget=API_BUDGET)
+
+
 def check_link(node: Node, device: str, link: str, options: DoctorOptions = DoctorOptions()) -> Check:
     """One link of the first device `device` names, checked whatever the links before it say (the walk stops
     at the first broken one); a link that reads what an earlier one learnt (runtime: the spec's dir) reads
@@ -180,12 +218,16 @@ class _Context:
         self._files: list[tuple[str, Spec | None, str | None]] | None = None
         self._health: dict[str, Any] | None = None
         self._inventory: dict[str, Any] | None = None
+        self._slices: list[dict[str, Any]] | _Broken | None = None
+        self._publish_errors: dict[str, float] | None = None
 
     def walk(self, subject: _Subject) -> Diagnosis:
         links = [("pci", self.pci), ("driver", self.driver), ("nodes", self.nodes), ("libraries", self.libraries),
                  ("spec", self.spec), ("runtime", self.runtime), ("ledger", self.ledger), ("health", self.health)]
         if self.node.host.is_dir(self.options.kubelet_dir):
             links.append(("kubelet", self.kubelet))
+        if self.options.api is not None:
+            links.append(("slice", self.slice))
         checks: list[Check] = []
         broken: str | None = None
         for link, check in links:
@@ -394,28 +436,203 @@ class _Context:
 
     def kubelet(self, s: _Subject) -> tuple[str, str | None]:
         base = self.options.kubelet_dir
-        # the device plugin's endpoint for the kind's resource (kubelet/agent.py's endpoint_for)
-        from devinject.nodestate.profilefacts import served_resources
-
-        resource = served_resources(self.node.state_dir).get(s.profile.kind, s.profile.kind) \
-            if self.node.state_dir else s.profile.kind  # renamed when time-sliced (<kind>.shared)
-        plugin = f"{base}/device-plugins/devinject-{resource.replace('/', '-')}.sock"
-        dra = f"{base}/plugins_registry/{DRA_DRIVER}-reg.sock"
+        plugin = self._plugin_socket(s)
+        driver = self.options.driver
+        dra = f"{base}/plugins_registry/{driver}-reg.sock"
         for path, what, daemonset in ((plugin, "device plugin", "devinject"),
-                                      (dra, f"DRA driver {DRA_DRIVER}", "devinject-dra")):
+                                      (dra, f"DRA driver {driver}", "devinject-dra")):
             real = self.node.host.real(path)
             if os.path.lexists(real):
                 if not _answers(real):
                     raise _Broken(f"{real}: the {what}'s socket is there but nothing answers on it (it is not "
                                   "running)", f"start the {what}: kubectl -n devinject-system get pods -o wide; "
                                   f"kubectl -n devinject-system logs ds/{daemonset}")
-                slices = (f"; its slices: kubectl get resourceslices --field-selector spec.driver={DRA_DRIVER}"
-                          if daemonset == "devinject-dra" else "")
+                slices = ("" if daemonset != "devinject-dra" else "; its slices: the slice link below"
+                          if self.options.api is not None else "; its slices: devinject doctor --kubeconfig FILE "
+                          f"(or kubectl get resourceslices --field-selector spec.driver={driver})")
                 return f"the {what} is registered ({real}){slices}", None
         raise _Broken(f"no devinject plugin registered with the kubelet for {s.profile.kind} (neither {plugin} "
                       f"nor {dra})", "start the device plugin (kubectl apply -k deploy/kubernetes: ds/devinject) or "
-                      f"the DRA driver {DRA_DRIVER} (kubectl apply -k deploy/kubernetes/dra: ds/devinject-dra), then "
+                      f"the DRA driver {driver} (kubectl apply -k deploy/kubernetes/dra: ds/devinject-dra), then "
                       "see that its DaemonSet selects this node (docs/deploy.md)")
+
+    # ---- the node's ResourceSlices, as the API server has them -----------------------------------------------
+
+    def _node_slices(self) -> list[dict[str, Any]]:
+        """The API's slices of this node and driver, listed once for every device's walk."""
+        if self._slices is None:
+            from devinject.dra.kubeapi import ApiError
+
+            assert self.options.api is not None
+            selector = f"spec.nodeName={self.options.node_name},spec.driver={self.options.driver}"
+            try:
+                items = self.options.api.list_resource_slice(field_selector=selector).get("items")
+                self._slices = [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+            except ApiError as err:
+                self._slices = _Broken(f"cannot list the node's ResourceSlices: {err.reason}", _api_fix(err.status))
+        if isinstance(self._slices, _Broken):
+            raise _Broken(self._slices.detail, self._slices.fix)
+        return self._slices
+
+    def _refused(self) -> str:
+        """What the DRA driver's /metrics count of its failed publishes, as a clause ('' when none or when
+        nothing answers there)."""
+        if self._publish_errors is None:
+            address = self.options.metrics_address
+            self._publish_errors = publish_errors(address) if address else {}
+        counts = self._publish_errors
+        if not counts:
+            return ""
+        said = ", ".join(f"{reason} {count:g}" for reason, count in sorted(counts.items()))
+        refused = any(reason.startswith("api-4") for reason in counts)
+        return (f"; the driver's /metrics ({self.options.metrics_address}) count failed publishes: {said}"
+                + ("; the API server refused its slices (an api-4xx: the driver's log has the server's message)"
+                   if refused else ""))
+
+    def _plugin_holder(self, s: _Subject) -> str | None:
+        """Who holds the device through the device plugin (the ledger's booking), if it does: the DRA driver
+        leaves such a device out of its slices until it is released."""
+        if s.found is None or not self.node.state_dir:
+            return None
+        from devinject.core.identity import node_id_of
+        from devinject.nodestate.ledger import Ledger, describe, is_plugin
+
+        data = Ledger(self.node.state_dir).read()
+        if not data:
+            return None
+        mine = {node_id_of(n) for n in s.found.nodes if n.major is not None and n.minor is not None}
+        for booking, entry in data.get("allocations", {}).items():
+            if isinstance(entry, dict) and is_plugin(entry) and \
+                    mine & (set(entry.get("exclusive", ())) | set(entry.get("shared", ()))):
+                return describe(booking, entry)
+        return None
+
+    def slice(self, s: _Subject) -> tuple[str, str | None]:
+        from devinject.dra.slices import label, pool_name
+
+        driver, node_name = self.options.driver, self.options.node_name
+        listing = f"kubectl get resourceslices --field-selector spec.nodeName={node_name},spec.driver={driver}"
+        logs = "kubectl -n devinject-system logs ds/devinject-dra | grep -i resourceslice"
+        items = self._node_slices()
+        registered = os.path.lexists(self.node.host.real(f"{self.options.kubelet_dir}/plugins_registry/"
+                                                         f"{driver}-reg.sock"))
+        if not items:
+            plugin = self.node.host.real(self._plugin_socket(s))
+            if not registered and os.path.lexists(plugin):
+                return (f"no ResourceSlice of {driver} for node {node_name}: the DRA driver does not run here "
+                        f"(the device plugin serves {s.profile.kind})"), None
+            said = "the DRA driver is registered with the kubelet, but " if registered else ""
+            raise _Broken(f"{said}the API server has no ResourceSlice of {driver} for node {node_name}"
+                          + self._refused(),
+                          f"{logs}; the driver's --node-name must be this node's name in the API ({node_name}: "
+                          "kubectl get nodes) and its service account may create resourceslices "
+                          "(deploy/kubernetes/dra/rbac.yaml)")
+        pool = pool_name(node_name, s.profile.kind)
+        mine = [i for i in items if _spec(i).get("pool", {}).get("name") == pool]
+        if not mine:
+            pools = sorted({str(_spec(i).get("pool", {}).get("name")) for i in items})
+            raise _Broken(f"the node's slices of {driver} have no pool {pool} (pools: {', '.join(pools)}): the "
+                          f"driver does not offer {s.profile.kind}",
+                          f"its --kind (the DaemonSet's ConfigMap) must include {s.profile.kind}; {logs}")
+        generation = max(_int(_spec(i)["pool"].get("generation")) for i in mine)
+        current = [i for i in mine if _int(_spec(i)["pool"].get("generation")) == generation]
+        expected = max(_int(_spec(i)["pool"].get("resourceSliceCount")) for i in current)
+        where = f"pool {pool} at generation {generation}"
+        if len(current) < expected:
+            raise _Broken(f"{where} is incomplete: {len(current)} of its {expected} slices (the scheduler "
+                          "allocates from a complete pool only)" + self._refused(),
+                          f"the driver is still publishing, or the API server refused a slice: {logs}")
+        name = f"{label(s.profile.kind.partition('/')[2])}-{label(s.pci.address)}"  # dra/slices.py device_name
+        devices = [(str(i.get("metadata", {}).get("name")), d) for i in current
+                   for d in _spec(i).get("devices", []) or [] if isinstance(d, dict)]
+        published = next(((slice_name, d) for slice_name, d in devices if d.get("name") == name), None)
+        if published is None:
+            holder = self._plugin_holder(s)
+            if holder is not None:
+                return (f"{name} is not in {where}: the device plugin holds it ({holder}); it is published again "
+                        "when released"), None
+            raise _Broken(f"{name} is not in {where} ({len(devices)} devices){self._refused()}",
+                          f"the driver publishes what it discovers within its --rescan: {listing} -o yaml; {logs}")
+        slice_name, device = published
+        taints = [t for t in device.get("taints", []) or [] if isinstance(t, dict)]
+        if taints:
+            said = "; ".join(f"{t.get('key')}" + (f"={t['value']}" if t.get("value") else "") +
+                             f":{t.get('effect')}" + (f" since {t['timeAdded']}" if t.get("timeAdded") else "")
+                             for t in taints)
+            raise _Broken(f"{name} in {slice_name} ({where}) is tainted: {said}",
+                          "no new claim gets it (NoExecute also evicts its pods); once the fault is fixed: "
+                          f"devinject put-back {s.name} (the taint goes with the health verdict)")
+        return f"{name} published in {slice_name} ({where}, {len(devices)} devices), no taint", None
+
+    def _plugin_socket(self, s: _Subject) -> str:
+        """The device plugin's endpoint for the kind's resource (kubelet/agent.py's endpoint_for)."""
+        from devinject.nodestate.profilefacts import served_resources
+
+        resource = served_resources(self.node.state_dir).get(s.profile.kind, s.profile.kind) \
+            if self.node.state_dir else s.profile.kind  # renamed when time-sliced (<kind>.shared)
+        return f"{self.options.kubelet_dir}/device-plugins/devinject-{resource.replace('/', '-')}.sock"
+
+
+def _spec(item: dict[str, Any]) -> dict[str, Any]:
+    spec = item.get("spec")
+    return spec if isinstance(spec, dict) else {}
+
+
+def _int(value: object) -> int:
+    try:
+        return int(value)  # type: ignore[call-overload, no-any-return]
+    except (TypeError, ValueError):
+        return 0
+
+
+def _api_fix(status: int) -> str:
+    if status == 401:
+        return "the API server refuses these credentials: check --kubeconfig's user (or the pod's token)"
+    if status == 403:
+        return ("the identity may not list resourceslices: kubectl auth can-i list resourceslices.resource.k8s.io "
+                "(deploy/kubernetes/dra/rbac.yaml grants it to the driver's service account)")
+    if status == 404:
+        return "the API server serves no resource.k8s.io/v1 (Kubernetes 1.34 or later: docs/deploy.md)"
+    return "kubectl cluster-info (with the same --kubeconfig); the API server must answer within its deadline"
+
+
+METRICS_TIMEOUT = 2.0  # seconds for the DRA driver's /metrics, connect to last byte
+METRICS_MAX = 1 << 20  # bytes of it read at most
+_PUBLISH_ERRORS = re.compile(r'^devinject_dra_slice_publish_errors_total\{reason="([a-z0-9-]+)"\} ([0-9.e+]+)$')
+
+
+def publish_errors(address: str, timeout: float = METRICS_TIMEOUT, limit: int = METRICS_MAX) -> dict[str, float]:
+    """The DRA driver's count of failed publishes by reason (`api-422`, `unreachable`: dra/metrics.py), the
+    nonzero ones, from its /metrics at HOST:PORT; {} when nothing answers there within `timeout` seconds."""
+    import http.client
+    import time
+
+    host, _, port = address.rpartition(":")
+    end = time.monotonic() + timeout
+    connection = http.client.HTTPConnection(host.strip("[]") or "127.0.0.1", int(port or 0), timeout=timeout)
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        if response.status != 200:
+            return {}
+        chunks, size = [], 0
+        while time.monotonic() < end and size <= limit:
+            chunk = response.read(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        text = b"".join(chunks)[:limit].decode("utf-8", "replace")
+    except (OSError, ValueError, http.client.HTTPException):
+        return {}
+    finally:
+        connection.close()
+    counts = {}
+    for line in text.splitlines():
+        match = _PUBLISH_ERRORS.match(line)
+        if match and float(match[2]) > 0:
+            counts[match[1]] = float(match[2])
+    return counts
 
 
 def _answers(path: str) -> bool:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,17 @@ from devinject.api import Node
 from devinject.doctor import DoctorOptions, diagnose
 from tests.conftest import HOSTS
 from tests.e2e.conftest import require, stand_ins
+from tests.unit import test_kubeapi
+from tests.unit.test_kubeapi import Recorder, certs, kubeconfig  # noqa: F401 - `server` needs `certs`
+
+# the fake API server (pytest knows a fixture by the name it is bound to here)
+fake_api_server = test_kubeapi.server
+
+
+@pytest.fixture
+def fake_api_ca(certs: Path) -> Path:  # noqa: F811 - test_kubeapi's fixture
+    """The fake API server's certificate, its own CA."""
+    return certs / "server.crt"
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
@@ -222,3 +234,46 @@ def test_a_time_sliced_gpu_is_explained_and_its_renamed_plugin_found(live: Live)
         assert kubelet.ok is True and "gpu.shared.sock" in kubelet.detail
     finally:
         server.close()
+
+
+
+def test_the_slice_link_reads_the_node_slices_once_for_every_device(live: Live, tmp_path: Path, fake_api_server: int,
+                                                                     fake_api_ca: Path):
+    """With an API server (a real HTTPS server on loopback, as tests/unit/test_doctor_slices.py's), every link
+    holds up to the node's ResourceSlices, listed once for all the devices; a GPU left out of them is the one
+    broken link, named with its pool."""
+    from devinject.dra.kubeapi import ResourceApi, credentials
+    from devinject.dra.slices import offers, resource_slices
+
+    registry = live.root / "var/lib/kubelet/plugins_registry"
+    registry.mkdir(parents=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(registry / "dra.devinject.io-reg.sock"))
+        listener.listen(64)  # the kubelet link connects once per device
+
+        def accept() -> None:
+            while True:
+                try:
+                    listener.accept()[0].close()
+                except OSError:
+                    return
+
+        threading.Thread(target=accept, daemon=True).start()
+        items = json.loads(json.dumps(resource_slices("dra.devinject.io", "node1",
+                                                      offers(Node(str(live.root)), "node1"))))
+        Recorder.answers[("GET", "/apis/resource.k8s.io/v1/resourceslices")] = (200, {"items": items})
+        config = kubeconfig(tmp_path / "kc", fake_api_server, fake_api_ca, token="t")
+        api = ResourceApi(credentials(str(config)), timeout=2, budget=2)
+        found = live.diagnose(None, api=api, node_name="node1", metrics_address=None)
+        gpus = [d for d in found if d.kind == "nvidia.com/gpu"]
+        assert len(gpus) == 8 and all(d.ok for d in gpus), [d.broken for d in gpus if not d.ok]
+        assert [c.link for c in gpus[0].checks][-2:] == ["kubelet", "slice"]
+        assert len(Recorder.seen) == 1
+        for item in items:
+            item["spec"]["devices"] = [d for d in item["spec"].get("devices", []) if d["name"] != "gpu-0000-18-00-0"]
+        (gpu0,) = live.diagnose(NAME, api=api, node_name="node1", metrics_address=None)
+        assert gpu0.broken is not None and gpu0.broken.link == "slice"
+        assert gpu0.broken.detail.startswith("gpu-0000-18-00-0 is not in pool node1-nvidia-com-gpu at generation 1")
+    finally:
+        listener.close()
