@@ -136,17 +136,62 @@ print(json.dumps(check_link(Node(sys.argv[1], state_dir=sys.argv[2]), sys.argv[3
 """
 
 
-def kubelet_link(state: Path) -> dict[str, object]:
-    """The doctor's kubelet link of nvidia.com/gpu=0 over the fake host (which has no driver libraries: the walk
-    would stop at its libraries link), with the machine's kubelet dir bound under its root in a private mount
-    namespace (the bind goes with the process)."""
+SLICE_LINK = """import json, sys
+from devinject.api import Node
+from devinject.doctor import DoctorOptions, check_link, slice_api
+options = DoctorOptions(api=slice_api(sys.argv[4]), node_name=sys.argv[5])
+print(json.dumps(check_link(Node(sys.argv[1], state_dir=sys.argv[2]), sys.argv[3], "slice", options).to_json()))
+"""
+
+
+def kubelet_link(state: Path, script: str = KUBELET_LINK, *args: str) -> dict[str, object]:
+    """The doctor's kubelet link (or `script`'s) of nvidia.com/gpu=0 over the fake host (which has no driver
+    libraries: the walk would stop at its libraries link), with the machine's kubelet dir bound under its root
+    in a private mount namespace (the bind goes with the process)."""
     mount_point = HOST / KUBELET_DIR.relative_to("/")
     mount_point.mkdir(parents=True, exist_ok=True)
-    script = f'mount --bind {KUBELET_DIR} {mount_point} && exec "$0" "$@"'
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, sys.executable, "-c",
-                           KUBELET_LINK, str(HOST), str(state), NAME], capture_output=True, text=True, timeout=120)
+    bind = f'mount --bind {KUBELET_DIR} {mount_point} && exec "$0" "$@"'
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", bind, sys.executable, "-c",
+                           script, str(HOST), str(state), NAME, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def test_the_slice_link_on_the_real_cluster(cluster: Cluster) -> None:  # noqa: F811
+    """The node's ResourceSlices as the real API server has them, read by the doctor with the admin kubeconfig:
+    the GPU published; tainted by a fatal Xid (the driver's own health loop) and clear again after put-back;
+    and asked for under a node name that is not the node's, no slice at all (the admin's first mistake)."""
+    from tests.e2e.test_dra_live import put_back, taints_of, xid
+
+    need(shutil.which("unshare"), "unshare (util-linux)")
+    kubeconfig = str(cluster.kube_dir / "admin.kubeconfig")
+    until(lambda: (KUBELET_DIR / f"plugins_registry/{DRIVER}-reg.sock").exists(), 30, "the driver's registration")
+    address = Node(str(HOST)).find(NAME)[0].address
+    name = "gpu-" + address.replace(":", "-").replace(".", "-")
+    until(lambda: name in {d["name"] for s in cluster.slices() for d in s["spec"].get("devices", [])}, 60,
+          f"{name} in the slices")
+    link = kubelet_link(STATE, SLICE_LINK, kubeconfig, cluster.node)
+    assert link["ok"] is True, link
+    assert str(link["detail"]).startswith(f"{name} published in dra-devinject-io-{cluster.node}-nvidia-com-gpu-"), link
+
+    device = next(d for s in cluster.slices() for d in s["spec"].get("devices", []) if d["name"] == name)
+    try:
+        xid(device)
+        until(lambda: taints_of(cluster, name), 30, f"{name} tainted")
+        link = kubelet_link(STATE, SLICE_LINK, kubeconfig, cluster.node)
+        assert link["ok"] is False, link
+        assert f"is tainted: {DRIVER}/xid=79:NoSchedule since " in str(link["detail"]), link
+        assert "devinject put-back nvidia.com/gpu=0" in str(link["fix"])
+    finally:
+        put_back(device)
+    until(lambda: not taints_of(cluster, name), 30, f"{name}'s taint cleared")
+    assert kubelet_link(STATE, SLICE_LINK, kubeconfig, cluster.node)["ok"] is True
+
+    link = kubelet_link(STATE, SLICE_LINK, kubeconfig, "not-this-node")
+    assert link["ok"] is False
+    assert link["detail"] == ("the DRA driver is registered with the kubelet, but the API server has no "
+                              f"ResourceSlice of {DRIVER} for node not-this-node"), link
+    assert "--node-name must be this node's name" in str(link["fix"])
 
 
 def test_the_kubelet_link_on_the_real_cluster(cluster: Cluster, tmp_path: Path) -> None:  # noqa: F811
