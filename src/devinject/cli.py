@@ -789,12 +789,15 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
               help="Publish each whole GPU with allowMultipleAllocations and shareable capacity "
                    "(DRAConsumableCapacity): at most N claims per GPU, and its memory (e.g. 80Gi; auto: what "
                    "sysfs states) for claims' capacity.requests (docs/sharing.md).")
+@click.option("--nfd-features-dir", default=None, metavar="DIRECTORY",
+              help="Write the node's labels for Node Feature Discovery there (its features.d, e.g. "
+                   "/etc/kubernetes/node-feature-discovery/features.d), as the devices change.")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
                driver_root: str | None, node_hook: str | None, hook_path: str | None, kinds: tuple[str, ...],
                node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str, registry_dir: str,
                cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float, threshold: int,
                test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
-               metrics_address: str, consumable_capacity: str) -> None:
+               metrics_address: str, consumable_capacity: str, nfd_features_dir: str | None) -> None:
     """Kubernetes DRA kubelet plugin: ResourceSlices from discovery with the node's health loop (faults as
     device taints), claims prepared as CDI specs (docs/dra.md)."""
     from devinject.agent.watch import WatchOptions
@@ -829,7 +832,8 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     opts = DraOptions(generate=gen, node_name=node_name, driver=driver_name, plugin_dir=plugin_dir,
                       registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan,
                       health=health_mode, watch=watch, fatal_effect=fatal_taint_effect,
-                      metrics_address=metrics_address or None, capacity=capacity)
+                      metrics_address=metrics_address or None, capacity=capacity,
+                      nfd_features_dir=nfd_features_dir)
     DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name, watch=True)).run(_stop_on_signals())
 
 

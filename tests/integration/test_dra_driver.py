@@ -684,3 +684,62 @@ def test_auto_hands_the_loop_back_to_the_agent_that_owns_it(hgx: Path, dirs: dic
         assert running.driver.loop is not None
     finally:
         running.close()
+
+
+def labels_in(directory: Path) -> dict[str, str]:
+    path = directory / "devinject"
+    if not path.exists():
+        return {}
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+
+
+def test_a_dra_only_node_writes_nfds_feature_file_and_a_taken_out_gpu_leaves_the_count(
+        hgx: Path, dirs: dict[str, str], api: FakeApi, tmp_path: Path) -> None:
+    """`--nfd-features-dir`: the driver writes NFD's feature file as `watch` and `device-plugin` do (agent/nfd.py),
+    from its own discovery, so a node that runs the DRA driver alone is labelled; the GPU its own health loop
+    takes out for a fatal Xid is not counted, and counted again once put back. The embedded loop writes no
+    second copy."""
+    from devinject.agent.healthstate import request_put_back
+    from devinject.agent.nfd import features
+
+    features_dir = tmp_path / "features.d"
+    features_dir.mkdir()
+    running = Running(hgx, dirs, api, health="check", nfd_features_dir=str(features_dir))
+    try:
+        assert running.driver.opts.watch_options().nfd_features_dir is None
+        wait_for("the feature file", lambda: labels_in(features_dir).get("devinject.io/nvidia.com-gpu.count") == "8")
+        from devinject.discovery.node import Node
+
+        node = Node(str(hgx))
+        assert (features_dir / "devinject").read_text() == "\n".join(features(node.host, node.devices())) + "\n"
+        with open(hgx / "var/log/kern.log", "a") as log:
+            log.write(XID_79)
+        wait_for("the Xid'd GPU out of the count",
+                 lambda: labels_in(features_dir).get("devinject.io/nvidia.com-gpu.count") == "7")
+        assert labels_in(features_dir)["devinject.io/nvidia.com-gpu.numa0"] == "3"
+        request_put_back(str(hgx), dirs["state"], "nvidia.com/gpu=0000:18:00.0")
+        wait_for("the GPU counted again",
+                 lambda: labels_in(features_dir).get("devinject.io/nvidia.com-gpu.count") == "8")
+        assert not [p for p in features_dir.iterdir() if p.name != "devinject"]  # no dot-file left behind
+    finally:
+        running.close()
+
+
+def test_a_driver_following_another_agents_loop_still_writes_the_labels(dirs: dict[str, str], api: FakeApi,
+                                                                        tmp_path: Path) -> None:
+    """`--health follow` (another agent's loop writes health.json): the driver writes the feature file from
+    its discovery and that health.json; no feature dir given, nothing is written."""
+    features_dir = tmp_path / "features.d"
+    features_dir.mkdir()
+    driver = make_driver(dirs, api)
+    driver.refresh()
+    assert list(features_dir.iterdir()) == [] and not driver.write_labels()
+    driver = DraDriver(replace(driver.opts, health="follow", nfd_features_dir=str(features_dir)), api)
+    driver.refresh()
+    assert labels_in(features_dir)["devinject.io/nvidia.com-gpu.count"] == "8"
+    (Path(dirs["state"]) / "health.json").write_text(json.dumps(
+        {"unhealthy_nodes": ["c 195:2"], "devices": {"nvidia.com/gpu=0000:18:00.0": {
+            "published": "unhealthy", "reasons": ["xid 79"]}}}))
+    driver.refresh(rediscover=False)
+    assert labels_in(features_dir)["devinject.io/nvidia.com-gpu.count"] == "7"
+    assert not driver.write_labels()  # unchanged: not written again

@@ -41,6 +41,7 @@ from devinject.core.errors import DevinjectError
 from devinject.core.identity import device_key, node_id_of, path_identity
 from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.channels import channel_fault
+from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacitySharing
@@ -94,11 +95,13 @@ class DraOptions:
     ledger_poll: float = 0.5  # seconds between looks at the ledger (the device plugin's bookings)
     capacity: CapacitySharing | None = None  # consumable capacity offered (dra/capacity.py); None: not
     contest_check: float = 5.0  # seconds between reads of the claims refused on a held device, while any is
+    nfd_features_dir: str | None = None  # write NFD's feature file there (agent/nfd.py), as `watch` does
 
     def watch_options(self) -> WatchOptions:
-        """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own."""
+        """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own, and no
+        feature file (the driver writes it, whether it runs the loop or follows another agent's)."""
         base = self.watch or WatchOptions(generate=self.generate, rescan=self.rescan)
-        return replace(base, generate=self.generate, state_dir=self.state_dir, specs=False)
+        return replace(base, generate=self.generate, state_dir=self.state_dir, specs=False, nfd_features_dir=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +265,7 @@ class DraDriver:
         self._inventory: Inventory | None = None
         self._host: Host | None = None
         self._all: list[Offer] = []
+        self._found: list[FoundDevice] = []  # the PCI devices discovered last, of the served kinds (labels)
         self._known: dict[tuple[str, str], Offer] = {}  # every offer since start: one gone while out stays tainted
         self._since: dict[tuple[str, str, str], str] = {}  # (pool, device, taint key) -> its timeAdded
         self.health = HealthState()
@@ -299,8 +303,10 @@ class DraDriver:
         versions = {f.profile.kind: driver_version(node.host, f.profile, []) for f in node.devices()}
         offered = shareable([o for o in offers(node, self.opts.node_name, versions)
                              if not gen.kinds or o.kind in gen.kinds], self.opts.capacity)
+        found = [f for f in node.devices() if not gen.kinds or f.profile.kind in gen.kinds]
         with self.lock:
             self._all = offered
+            self._found = found
             self._host = node.host
             self._known.update({(o.pool, o.name): o for o in offered})
             self._inventory = Inventory(node, {(o.pool, o.name): o for o in offered})
@@ -399,8 +405,31 @@ class DraDriver:
         if rediscover or self._inventory is None:
             self.discover()
             self.preparer.rebook()
+        self.write_labels()
         with self.publishing:
             return self._publish()
+
+    def write_labels(self) -> bool:
+        """NFD's feature file (agent/nfd.py) from the devices discovered last, those health.json has taken
+        out not counted, as `watch` and `device-plugin` write it: a DRA-only node is labelled too. Written
+        when it changed (True); a failed write is logged, the slices are published all the same."""
+        if not self.opts.nfd_features_dir:
+            return False
+        from devinject.agent.nfd import features, write_features
+
+        out = frozenset(read_health(self.opts.state_dir).reasons)
+        with self.lock:
+            host, found = self._host, list(self._found)
+        if host is None:
+            return False
+        try:
+            written = write_features(self.opts.nfd_features_dir, features(host, found, out=out))
+        except OSError as err:
+            log.warning("%s: cannot write NFD's feature file: %s", self.opts.nfd_features_dir, err.strerror)
+            return False
+        if written:
+            log.info("wrote the node's labels for NFD in %s", self.opts.nfd_features_dir)
+        return written
 
     def _publish(self) -> bool:
         """Publish the slices as they should be now (health.json's taints, less what the device plugin
