@@ -100,7 +100,7 @@ fixtures: venv
 # they match).
 proto: venv
 	$(BIN)/python -m grpc_tools.protoc -Isrc --python_out=src --pyi_out=src --grpc_python_out=src \
-		src/devinject/kubelet/api/v1beta1.proto $(wildcard src/devinject/dra/api/*.proto)
+		src/devinject/deviceplugin/api/v1beta1.proto $(wildcard src/devinject/dra/api/*.proto)
 
 golden: venv
 	$(BIN)/pytest -q tests/integration/test_golden.py --update-golden

@@ -13,7 +13,7 @@ each time (a snapshotter's):
 - `1 hook, launcher -IS`: as generate writes it now (links-and-ldcache, this interpreter on the hook launcher);
 - `1 hook, launcher -IS, served`: the same hook handed to the running hook server (`--server`), whose worker
   joins the container's mount namespace and runs it with its imports done;
-- `1 hook, node hook`: the same hook through the node hook bundle (agent/nodehook.py, in a scratch host root);
+- `1 hook, node hook`: the same hook through the node hook bundle (install/nodehook.py, in a scratch host root);
 - `floor: /bin/true hook`: one createContainer hook that does nothing: the runtime's own cost of a hook;
 - `bare` and `OCI hook, served`: no CDI edits, without and with `devinject hook` as prestart (install-hook's
   command) handed to a hook server: the reference the CDI hooks are held to.
@@ -41,10 +41,10 @@ from bench.bench_hook import compile_bytecode  # noqa: E402
 from tests.e2e.conftest import make_rootfs  # noqa: E402
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100  # noqa: E402
 
-from devinject.agent.nodehook import install_node_hook  # noqa: E402
-from devinject.core.model import ContainerEdits, Hook  # noqa: E402
-from devinject.core.spec import load_file  # noqa: E402
-from devinject.hooksd import hook_command, runc_hooks  # noqa: E402
+from devinject.cdi.model import ContainerEdits, Hook  # noqa: E402
+from devinject.cdi.spec import load_file  # noqa: E402
+from devinject.install.hooksd import hook_command, runc_hooks  # noqa: E402
+from devinject.install.nodehook import install_node_hook  # noqa: E402
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 DEVICE = "0"

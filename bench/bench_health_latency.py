@@ -43,7 +43,7 @@ from tests.integration.fake_kubelet import FakeKubelet  # noqa: E402
 
 from devinject.agent import healthstate, kernelmsg  # noqa: E402
 from devinject.agent.watch import WatchOptions  # noqa: E402
-from devinject.kubelet.agent import DevicePluginAgent, PluginOptions  # noqa: E402
+from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions  # noqa: E402
 from devinject.specs.generate import GenerateOptions  # noqa: E402
 
 ADDRESS = "0000:18:00.0"

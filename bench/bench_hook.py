@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from tests.e2e.conftest import make_rootfs  # noqa: E402
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100  # noqa: E402
 
-from devinject.hooksd import hook_command, runc_hooks  # noqa: E402
+from devinject.install.hooksd import hook_command, runc_hooks  # noqa: E402
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 

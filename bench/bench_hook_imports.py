@@ -29,7 +29,7 @@ from bench.bench_hook import compile_bytecode  # noqa: E402
 HOOK_MODULES = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.request", "devinject.hook.registry",
                 "devinject.hook.plan", "devinject.hook.executor", "devinject.hook.nsenter",
                 "devinject.hook.linkercache", "devinject.hook.cgroup", "devinject.hook.bpf",
-                "devinject.nodestate.ledger", "devinject.nodestate.profilefacts", "devinject.core.spec")
+                "devinject.nodestate.ledger", "devinject.nodestate.profilefacts", "devinject.cdi.spec")
 
 
 def variant(json_package: bool, ctypes_package: bool, typing_records: bool) -> str:
@@ -37,7 +37,7 @@ def variant(json_package: bool, ctypes_package: bool, typing_records: bool) -> s
     if typing_records:  # every `class X(NamedTuple)` the modules define becomes typing's
         lines += ["import typing, devinject.core.records as records", "records.NamedTuple = typing.NamedTuple"]
     lines += [f"import {module}" for module in HOOK_MODULES]
-    lines += ["from devinject.core import jsonlite, libc"]
+    lines += ["from devinject.core import jsonlite", "from devinject.linux import libc"]
     if not json_package:
         lines += ["from devinject.hook import fastjson", "fastjson.install()"]
     if not ctypes_package:

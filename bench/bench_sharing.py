@@ -30,11 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from devinject.agent.mps import MpsDaemons  # noqa: E402
+from devinject.deviceplugin.allocation import PluginDevice, answer, preferred  # noqa: E402
+from devinject.deviceplugin.sharing import check_replicas, preferred_replicas, replicated  # noqa: E402
 from devinject.discovery.topology import Place  # noqa: E402
 from devinject.dra.capacity import CapacitySharing  # noqa: E402
 from devinject.dra.driver import DraDriver, DraOptions  # noqa: E402
-from devinject.kubelet.allocation import PluginDevice, answer, preferred  # noqa: E402
-from devinject.kubelet.sharing import check_replicas, preferred_replicas, replicated  # noqa: E402
 from devinject.specs.generate import GenerateOptions, generate_specs  # noqa: E402
 
 HGX = REPO / "tests/fixtures/hosts/hgx-h100"

@@ -12,75 +12,37 @@ beside the commands (docs/architecture.md), so that `cli.py` is parse, call, ren
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from devinject.agent.health import PROBE_TIMEOUT
 from devinject.core.paths import DEFAULT_STATE_DIR
 from devinject.discovery import node as discovery_node
+from devinject.results import Event
 
 if TYPE_CHECKING:
-    from devinject.agent.inventory import DeviceHealth, DeviceRecord, HeldNode
-    from devinject.core.model import Spec
+    from devinject.cdi.model import Spec
+    from devinject.results import DeviceHealth, DeviceRecord, HeldNode
     from devinject.specs.generate import GenerateOptions
-
-_PCI_ADDRESS = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-# the fields of a recorded event that are the vocabulary's, under its names; the rest are the event's own
-_RENAMED = {"status": "health"}
-_OWN = ("time", "event", "device", "reasons")
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One transition of the state dir's per-device ring (nodestate/events.py): the device by its key
-    (`kind=PCI address`, the name the pci naming strategy gives it; an IMEX channel's is its CDI name,
-    `kind=N`), what happened, why."""
-
-    name: str
-    time: float
-    event: str
-    reasons: tuple[str, ...] = ()
-    details: tuple[tuple[str, Any], ...] = ()  # what else the event recorded (health, by, functions, ...)
-
-    @classmethod
-    def of(cls, name: str, entry: dict[str, Any]) -> Event:
-        details = tuple((_RENAMED.get(k, k), v) for k, v in sorted(entry.items()) if k not in _OWN)
-        return cls(name, float(entry["time"]), str(entry["event"]), tuple(entry.get("reasons", ())), details)
-
-    @property
-    def kind(self) -> str:
-        return self.name.partition("=")[0]
-
-    @property
-    def pci_address(self) -> str | None:
-        """The key's PCI address; None for a device that is no PCI function (a channel: `kind=N`)."""
-        address = self.name.partition("=")[2]
-        return address if _PCI_ADDRESS.fullmatch(address) else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, "time": self.time,
-                "event": self.event, "reasons": list(self.reasons), **dict(self.details)}
-
 
 class Node(discovery_node.Node):
     """A node, as every command reads it: see discovery/node.py for the roots and their checks."""
 
     def health(self, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceHealth]:
         """Every device's verdict, bound to its driver or not (an unbound one by its key)."""
-        from devinject.agent.inventory import device_health
+        from devinject.inventory import device_health
 
         return device_health(self, timeout=timeout)
 
     def inventory(self) -> list[DeviceRecord]:
         """Every discovered device with its health, the containers the ledger booked it for, its pairs."""
-        from devinject.agent.inventory import inventory
+        from devinject.inventory import inventory
 
         return inventory(self)
 
     def holders(self, device: str | None = None) -> list[HeldNode]:
         """Processes holding a node of the devices (those `device` names) open, with their containers."""
-        from devinject.agent.inventory import holders
+        from devinject.inventory import holders
 
         return holders(self, device)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from devinject import __version__
-from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
+from devinject.cdi.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 from devinject.core.errors import DevinjectError, UsageError
 from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR, HOOK_SOCKET, STATIC_SPEC_DIR
 
@@ -88,8 +88,8 @@ def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_r
         return _checked_hook_path(root, target_root, hook_path)
     if hook_path is not None:
         raise UsageError("--node-hook and --hook-path: give one (--node-hook DIR sets the hook path)")
-    from devinject.agent.nodehook import hook_path as bundle_hook_path
-    from devinject.agent.nodehook import in_root, node_hook_ready
+    from devinject.install.nodehook import hook_path as bundle_hook_path
+    from devinject.install.nodehook import in_root, node_hook_ready
 
     problem = node_hook_ready(root, node_hook)
     if problem:
@@ -180,7 +180,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
     """Discover devices on the host and write CDI specs."""
     node = _node(root=root, target_root=target_root, profile_dirs=profile_dirs)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
-    from devinject.core.spec import write_atomic
+    from devinject.cdi.spec import write_atomic
     from devinject.specs.generate import GenerateOptions, render, write_specs
 
     opts = GenerateOptions(kinds=kinds, strategies=strategies, version_cap=version_cap, hook_path=hook_path,
@@ -193,7 +193,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
             raise DevinjectError(f"{why}; nothing written")
         note(f"{why}; nothing written")
         return
-    from devinject.core.spec import spec_dir_problem
+    from devinject.cdi.spec import spec_dir_problem
 
     if output != "-":  # a spec dir others could write: the hook and validate refuse every spec in it
         directory = output_dir if output is None else os.path.dirname(os.path.abspath(output))
@@ -450,9 +450,9 @@ _lean_command("cdi-hook", "The specs' hooks: symlinks and the linker cache.",
 def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, poststop: bool,
                  server_socket: str | None, runc_snippet: bool, server_unit: bool, unit_dir: str | None) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
-    from devinject.core.spec import write_atomic
+    from devinject.cdi.spec import write_atomic
     from devinject.hook.client import DEFAULT_SOCKET, server_answers
-    from devinject.hooksd import (
+    from devinject.install.hooksd import (
         DEFAULT_HOOKS_DIR,
         DEFAULT_UNIT_DIR,
         HOOK_FILE,
@@ -463,7 +463,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         render,
         runc_hooks,
     )
-    from devinject.hooksd import server_unit as render_server_unit
+    from devinject.install.hooksd import server_unit as render_server_unit
 
     command = hook_command(executable and os.path.abspath(executable))
     if not os.access(command[0], os.X_OK):
@@ -511,7 +511,7 @@ def install_node_hook(root: str, directory: str, check: bool, force: bool) -> No
     """Install this devinject onto the host as a self-contained CDI hook (its interpreter, loader, libraries and
     modules: the node needs only /bin/sh) and print the --hook-path for specs; see docs/node-hook.md."""
     _check_roots(root=root)
-    from devinject.agent.nodehook import hook_path, in_root, install_node_hook, node_hook_ready
+    from devinject.install.nodehook import hook_path, in_root, install_node_hook, node_hook_ready
 
     if check:
         problem = node_hook_ready(root, directory)
@@ -605,7 +605,7 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
                    ) -> tuple[WatchOptions, Node]:
     """The loop's options, and the node it watches (its roots checked once, here)."""
     from devinject.agent.watch import WatchOptions
-    from devinject.core.trusteddir import trusted_dir
+    from devinject.linux.trusteddir import trusted_dir
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
     node = _node(root=root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
@@ -694,7 +694,7 @@ def _sharing_section(ctx: click.Context, path: str, key: str, value: object) -> 
         if value != "v1":
             raise ConfigFileError(f"{path}: version: expected v1 (the version of NVIDIA's config shape), got {value!r}")
         return
-    from devinject.kubelet.sharing import SharingConfigError, parse_sharing
+    from devinject.deviceplugin.sharing import SharingConfigError, parse_sharing
 
     try:
         ctx.meta["devinject.sharing"] = parse_sharing(value, path)
@@ -720,7 +720,7 @@ def _sharing_section(ctx: click.Context, path: str, key: str, value: object) -> 
 def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: str, metrics_address: str,
                   **options: Any) -> None:
     """Kubernetes node agent: a kubelet device plugin per kind, with watch's health loop and specs."""
-    from devinject.kubelet.agent import DevicePluginAgent, PluginOptions
+    from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
 
     names: dict[str, str] = {}
     for item in resource_names:
@@ -730,7 +730,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
         names[kind] = name
     _check_metrics_address(metrics_address)
     watch, node = _watch_options(**options)
-    from devinject.kubelet.sharing import SharingConfig
+    from devinject.deviceplugin.sharing import SharingConfig
 
     sharing = click.get_current_context().meta.get("devinject.sharing", SharingConfig())
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
@@ -801,10 +801,10 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     """Kubernetes DRA kubelet plugin: ResourceSlices from discovery with the node's health loop (faults as
     device taints), claims prepared as CDI specs (docs/dra.md)."""
     from devinject.agent.watch import WatchOptions
-    from devinject.core.names import vendor_problem
-    from devinject.core.trusteddir import make_dirs, trusted_dir
+    from devinject.cdi.names import vendor_problem
     from devinject.dra.driver import DraDriver, DraOptions
     from devinject.dra.publisher import SlicePublisher, api_client
+    from devinject.linux.trusteddir import make_dirs, trusted_dir
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
     if kubeconfig is not None:

@@ -32,13 +32,13 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from devinject.cdi.identity import device_key
 from devinject.core.errors import DevinjectError, SpecError
-from devinject.core.identity import device_key
 from devinject.core.paths import DEFAULT_SPEC_DIRS
 
 if TYPE_CHECKING:
     from devinject.api import Node
-    from devinject.core.model import Device, Spec
+    from devinject.cdi.model import Device, Spec
     from devinject.discovery.discover import FoundDevice
     from devinject.discovery.profiles import Profile
     from devinject.discovery.sysfs import PciDevice
@@ -328,7 +328,7 @@ class _Context:
     def _spec_files(self) -> list[tuple[str, Spec | None, str | None]]:
         """(file, its spec or None, its problem) for every spec file of the spec dirs."""
         if self._files is None:
-            from devinject.core.spec import list_spec_files, load_text, read_spec_text, spec_dir_problem
+            from devinject.cdi.spec import list_spec_files, load_text, read_spec_text, spec_dir_problem
 
             self._files = []
             for directory in self.options.spec_dirs:
@@ -494,7 +494,7 @@ class _Context:
         leaves such a device out of its slices until it is released."""
         if s.found is None or not self.node.state_dir:
             return None
-        from devinject.core.identity import node_id_of
+        from devinject.cdi.identity import node_id_of
         from devinject.nodestate.ledger import Ledger, describe, is_plugin
 
         data = Ledger(self.node.state_dir).read()
@@ -565,7 +565,7 @@ class _Context:
         return f"{name} published in {slice_name} ({where}, {len(devices)} devices), no taint", None
 
     def _plugin_socket(self, s: _Subject) -> str:
-        """The device plugin's endpoint for the kind's resource (kubelet/agent.py's endpoint_for)."""
+        """The device plugin's endpoint for the kind's resource (deviceplugin/agent.py's endpoint_for)."""
         from devinject.nodestate.profilefacts import served_resources
 
         resource = served_resources(self.node.state_dir).get(s.profile.kind, s.profile.kind) \

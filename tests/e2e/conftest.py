@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from devinject.hooksd import hook_command, runc_hooks
+from devinject.install.hooksd import hook_command, runc_hooks
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_workstation
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devinject.core.ldcache import parse_ldcache
-from devinject.core.spec import load_file
+from devinject.cdi.spec import load_file
+from devinject.linux.ldcache import parse_ldcache
 from devinject.specs.generate import hook_command
 from tests.e2e import test_hostile_image as hostile_images
 from tests.e2e.conftest import PODMAN, Bundle, container_name, in_cdi_dir, terminate

@@ -14,7 +14,7 @@ from tests.e2e.conftest import in_private_mount_ns, require
 
 LOOKUP = r"""
 import os, subprocess, sys
-from devinject.core import devcgroup as cgroup
+from devinject.linux import devcgroup as cgroup
 
 setup, proc_cgroup = sys.argv[1], sys.argv[2].replace("|", "\n")
 if setup == "v2":  # what runc sees on a cgroup v2 host

@@ -493,7 +493,7 @@ def test_the_allocate_answer_carries_the_cdi_names_and_the_fallback(cluster: Clu
                                                                     deployment: dict[str, Any]) -> None:
     """What the kubelet kept of the agent's Allocate answer (its checkpoint): the CDI names, which containerd
     1.7 applies, and the same GPUs' device nodes as the fallback, which containerd 1.6 applies."""
-    from devinject.kubelet.api.v1beta1_pb2 import ContainerAllocateResponse
+    from devinject.deviceplugin.api.v1beta1_pb2 import ContainerAllocateResponse
 
     checkpoint = json.loads(Path("/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint").read_text())
     (entry,) = [e for e in checkpoint["Data"]["PodDeviceEntries"]

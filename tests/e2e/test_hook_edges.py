@@ -121,8 +121,9 @@ def test_a_hook_that_fails_after_booking_gives_the_device_back(tmp_path: Path) -
         assert not (bundle / "rootfs" / "dev" / "cancel0").exists()
 
 
-# What a container start may load: the hook, the core it builds on, and the node state it books in.
-HOOK_PACKAGES = ("devinject.core", "devinject.hook", "devinject.nodestate")
+# What a container start may load: the hook, the floors it builds on (core, the CDI model, the Linux toolkit),
+# and the node state it books in.
+HOOK_PACKAGES = ("devinject.core", "devinject.cdi", "devinject.linux", "devinject.hook", "devinject.nodestate")
 HEAVY = ("click", "yaml", "jsonschema", "pynvml", "pyroute2")
 SLOW_STDLIB = ("typing", "dataclasses", "pathlib", "subprocess", "inspect", "json", "re", "enum", "signal",
                "contextlib", "functools", "tempfile", "ctypes")
@@ -130,7 +131,7 @@ SLOW_STDLIB = ("typing", "dataclasses", "pathlib", "subprocess", "inspect", "jso
 
 def test_a_real_hook_run_imports_only_the_core_it_needs(tmp_path: Path) -> None:
     """The hook's real import graph, taken from a real run (ledger, cgroup, nodes, driver mounts, linker
-    cache) rather than a list: with warm caches, only core/hook/nodestate modules and no slow stdlib — in
+    cache) rather than a list: with warm caches, only core/cdi/linux/hook/nodestate modules and no slow stdlib — in
     the hook and in the child it forks into the container's mount namespace (an audit hook sees both)."""
     require(os.geteuid() == 0, "needs root (mknod, mount)")
     spec_dir = tmp_path / "cdi"

@@ -194,7 +194,7 @@ def _imports(command: list[str], stdin: str = "") -> set[str]:
 def test_a_served_start_imports_nothing_but_the_client(server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The launcher runs on every container start in an interpreter without `site`: what it imports before
     handing over is paid on each one (`os` alone was ~1.4 ms of a ~16 ms budget)."""
-    from devinject.hooksd import hook_command
+    from devinject.install.hooksd import hook_command
 
     _, path = server
     bundle = tmp_path / "bundle"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from devinject.core.ldcache import parse_ldcache
+from devinject.linux.ldcache import parse_ldcache
 from tests.e2e.conftest import PODMAN, Bundle, container_name, make_rootfs, require
 
 pytestmark = pytest.mark.live

@@ -191,7 +191,7 @@ def test_statx_and_fdinfo_name_the_same_mount() -> None:
 
 SHARED_FLAGS = r"""
 import os, sys
-from devinject.core.mountinfo import parse_mountinfo
+from devinject.linux.mountinfo import parse_mountinfo
 from devinject.hook import syscalls
 
 volume = sys.argv[1]

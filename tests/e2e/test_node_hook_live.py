@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from devinject.agent.nodehook import DEFAULT_DIR, hook_path
-from devinject.core.ldcache import parse_ldcache
+from devinject.install.nodehook import DEFAULT_DIR, hook_path
+from devinject.linux.ldcache import parse_ldcache
 from tests.e2e.conftest import DEVINJECT, PODMAN, REPO, in_cdi_dir, require
 
 pytestmark = pytest.mark.live

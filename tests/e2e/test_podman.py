@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from devinject.hooksd import hook_command, hooks_d_entry
+from devinject.install.hooksd import hook_command, hooks_d_entry
 from tests.e2e.conftest import DEVINJECT, PODMAN
 
 pytestmark = pytest.mark.live

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from devinject.core.ldcache import parse_ldcache
+from devinject.linux.ldcache import parse_ldcache
 from tests.e2e.conftest import Bundle, container_name
 
 pytestmark = pytest.mark.live

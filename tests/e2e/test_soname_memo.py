@@ -21,7 +21,7 @@ SONAMES = ("liba.so.1", "libb.so.2", "libc-driver.so.550")
 
 CONTAINERS = r"""
 import json, os, shutil, subprocess, sys
-from devinject.core.ldcache import parse_ldcache
+from devinject.linux.ldcache import parse_ldcache
 from devinject.hook.executor import Executor
 from devinject.hook.linkercache import SonameMemo
 from devinject.hook.plan import BindMount, Plan, Symlink

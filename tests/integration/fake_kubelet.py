@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from devinject.kubelet.api import v1beta1_pb2 as api
-from devinject.kubelet.api import v1beta1_pb2_grpc as api_grpc
+from devinject.deviceplugin.api import v1beta1_pb2 as api
+from devinject.deviceplugin.api import v1beta1_pb2_grpc as api_grpc
 
 
 @dataclass

@@ -23,9 +23,9 @@ import grpc
 import pytest
 
 from devinject.agent.watch import WatchOptions
+from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
+from devinject.deviceplugin.api import v1beta1_pb2 as api
 from devinject.dra.driver import DraDriver, DraOptions
-from devinject.kubelet.agent import DevicePluginAgent, PluginOptions
-from devinject.kubelet.api import v1beta1_pb2 as api
 from devinject.nodestate.ledger import Ledger
 from devinject.specs.generate import GenerateOptions
 from tests.integration.fake_kubelet import FakeKubelet

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from devinject.core.model import Spec
+from devinject.cdi.model import Spec
 from devinject.specs.generate import GenerateOptions, generate_specs, render
 from tests.conftest import FIXTURES, HOSTS, TOPOLOGY_HOSTS
 

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from devinject.agent.watch import WatchOptions
-from devinject.kubelet.agent import DevicePluginAgent, PluginOptions
-from devinject.kubelet.api import v1beta1_pb2 as api
+from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
+from devinject.deviceplugin.api import v1beta1_pb2 as api
 from devinject.specs.generate import GenerateOptions
 from tests.integration.fake_kubelet import FakeKubelet
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from devinject.kubelet import agent as agent_module
+from devinject.deviceplugin import agent as agent_module
 from tests.e2e.conftest import terminate
 from tests.integration.fake_kubelet import FakeKubelet
 from tests.integration.test_device_plugin import GPU_PATH, start_agent
@@ -151,7 +151,7 @@ def test_a_life_of_the_agent_is_in_its_log_at_default_verbosity(host_copy, tmp_p
         (host / GPU_PATH / "enable").write_text("1\n")
         agent.said(r"nvidia.com/gpu: ListAndWatch: 0000:18:00.0 Healthy")
 
-        from devinject.kubelet.api import v1beta1_pb2 as api
+        from devinject.deviceplugin.api import v1beta1_pb2 as api
 
         kubelet.plugins["nvidia.com/gpu"].stub.Allocate(api.AllocateRequest(container_requests=[
             api.ContainerAllocateRequest(devices_ids=["0000:2a:00.0", "0000:3a:00.0"]),

@@ -18,8 +18,8 @@ from typing import Any
 import grpc
 import pytest
 
+from devinject.cdi.spec import dump
 from devinject.core.errors import LedgerError
-from devinject.core.spec import dump
 from devinject.dra.api import dra_v1_pb2 as dra
 from devinject.dra.api import dra_v1_pb2_grpc as dra_grpc
 from devinject.dra.api import health_v1beta1_pb2 as health

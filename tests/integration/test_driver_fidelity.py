@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from devinject.cdi.model import Spec
 from devinject.core.errors import ConfigError, LedgerError
-from devinject.core.model import Spec
 from devinject.discovery.profiles import parse_profile
 from devinject.specs.generate import GenerateOptions, generate_specs, write_specs
 from tests.conftest import HOSTS

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from devinject.cdi.identity import device_key
 from devinject.core.errors import DevinjectError
-from devinject.core.identity import device_key
 from devinject.discovery.node import Node
 from devinject.specs.generate import GenerateOptions, generate_specs, render, spec_filename
 from tests.conftest import FIXTURES, HOST_NAMES, HOSTS

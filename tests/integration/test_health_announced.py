@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from devinject.agent.watch import WatchOptions
-from devinject.kubelet.agent import DevicePluginAgent, PluginOptions
+from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
 from devinject.specs.generate import GenerateOptions
 from tests.integration.fake_kubelet import FakeKubelet
 

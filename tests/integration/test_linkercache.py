@@ -12,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from devinject.core.elfinfo import read_shared_object
-from devinject.core.ldcache import (
+from devinject.hook import linkercache
+from devinject.hook.executor import Executor
+from devinject.hook.linkercache import SonameMemo, libraries_in
+from devinject.hook.plan import Plan
+from devinject.hook.safepath import Root
+from devinject.linux.elfinfo import read_shared_object
+from devinject.linux.ldcache import (
     ARCH_X86_64,
     FLAG_ELF_LIBC6,
     LdCacheEntry,
@@ -22,11 +27,6 @@ from devinject.core.ldcache import (
     merge_entries,
     parse_ldcache,
 )
-from devinject.hook import linkercache
-from devinject.hook.executor import Executor
-from devinject.hook.linkercache import SonameMemo, libraries_in
-from devinject.hook.plan import Plan
-from devinject.hook.safepath import Root
 from tests.e2e.conftest import require
 
 # Names that exercise every rule of _dl_cache_libcmp: numeric runs, digits against letters, prefixes, case.

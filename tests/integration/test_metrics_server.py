@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from devinject import cli
-from devinject.kubelet import metrics as metrics_module
-from devinject.kubelet.metrics import Metrics, serve
+from devinject.deviceplugin import metrics as metrics_module
+from devinject.deviceplugin.metrics import Metrics, serve
 
 # What the server promises (the module's constants may be tighter, never looser).
 DROPPED_WITHIN = 5.0  # seconds: a client that has not sent its whole request head by then is gone

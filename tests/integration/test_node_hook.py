@@ -1,4 +1,4 @@
-"""The node hook bundle (agent/nodehook.py), built from this venv's interpreter into a temporary host root and
+"""The node hook bundle (install/nodehook.py), built from this venv's interpreter into a temporary host root and
 run as a runtime runs a hook: its launcher by absolute path, with nothing in its environment, from a cwd
 elsewhere, on a real container state."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from devinject import __version__
-from devinject.agent import nodehook
-from devinject.agent.nodehook import DEFAULT_DIR, LAUNCHER, STAMP, install_node_hook, node_hook_ready
 from devinject.core.errors import DevinjectError
-from devinject.core.ldcache import parse_ldcache
+from devinject.install import nodehook
+from devinject.install.nodehook import DEFAULT_DIR, LAUNCHER, STAMP, install_node_hook, node_hook_ready
+from devinject.linux.ldcache import parse_ldcache
 from tests.conftest import HOSTS
 from tests.e2e.conftest import DEVINJECT
 
@@ -118,7 +118,7 @@ def test_only_what_the_cdi_hook_needs_is_in_the_bundle(host: Path) -> None:
     # a cdi-hook makes links and a linker cache with no C call: no _ctypes, no libffi to load on its start
     assert not [n for n in names if "_ctypes" in n or "libffi" in n], names
     assert not {n for n in names if n.split("/")[2:3] in (["test"], ["unittest"], ["tkinter"], ["asyncio"])}
-    assert not [n for n in names if "/devinject/kubelet/" in n or n.endswith("/devinject/cli.py")]
+    assert not [n for n in names if "/devinject/deviceplugin/" in n or n.endswith("/devinject/cli.py")]
     stamp = json.loads((bundle / STAMP).read_text())
     assert stamp["version"] == __version__ and stamp["bytes"] < 16 * 2**20  # measured: 10.8 MiB
     assert nodehook.content_digest(str(bundle)) == (stamp["content"], stamp["files"], stamp["bytes"])

@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from devinject.agent.watch import WatchOptions
-from devinject.kubelet.agent import DevicePluginAgent, PluginOptions
-from devinject.kubelet.sharing import SharingConfig, TimeSliced
+from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
+from devinject.deviceplugin.sharing import SharingConfig, TimeSliced
 from devinject.specs.generate import GenerateOptions
 from tests.integration.test_both_paths import CLAIM, Node, wait
 from tests.integration.test_dra_driver import DRIVER, GPU_POOL, prepare, unprepare

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from devinject.agent.mps import LOG_IN_CONTAINER, PIPE_IN_CONTAINER, MpsDaemons
-from devinject.kubelet.api import v1beta1_pb2 as api
-from devinject.kubelet.sharing import SharingConfig, SharingConfigError, TimeSliced, parse_sharing
+from devinject.deviceplugin.api import v1beta1_pb2 as api
+from devinject.deviceplugin.sharing import SharingConfig, SharingConfigError, TimeSliced, parse_sharing
 from devinject.nodestate.profilefacts import time_slicing
 from tests.integration.fake_kubelet import FakeKubelet
 from tests.integration.test_device_plugin import GPUS, Running, plugin_dir, start_agent

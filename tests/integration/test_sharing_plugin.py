@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from devinject.kubelet.api import v1beta1_pb2 as api
-from devinject.kubelet.sharing import SharingConfig, TimeSliced
+from devinject.deviceplugin.api import v1beta1_pb2 as api
+from devinject.deviceplugin.sharing import SharingConfig, TimeSliced
 from devinject.nodestate.profilefacts import time_slicing
 from tests.integration.fake_kubelet import FakeKubelet
 from tests.integration.test_device_plugin import GPU_PATH, GPUS, Running, plugin_dir, start_agent

@@ -83,11 +83,11 @@ def test_the_wheel_holds_the_package_data_and_imports_every_generated_module(ins
             " 'dra.api.health_v1alpha1_pb2_grpc', 'dra.api.pluginregistration_v1_pb2_grpc'):\n"
             "    importlib.import_module('devinject.' + m)\n"
             "root = r.files('devinject')\n"
-            "print(sorted(p.name for d in ('kubelet/api', 'dra/api') for p in root.joinpath(d).iterdir()"
+            "print(sorted(p.name for d in ('deviceplugin/api', 'dra/api') for p in root.joinpath(d).iterdir()"
             " if p.name.endswith(('.proto', '.pyi'))))\n"
             "print(len([p for p in root.joinpath('data/profiles').iterdir() if p.name.endswith('.yaml')]))\n")
     out = run(installed / "python", "-c", code, timeout=60, cwd=installed).stdout.splitlines()
-    shipped = sorted(p.name for d in ("kubelet/api", "dra/api") for p in (REPO / "src/devinject" / d).iterdir()
+    shipped = sorted(p.name for d in ("deviceplugin/api", "dra/api") for p in (REPO / "src/devinject" / d).iterdir()
                      if p.name.endswith((".proto", ".pyi")))
     assert out[0] == repr(shipped)
     assert int(out[1]) == len(list((REPO / "src/devinject/data/profiles").glob("*.yaml")))

@@ -1,13 +1,13 @@
-"""The device plugin's answers as plain data (kubelet/allocation.py): what a container gets for a set of
+"""The device plugin's answers as plain data (deviceplugin/allocation.py): what a container gets for a set of
 device IDs, and which IDs the plugin prefers. The gRPC side: tests/integration/test_device_plugin.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from devinject.core.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
+from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Hook, Mount, Spec
+from devinject.deviceplugin.allocation import AllocationError, PluginDevice, annotation_key, answer, preferred
 from devinject.discovery.topology import Place
-from devinject.kubelet.allocation import AllocationError, PluginDevice, annotation_key, answer, preferred
 
 LIB = "/usr/lib/x86_64-linux-gnu"
 LINKS = Hook("createContainer", "/usr/bin/devinject", (

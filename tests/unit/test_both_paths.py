@@ -1,6 +1,6 @@
 """Both paths on one node, as plain rules (docs/lifecycle.md, "Both paths on one node"): the ledger's
 bookings for the device plugin (nodestate/ledger.py `book_plugin`) against claims' and containers', the
-kubelet's checkpoint read (kubelet/bookings.py), the plugin's bookings learning and losing their pods, what
+kubelet's checkpoint read (deviceplugin/bookings.py), the plugin's bookings learning and losing their pods, what
 each path leaves out of its offer, and the preferred allocation beside a DRA driver. Over real sockets, both
 agents together: tests/integration/test_both_paths.py; on the real cluster: tests/e2e/test_both_paths_live.py."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from devinject.core.errors import LedgerError
+from devinject.deviceplugin.allocation import AllocationError, PluginDevice, preferred
+from devinject.deviceplugin.bookings import PluginBookings, checkpoint_devices, held_by_claims, read_checkpoint
 from devinject.discovery.topology import Place
-from devinject.kubelet.allocation import AllocationError, PluginDevice, preferred
-from devinject.kubelet.bookings import PluginBookings, checkpoint_devices, held_by_claims, read_checkpoint
 from devinject.nodestate.ledger import Claim, Ledger, claim_bookings, ledger_problem
 
 POLICY = {"nvidia.com/gpu": "exclusive", "nvidia.com/rdma": "shared"}

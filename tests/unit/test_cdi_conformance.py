@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devinject.core.cdiversion import KNOWN_VERSIONS, required_version
-from devinject.core.spec import load_file, spec_from_dict, spec_to_dict
+from devinject.cdi.cdiversion import KNOWN_VERSIONS, required_version
+from devinject.cdi.spec import load_file, spec_from_dict, spec_to_dict
 from devinject.hook.registry import Registry
 from devinject.specs.validate import check_paths, validate_paths
 

@@ -11,19 +11,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from devinject.core.ldcache import parse_ldcache
 from devinject.entry import worth_serving
+from devinject.linux.ldcache import parse_ldcache
 from devinject.specs.generate import hook_command
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
 # Every devinject module a `links-and-ldcache` run imports: the CDI model, the C library (fastlibc, _ctypes),
 # the mount table and the mount syscalls are not among them.
 CDI_HOOK_MODULES = {
+    "devinject.cdi", "devinject.linux",
     "devinject", "devinject.entry", "devinject.hook", "devinject.hook.main", "devinject.hook.fastjson",
     "devinject.hook.plan", "devinject.hook.executor", "devinject.hook.safepath", "devinject.hook.linkercache",
     "devinject.hook.state", "devinject.core", "devinject.core.jsonlite", "devinject.core.errors",
-    "devinject.core.paths", "devinject.core.records", "devinject.core.devcgroup", "devinject.core.atomicfile",
-    "devinject.core.ldcache", "devinject.core.elfinfo", "devinject.core.identity", "devinject.core.deadline",
+    "devinject.core.paths", "devinject.core.records", "devinject.linux.devcgroup", "devinject.core.atomicfile",
+    "devinject.linux.ldcache", "devinject.linux.elfinfo", "devinject.cdi.identity", "devinject.core.deadline",
     "devinject.hook.client",  # no hook server answered: the socket client found none, and the hook ran here
 }
 NOT_IMPORTED = ("_ctypes", "ctypes", "json", "typing", "re", "enum", "dataclasses", "pathlib", "subprocess",

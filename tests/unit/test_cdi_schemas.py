@@ -15,10 +15,10 @@ import yaml
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 
-from devinject.core.cdiversion import KNOWN_VERSIONS
+from devinject.cdi.cdiversion import KNOWN_VERSIONS
+from devinject.cdi.spec import spec_from_dict
+from devinject.cdi.specrules import spec_problems
 from devinject.core.errors import SpecError
-from devinject.core.spec import spec_from_dict
-from devinject.core.specrules import spec_problems
 from tests.unit.test_cdi_conformance import CLOS_IDS, EMPTY_SPEC_EDITS, PREFIXED, REFUSED, spec_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -204,7 +204,7 @@ def test_who_lists_processes_holding_a_device_node(host_copy, tmp_path):
 
 def test_shipped_hook_files_match_what_install_hook_writes():
     from devinject.hook.client import DEFAULT_SOCKET
-    from devinject.hooksd import hook_command, hooks_d_entry, render, runc_hooks, server_unit
+    from devinject.install.hooksd import hook_command, hooks_d_entry, render, runc_hooks, server_unit
 
     hooks = Path(__file__).resolve().parents[2] / "hooks"
     exe = hook_command("/usr/local/bin/devinject")

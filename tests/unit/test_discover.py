@@ -116,9 +116,9 @@ def test_a_family_added_as_data_only(tmp_path):
     """Tenstorrent came as a profile, a fixture tree and a golden, no code: its class devices have no
     DEVNAME (`tenstorrent!0` is /dev/tenstorrent/0 by the kernel's rule), and the vendor name, models and
     uevent subsystem the agent listens to all come from the profile."""
-    from devinject.agent.inventory import inventory
     from devinject.agent.watch import Watcher, WatchOptions
     from devinject.discovery.node import Node
+    from devinject.inventory import inventory
     from devinject.specs.generate import GenerateOptions
 
     found = _found("tenstorrent-n300")

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from devinject.core.cdiversion import required_version
+from devinject.cdi.cdiversion import required_version
+from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Spec
+from devinject.cdi.spec import load_file
 from devinject.core.errors import ConfigError, DevinjectError, SpecError
-from devinject.core.model import ContainerEdits, Device, DeviceNode, Spec
-from devinject.core.spec import load_file
 from devinject.specs.generate import GenerateOptions, generate_specs, render, write_specs
 from tests.conftest import HOSTS
 

@@ -13,7 +13,7 @@ import pytest
 
 from devinject.agent import healthstate
 from devinject.agent.watch import Watcher, WatchOptions
-from devinject.core.spec import load_file
+from devinject.cdi.spec import load_file
 from tests.unit.test_watch import options
 
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
@@ -315,7 +315,7 @@ def test_state_files_are_written_with_explicit_modes_whatever_the_umask(agent):
 
 def test_parse_state_names_the_field():
     good = healthstate.encode_state(healthstate.HealthState(
-        {KEY: healthstate.DeviceRecord("nvidia.com/gpu", "0000:18:00.0", "unhealthy", "unhealthy", ("x",),
+        {KEY: healthstate.TrackedDevice("nvidia.com/gpu", "0000:18:00.0", "unhealthy", "unhealthy", ("x",),
                                        ("c 195:2",), {"0000:18:00.0": "b:1"})}, {"0000:18:00.0": (0, 0)}, "1:2", 5,
         {"0000:18:00": [79]}))
     assert healthstate.encode_state(healthstate.parse_state(good)) == good

@@ -1,7 +1,7 @@
-from devinject.core.devcgroup import find_device_cgroup
-from devinject.core.mountinfo import parse_mountinfo
 from devinject.hook.bpf import decode_rules, encode_prefix, insn
 from devinject.hook.plan import AllowDevice
+from devinject.linux.devcgroup import find_device_cgroup
+from devinject.linux.mountinfo import parse_mountinfo
 
 HYBRID = """\
 25 31 0:23 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw
@@ -102,7 +102,7 @@ def test_prefix_is_recognised_and_stripped_on_a_second_run():
 
 def test_cgroup_discovery_from_fixture_proc_trees():
 
-    from devinject.core.devcgroup import device_cgroup_of
+    from devinject.linux.devcgroup import device_cgroup_of
     from tests.conftest import FIXTURES
 
     proc = FIXTURES / "proc"

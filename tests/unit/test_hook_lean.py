@@ -17,7 +17,8 @@ USE = {"json": "assert jsonlite.loads(jsonlite.dumps({'a': [1]})) == {'a': [1]}"
 @pytest.mark.parametrize("installed", [False, True])
 @pytest.mark.parametrize(("package", "lean"), [("json", "fastjson"), ("ctypes", "fastlibc")])
 def test_only_the_hook_s_backend_keeps_the_package_out(package: str, lean: str, installed: bool) -> None:
-    code = (f"import sys\nfrom devinject.core import jsonlite, libc\nfrom devinject.hook import {lean}\n"
+    code = (f"import sys\nfrom devinject.core import jsonlite\nfrom devinject.linux import libc\n"
+            f"from devinject.hook import {lean}\n"
             f"{lean + '.install()' if installed else ''}\n{USE[package]}\nprint({package!r} in sys.modules)\n")
     done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": SRC})
@@ -27,7 +28,7 @@ def test_only_the_hook_s_backend_keeps_the_package_out(package: str, lean: str, 
 def test_the_hook_server_preloads_the_hook_s_backends_and_a_request_keeps_them() -> None:
     """preload() warmed the C library through the ctypes package, and each request's hook/main install threw
     the warmed functions away (and mixed two backends in one process)."""
-    code = ("import sys\nfrom devinject.hook import server\nserver.preload()\nfrom devinject.core import libc\n"
+    code = ("import sys\nfrom devinject.hook import server\nserver.preload()\nfrom devinject.linux import libc\n"
             "from devinject.hook import fastlibc\nwarm = libc.function('syscall')\nfastlibc.install()\n"
             "print('ctypes' in sys.modules, 'json' in sys.modules, libc.function('syscall') is warm)\n")
     done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60,

@@ -2,8 +2,8 @@ import os
 
 import pytest
 
+from devinject.cdi.model import ContainerEdits, DeviceNode, Hook, Mount
 from devinject.core.errors import HookError, ResolveError
-from devinject.core.model import ContainerEdits, DeviceNode, Hook, Mount
 from devinject.hook.plan import AllowDevice, Symlink, plan
 from devinject.hook.registry import Registry
 

@@ -119,7 +119,7 @@ def test_bad_state(data, message):
     ],
 )
 def test_qualified_name_rules_match_cdi_parser(text, ok):
-    from devinject.core.names import parse_qualified_name
+    from devinject.cdi.names import parse_qualified_name
 
     if ok:
         assert str(parse_qualified_name(text)) == text

@@ -8,7 +8,7 @@ import pytest
 
 from devinject.agent import health, kernelmsg
 from devinject.agent.watch import Watcher
-from devinject.core.spec import load_file
+from devinject.cdi.spec import load_file
 from tests.unit.test_watch import options
 
 XID_79 = "NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus.\n"

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-API = Path(__file__).resolve().parents[2] / "src" / "devinject" / "kubelet" / "api"
+API = Path(__file__).resolve().parents[2] / "src" / "devinject" / "deviceplugin" / "api"
 
 
 def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
-    target = tmp_path / "devinject" / "kubelet" / "api"
+    target = tmp_path / "devinject" / "deviceplugin" / "api"
     target.mkdir(parents=True)
     shutil.copy(API / "v1beta1.proto", target)
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{tmp_path}", f"--python_out={tmp_path}",
@@ -23,7 +23,7 @@ def test_generated_modules_match_the_proto(tmp_path: Path) -> None:
 
 
 def test_the_kubelets_service_and_method_names() -> None:
-    from devinject.kubelet.api import v1beta1_pb2 as api
+    from devinject.deviceplugin.api import v1beta1_pb2 as api
 
     services = {s.full_name: [m.name for m in s.methods] for s in api.DESCRIPTOR.services_by_name.values()}
     assert services == {

@@ -12,18 +12,22 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "devinject"
 
 # What each package may import besides itself (docs/architecture.md); a module directly in devinject/ is
-# a command (cli, entry, hooksd, __main__): the top, which may import anything. Every package may import
-# the top-level `devinject` (its __version__), which imports nothing.
+# a command (cli, entry, doctor, __main__) or the public API (api, inventory, results): the top, which may
+# import anything. Every package may import the top-level `devinject` (its __version__), which imports nothing.
+BASE = {"core", "cdi", "linux"}  # the floors every package may stand on
 MAY_IMPORT = {
     "core": set(),
-    "discovery": {"core"},
-    "nodestate": {"core", "discovery"},
-    "specs": {"core", "discovery"},
-    "hook": {"core", "nodestate"},
-    "agent": {"core", "discovery", "nodestate", "specs"},
-    "kubelet": {"core", "discovery", "nodestate", "specs", "agent"},
-    "dra": {"core", "discovery", "nodestate", "specs", "agent"},
-    "runtimes": {"core"},
+    "cdi": {"core"},
+    "linux": {"core"},
+    "discovery": BASE,
+    "nodestate": BASE | {"discovery"},
+    "specs": BASE | {"discovery"},
+    "hook": BASE | {"nodestate"},
+    "runtimes": BASE,
+    "agent": BASE | {"discovery", "nodestate", "specs"},
+    "install": BASE | {"discovery", "specs", "hook", "runtimes"},
+    "deviceplugin": BASE | {"discovery", "nodestate", "specs", "agent"},
+    "dra": BASE | {"discovery", "nodestate", "specs", "agent"},
 }
 # Scripts a runtime runs by path, at the top like the commands although they sit in a package: the hook
 # launcher's path is in every hooks.d file and runc config `install-hook` wrote, so it stays where it is.
@@ -130,7 +134,7 @@ def test_the_walk_sees_imports_at_every_level() -> None:
     graph = import_graph()
     assert "devinject.core.errors" in graph["devinject.hook.plan"]  # module level
     assert "devinject.hook.executor" in graph["devinject.hook.main"]  # imported inside a function
-    assert {"devinject.cli", "devinject.core", "devinject.hook", "devinject.kubelet.api.v1beta1_pb2"} <= set(graph)
+    assert {"devinject.cli", "devinject.core", "devinject.hook", "devinject.deviceplugin.api.v1beta1_pb2"} <= set(graph)
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert upward_imports({"devinject.core.x": {"devinject.hook.y"}, "devinject.hook.y": {"devinject.core.x"},
                            "devinject.cli": {"devinject.hook.y"}}) == ["devinject.core.x imports devinject.hook.y"]
@@ -189,14 +193,14 @@ def test_profiles_are_loaded_in_one_place() -> None:
 
 
 def test_the_agent_and_the_device_plugin_read_the_host_through_a_node() -> None:
-    """agent/ and kubelet/ (watch's loop, the device plugin over it) take a discovery Node or make one from
+    """agent/ and deviceplugin/ (watch's loop, the device plugin over it) take a discovery Node or make one from
     their options, and rescan it (`Node.rescanned`): none builds a Host, a HostView or the profiles itself, so
     the loop serves what `generate` and `list` find. watch.py built a Host, selected the profiles and discovered
     with them by hand."""
     builders = ("Host", "HostView", "load_profiles", "select_profiles", "discover", "discover_devices",
                 "profile_search_path")
     wrong = sorted(f"{module} calls {name}" for name in builders for module in _callers(name)
-                   if module.split(".")[1:2] in (["agent"], ["kubelet"]))
+                   if module.split(".")[1:2] in (["agent"], ["deviceplugin"]))
     assert not wrong, "\n".join(wrong)
     assert "devinject.discovery.node" in import_graph()["devinject.agent.watch"]
 

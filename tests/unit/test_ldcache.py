@@ -3,7 +3,7 @@ import struct
 import pytest
 
 from devinject.core.errors import LdCacheError
-from devinject.core.ldcache import ARCH_X86_64, parse_ldcache
+from devinject.linux.ldcache import ARCH_X86_64, parse_ldcache
 from tests.conftest import HOSTS
 
 

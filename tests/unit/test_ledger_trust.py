@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from devinject.cdi.model import DeviceNode
 from devinject.core.errors import LedgerError
-from devinject.core.model import DeviceNode
 from devinject.hook.plan import node_identity
 from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger, process_start_time

@@ -1,4 +1,4 @@
-"""core/libc.py: the C library through the standard library's ctypes, or through the hook's backend
+"""linux/libc.py: the C library through the standard library's ctypes, or through the hook's backend
 (hook/fastlibc.py: `_ctypes`, without the ctypes package); both give the same answers."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from devinject.core import libc
 from devinject.hook import fastlibc
+from devinject.linux import libc
 
 SYS_GETPID_X86_64 = 39
 

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from devinject.agent.inventory import DeviceHealth, DeviceRecord, HeldNode, Holder
 from devinject.agent.watch import Watcher, WatchOptions, watched_node
 from devinject.api import Event, Node
 from devinject.core.errors import ConfigError
+from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
 from devinject.discovery import node as discovery_node
 from devinject.discovery.node import device_names
-from devinject.kubelet.agent import DevicePluginAgent, PluginOptions
+from devinject.results import DeviceHealth, DeviceRecord, HeldNode, Holder
 from devinject.specs.generate import GenerateOptions
 from tests.conftest import HOSTS
 
@@ -287,7 +287,7 @@ def test_holders_and_dev_char_links_of_the_node(audio: tuple[Path, Path], tmp_pa
 
 
 def test_health_takes_the_probe_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from devinject.agent import inventory
+    from devinject import inventory
     from devinject.agent.health import PROBE_TIMEOUT
 
     asked = []
@@ -306,7 +306,7 @@ def test_an_events_details_are_the_rest_of_the_entry_in_name_order() -> None:
     assert isinstance(event.time, float)
 
 
-# --- watch and the device plugin over the node (agent/watch.py, kubelet/agent.py) -----------------------
+# --- watch and the device plugin over the node (agent/watch.py, deviceplugin/agent.py) -----------------------
 # The node a command made (its roots checked, its profile dirs) is the one the loop and the device plugin over
 # it watch; its profiles are loaded once, its devices found again on every rescan (`Node.rescanned`).
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "src/devinject"
-GENERATED = sorted((PACKAGE / "kubelet/api").glob("*_pb2*.py")) + sorted((PACKAGE / "dra/api").glob("*_pb2*.py"))
+GENERATED = sorted((PACKAGE / "deviceplugin/api").glob("*_pb2*.py")) + sorted((PACKAGE / "dra/api").glob("*_pb2*.py"))
 
 
 def _pyproject() -> dict:

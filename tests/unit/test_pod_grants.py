@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from devinject.hook.request import Request, pod_request
-from devinject.hooksd import pod_annotation_passthrough
+from devinject.install.hooksd import pod_annotation_passthrough
 from devinject.nodestate import grants
 from devinject.nodestate.grants import grant_env_key, prune, redeem, write_grant
 

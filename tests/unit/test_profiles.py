@@ -77,7 +77,7 @@ def test_unparseable_admin_profile_is_a_config_error(host_copy):
 def test_mount_options_per_file_from_the_profile(tmp_path, host_copy):
     """Some stacks need a writable mount: `mount-options` gives one container path its own options, and the
     hook's plan honours them; every other driver file stays ro, nosuid, nodev."""
-    from devinject.core.model import ContainerEdits
+    from devinject.cdi.model import ContainerEdits
     from devinject.hook.plan import plan
     from devinject.specs.generate import GenerateOptions, generate_specs
     root = host_copy("hgx-h100")

@@ -1,4 +1,4 @@
-"""Files root writes are root's alone (core/trusteddir): state and log directories get an explicit mode and are
+"""Files root writes are root's alone (linux/trusteddir): state and log directories get an explicit mode and are
 refused when others could change them, appends never follow a link, and caches keyed on a file's identity see
 an edit in place that kept the file's size and mtime (its ctime cannot be kept)."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from devinject.core.errors import DevinjectError, LedgerError
-from devinject.core.trusteddir import append, trusted_dir
 from devinject.hook.registry import Registry
+from devinject.linux.trusteddir import append, trusted_dir
 from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger
 from devinject.nodestate.profilefacts import sharing_policy

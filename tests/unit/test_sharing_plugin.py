@@ -1,4 +1,4 @@
-"""Time-slicing through the device plugin as plain rules (kubelet/sharing.py): NVIDIA's `sharing.timeSlicing`
+"""Time-slicing through the device plugin as plain rules (deviceplugin/sharing.py): NVIDIA's `sharing.timeSlicing`
 config read with one line per bad field, replicas `<ID>::<k>`, a request's replicas on different devices (or
 refused by failRequestsGreaterThanOne), the preferred allocation over the least-shared devices, one CDI device
 per device in Allocate. Over gRPC with the kubelet's side: tests/integration/test_sharing_plugin.py."""
@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from devinject.discovery.topology import Place
-from devinject.kubelet.allocation import AllocationError, PluginDevice, answer
-from devinject.kubelet.sharing import (
+from devinject.deviceplugin.allocation import AllocationError, PluginDevice, answer
+from devinject.deviceplugin.sharing import (
     SharingConfig,
     SharingConfigError,
     TimeSliced,
@@ -18,6 +17,7 @@ from devinject.kubelet.sharing import (
     preferred_replicas,
     replicated,
 )
+from devinject.discovery.topology import Place
 from tests.unit.test_cli import run
 
 SOURCE = "/etc/devinject/device-plugin.yaml"
@@ -125,7 +125,7 @@ def test_preferred_spreads_over_the_least_shared_devices() -> None:
 
 
 def test_allocate_answers_a_device_once_for_its_replicas() -> None:
-    from devinject.core.model import ContainerEdits, Device, DeviceNode, Spec
+    from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Spec
 
     spec = Spec(kind="nvidia.com/gpu", devices=(
         Device(name="0", edits=ContainerEdits(device_nodes=(DeviceNode(path="/dev/nvidia0"),))),))

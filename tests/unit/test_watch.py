@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from devinject.agent.watch import Watcher, WatchOptions, wants_rescan
-from devinject.core.spec import load_file, read_generation
+from devinject.cdi.spec import load_file, read_generation
 from devinject.specs.generate import GenerateOptions
-from devinject.specs.generation import write_specs_generation
+from devinject.specs.sequence import write_specs_generation
 from tests.e2e.conftest import require
 
 GPU = "sys/devices/pci0000:12/0000:12:01.0/0000:15:00.0/0000:16:00.0/0000:18:00.0"
@@ -183,7 +183,7 @@ def test_run_loop_frees_what_a_dead_container_held(watcher):
     booking wants them, and leave a live one's alone."""
     import subprocess
 
-    from devinject.core.identity import NodeId
+    from devinject.cdi.identity import NodeId
     from devinject.nodestate.ledger import Claim, Ledger
 
     w, _, tmp_path = watcher
@@ -230,7 +230,7 @@ def test_uevents_trigger_a_rescan(watcher):
 def test_watch_writes_exactly_what_generate_produces(host_copy, tmp_path, monkeypatch):
     """One pipeline: the agent's specs are generate's specs for the same host and options — NVML
     enrichment included (the agent used to skip it, and to write an empty hook path)."""
-    from devinject.core.spec import dump
+    from devinject.cdi.spec import dump
     from devinject.discovery import gpuinfo
     from devinject.specs.generate import generate_specs
 

@@ -5,7 +5,7 @@ judge them here."""
 from __future__ import annotations
 
 from devinject.agent.health import HEALTHY, UNHEALTHY, Verdict
-from devinject.core.identity import node_id_of
+from devinject.cdi.identity import node_id_of
 from devinject.discovery.channels import ChannelDevice, channel_fault
 from devinject.discovery.host import Host
 

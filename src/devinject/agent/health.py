@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from devinject.agent.kernelmsg import AUTO, KernelMessages, open_source
 from devinject.agent.kernelmsg import KernelLog as KernelLog  # re-exported: the file follower
-from devinject.core.identity import device_key, node_id_of
+from devinject.cdi.identity import device_key, node_id_of
 from devinject.core.paths import DEFAULT_KERNEL_LOG as DEFAULT_KERNEL_LOG  # the one definition, re-exported
 from devinject.discovery.discover import FoundDevice, family_of
 from devinject.discovery.gpuinfo import ProbeTimeout, call_with_timeout

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from devinject.agent.health import PutBack
-from devinject.core import atomicfile, filelock, jsonlite
+from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import DevinjectError
+from devinject.linux import filelock
 from devinject.nodestate import healthverdicts
 from devinject.nodestate.healthverdicts import DeviceVerdict
 from devinject.nodestate.statefile import StateFileError, UnreadableStateFile
@@ -59,7 +60,7 @@ class Untrusted(ValueError):
 
 
 @dataclass
-class DeviceRecord:
+class TrackedDevice:
     kind: str
     address: str
     published: str
@@ -71,7 +72,7 @@ class DeviceRecord:
 
 @dataclass
 class HealthState:
-    devices: dict[str, DeviceRecord] = field(default_factory=dict)
+    devices: dict[str, TrackedDevice] = field(default_factory=dict)
     aer: dict[str, tuple[int, int]] = field(default_factory=dict)
     log_identity: str | None = None
     log_offset: int | None = None
@@ -146,7 +147,7 @@ def parse_state(data: bytes, where: str = STATE_FILE) -> HealthState:
         at = f"{where}.devices[{key!r}]"
         _need(entry, dict, at)
         functions = _need(entry.get("functions"), dict, f"{at}.functions")
-        state.devices[key] = DeviceRecord(
+        state.devices[key] = TrackedDevice(
             kind=_need(entry.get("kind"), str, f"{at}.kind"), address=_need(entry.get("address"), str, f"{at}.address"),
             published=_status(entry.get("published"), f"{at}.published"),
             observed=_status(entry.get("observed"), f"{at}.observed"),
@@ -401,7 +402,7 @@ def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple
     `node`: the node the command made (else the one at `root` with `profile_dirs`)."""
     from devinject.agent.health import aer_totals
     from devinject.agent.kernelmsg import current_position
-    from devinject.core.identity import device_key
+    from devinject.cdi.identity import device_key
     from devinject.discovery.node import Node
     from devinject.nodestate import events
 
@@ -434,7 +435,7 @@ def _candidates(node: Node, device: str) -> str:
     """`; did you mean ...` (the closest names), or `; devices: ...` (all of them, the first ten)."""
     import difflib
 
-    from devinject.core.identity import device_key
+    from devinject.cdi.identity import device_key
 
     names = [str(node.names(found)[0]) for found in node.devices()]
     names += [device_key(found.profile.kind, found.address) for found in node.devices()]

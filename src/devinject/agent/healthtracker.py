@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from devinject.agent import healthstate
 from devinject.agent.health import HEALTHY, UNHEALTHY, AerBaseline, HealthChecker, Verdict, function_identity
-from devinject.core.identity import DeviceKey, device_key, node_id_of, qualified
+from devinject.cdi.identity import DeviceKey, device_key, node_id_of, qualified
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import Profile
@@ -50,7 +50,7 @@ class HealthTracker:
         self.tracks: dict[str, DeviceTrack] = {}
         self.identities: dict[str, dict[str, str]] = {}  # device key -> its functions' identities
         self.distrusted: str | None = None  # why the persisted state was not believed
-        self._foreign: dict[str, healthstate.DeviceRecord] = {}  # persisted devices of kinds not watched now
+        self._foreign: dict[str, healthstate.TrackedDevice] = {}  # persisted devices of kinds not watched now
         self._saved: bytes | None = None
         self._save_error: str | None = None
         self._restore()
@@ -85,7 +85,7 @@ class HealthTracker:
 
     def persist(self) -> None:
         """Write the state when it changed (fsynced, mode 0600); a failure is logged, and tried again."""
-        devices = {key: healthstate.DeviceRecord(t.last.kind, t.last.address, t.published, t.observed,
+        devices = {key: healthstate.TrackedDevice(t.last.kind, t.last.address, t.published, t.observed,
                                                  t.last.reasons, t.last.nodes, self.identities.get(key, {}))
                    for key, t in self.tracks.items() if t.last is not None}
         identity, offset = self.checker.log_position()

@@ -1,5 +1,5 @@
 """The node agents' HTTP endpoints: `/metrics` (Prometheus text format), `/healthz` (liveness) and `/readyz`
-(readiness), each answered from what the agent gives (`serve`): the device plugin's (kubelet/metrics.py) and
+(readiness), each answered from what the agent gives (`serve`): the device plugin's (deviceplugin/metrics.py) and
 the DRA driver's (dra/metrics.py) alike.
 
 The listener faces the node's network (the DaemonSets bind the node's address), so a client gets a bounded

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
-from devinject.core.filelock import exclusive
-from devinject.core.trusteddir import make_dirs
+from devinject.linux.filelock import exclusive
+from devinject.linux.trusteddir import make_dirs
 from devinject.nodestate.ledger import process_start_time
 
 log = logging.getLogger(__name__)

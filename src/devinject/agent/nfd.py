@@ -39,7 +39,7 @@ def label_part(text: str) -> str:
 
 def features(host: Host, found: list[FoundDevice], *, out: frozenset[str] = frozenset()) -> list[str]:
     """The feature file's lines for the devices `found` (those whose key is in `out` not counted)."""
-    from devinject.core.identity import device_key
+    from devinject.cdi.identity import device_key
     from devinject.discovery.topology import known_numa
     from devinject.specs.generate import driver_version
 

@@ -2,7 +2,7 @@
 verdict that changed what is published, with the round's result (`Round`: the devices, channels, tracks,
 and the specs the publishers before it wrote). The node's files are published here, in this order: the CDI
 specs, health.json, NFD's feature file; the processes that run the loop add their own after them (the
-device plugin's stream to the kubelet: kubelet/agent.py, the DRA driver's ResourceSlices: dra/driver.py). A
+device plugin's stream to the kubelet: deviceplugin/agent.py, the DRA driver's ResourceSlices: dra/driver.py). A
 new publisher is one class here and one line in `default_publishers`."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Protocol
 
 from devinject.agent.health import UNHEALTHY
 from devinject.agent.healthtracker import DeviceTrack
-from devinject.core.model import Spec
+from devinject.cdi.model import Spec
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
@@ -64,7 +64,7 @@ class SpecFiles:
 
     def __call__(self, result: Round, /) -> None:
         from devinject.specs.bundles import possible_bundle_kinds
-        from devinject.specs.generation import current
+        from devinject.specs.sequence import current
 
         gen = replace(self.generate, exclude=result.unhealthy())
         specs = build_specs(result.host, result.profiles, result.found, gen)

@@ -31,9 +31,9 @@ from devinject.agent.health import AerBaseline, HealthChecker, Verdict, unbound_
 from devinject.agent.healthtracker import DeviceTrack, HealthTracker
 from devinject.agent.kernelmsg import AUTO, describe
 from devinject.agent.publishers import HealthFile, Publisher, SpecFiles, default_publishers
+from devinject.cdi.identity import device_key
+from devinject.cdi.model import Spec
 from devinject.core.errors import LedgerError
-from devinject.core.identity import device_key
-from devinject.core.model import Spec
 from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from devinject.core.identity import DeviceKey, device_key
-from devinject.core.model import DeviceNode
+from devinject.cdi.identity import DeviceKey, device_key
+from devinject.cdi.model import DeviceNode
 from devinject.discovery.discover import HostView
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import Profile

@@ -13,7 +13,7 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from devinject.core.model import DeviceNode
+from devinject.cdi.model import DeviceNode
 from devinject.discovery.host import Host
 from devinject.discovery.partitions import Partition, kfd_partitions, mig_partitions
 from devinject.discovery.procfs import parse_key_values, parse_proc_devices

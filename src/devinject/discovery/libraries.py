@@ -11,9 +11,9 @@ import stat
 from dataclasses import dataclass
 
 from devinject.core.errors import LdCacheError
-from devinject.core.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, LdCacheEntry, parse_ldcache
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import DriverLibraries
+from devinject.linux.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, LdCacheEntry, parse_ldcache
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def locate_libraries(host: Host, entries: list[LdCacheEntry], patterns: tuple[st
 
 def soname_of(host: Host, path: str) -> str | None:
     """The SONAME of the ELF shared object at host `path` (None when it is not one)."""
-    from devinject.core.elfinfo import read_shared_object
+    from devinject.linux.elfinfo import read_shared_object
 
     try:
         fd = os.open(host.real(host.resolve(path)), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)

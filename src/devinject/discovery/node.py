@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 
-from devinject.core.identity import QualifiedName, device_key, qualified
+from devinject.cdi.identity import QualifiedName, device_key, qualified
 from devinject.discovery.channels import ChannelDevice, discover_channels
 from devinject.discovery.discover import FoundDevice, HostView, discover
 from devinject.discovery.host import Host

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from devinject.core.model import DeviceNode
+from devinject.cdi.model import DeviceNode
 from devinject.discovery.host import Host
 from devinject.discovery.procfs import parse_key_values
 

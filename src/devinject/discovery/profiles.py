@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from devinject.cdi.names import kind_problem
 from devinject.core.errors import ConfigError
-from devinject.core.names import kind_problem
 from devinject.core.paths import profile_search_path
 from devinject.discovery.host import Host
 from devinject.discovery.sysfs import PciDevice

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from devinject.agent.mps import LOG_IN_CONTAINER, PIPE_IN_CONTAINER, Daemon, MpsDaemons, MpsError
 from devinject.agent.timeslice import TimesliceError, apply_timeslice
+from devinject.cdi.identity import NodeId, node_id_of
+from devinject.cdi.model import ContainerEdits, Device, Spec
+from devinject.cdi.spec import dump
 from devinject.core import jsonlite
 from devinject.core.atomicfile import replace as replace_file
 from devinject.core.errors import DevinjectError, LedgerError
-from devinject.core.identity import NodeId, node_id_of
-from devinject.core.model import ContainerEdits, Device, Spec
-from devinject.core.spec import dump
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
@@ -208,7 +208,7 @@ def claim_sharing(claim: dict[str, object], driver: str, namespace: str, name: s
 def mps_env(sharing: GpuSharing, pipe_dir: str, log_dir: str) -> ContainerEdits:
     """What a container of an MPS claim needs: the daemon's pipe and log directories mounted where CUDA looks
     (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY) and the claim's limits as the client's env."""
-    from devinject.core.model import Mount
+    from devinject.cdi.model import Mount
 
     env = [f"CUDA_MPS_PIPE_DIRECTORY={PIPE_IN_CONTAINER}", f"CUDA_MPS_LOG_DIRECTORY={LOG_IN_CONTAINER}"]
     settings = sharing.mps

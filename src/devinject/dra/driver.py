@@ -37,8 +37,8 @@ from devinject.agent.health import faults_of
 from devinject.agent.metricsserver import MetricsServer, serve
 from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions, watched_node
+from devinject.cdi.identity import device_key, node_id_of, path_identity
 from devinject.core.errors import DevinjectError
-from devinject.core.identity import device_key, node_id_of, path_identity
 from devinject.core.paths import DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR
 from devinject.discovery.channels import channel_fault
 from devinject.discovery.discover import FoundDevice
@@ -47,7 +47,7 @@ from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacitySharing
 from devinject.dra.claims import ClaimReadError, Contest, Inventory, Preparer, allocated
 from devinject.dra.metrics import DraMetrics
-from devinject.dra.server import HealthState, PluginServers
+from devinject.dra.server import HealthBroadcast, PluginServers
 from devinject.dra.slices import (
     DRIVER,
     NO_EXECUTE,
@@ -268,7 +268,7 @@ class DraDriver:
         self._found: list[FoundDevice] = []  # the PCI devices discovered last, of the served kinds (labels)
         self._known: dict[tuple[str, str], Offer] = {}  # every offer since start: one gone while out stays tainted
         self._since: dict[tuple[str, str, str], str] = {}  # (pool, device, taint key) -> its timeAdded
-        self.health = HealthState()
+        self.health = HealthBroadcast()
         self.published: list[dict[str, Any]] | None = None
         self._offered_now: list[Offer] = []  # the offers (tainted or not) of the slices desired last
         self.loop: Watcher | None = None  # the health loop, when this process runs it

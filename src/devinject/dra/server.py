@@ -97,7 +97,7 @@ class DraService(dra_grpc.DRAPluginServicer):
         return response
 
 
-class HealthState:
+class HealthBroadcast:
     """(pool, device) -> healthy, as the health loop last said; every stream sees each change."""
 
     def __init__(self) -> None:
@@ -125,7 +125,7 @@ class HealthService:
     """`DRAResourceHealth.NodeWatchResources` of one API version (`api`: its generated module; v1beta1 adds a
     message): the complete list, then again on every change."""
 
-    def __init__(self, api: Any, state: HealthState, stopping: threading.Event,
+    def __init__(self, api: Any, state: HealthBroadcast, stopping: threading.Event,
                  streams: threading.BoundedSemaphore | None = None) -> None:
         self.api, self.state, self.stopping = api, state, stopping
         self.messages = "message" in api.DeviceHealth.DESCRIPTOR.fields_by_name
@@ -184,7 +184,7 @@ def serve(path: str, add: Callable[[grpc.Server], None], workers: int = 4) -> gr
     """A gRPC server on the unix socket `path` (an old socket there is replaced), mode 0600 whatever the umask,
     in a directory made 0750 (every one made) or checked as the hook server checks its own: a real directory
     owned by root (this user) that nobody else can write, so nobody else can put a socket in its place."""
-    from devinject.core.trusteddir import trusted_dir
+    from devinject.linux.trusteddir import trusted_dir
 
     if len(path.encode()) > MAX_SOCKET_PATH:
         raise DevinjectError(f"{path}: too long for a unix socket ({MAX_SOCKET_PATH} bytes at most)")
@@ -211,12 +211,12 @@ class PluginServers:
     """Both sockets: the DRA service first (the kubelet dials it as soon as registration answers)."""
 
     def __init__(self, driver: str, preparer: Preparer, plugin_dir: str, registry_dir: str,
-                 health: HealthState | None = None, metrics: DraMetrics | None = None) -> None:
+                 health: HealthBroadcast | None = None, metrics: DraMetrics | None = None) -> None:
         self.driver = driver
         self.endpoint = os.path.join(plugin_dir, driver, "dra.sock")
         self.registration_path = os.path.join(registry_dir, f"{driver}-reg.sock")
         self.stopping = threading.Event()
-        self.health = health or HealthState()
+        self.health = health or HealthBroadcast()
         self.dra_service = DraService(preparer, metrics)
         self.registration = RegistrationService(driver, self.endpoint)
         self.servers: list[grpc.Server] = []

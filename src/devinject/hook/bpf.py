@@ -2,7 +2,7 @@
 
 The instruction encoder is pure (tested byte for byte). Our prefix starts with a marker so a second run for
 the same container replaces it instead of stacking another. What only reads (the bpf(2) call, the program
-query, the prefix's format and its decoding) is core/devprogram.py's; this module writes programs: it
+query, the prefix's format and its decoding) is linux/devprogram.py's; this module writes programs: it
 loads, attaches and swaps them back.
 """
 
@@ -12,8 +12,9 @@ import os
 import resource
 import struct
 
-from devinject.core import libc
-from devinject.core.devprogram import (
+from devinject.core.errors import HookError
+from devinject.linux import libc
+from devinject.linux.devprogram import (
     ACCESS_BITS,
     BPF_CGROUP_DEVICE,
     DEV_TYPES,
@@ -27,13 +28,12 @@ from devinject.core.devprogram import (
     program_instructions,
     query_programs,
 )
-from devinject.core.errors import HookError
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
     from typing import NamedTuple
 
-    from devinject.core.devcgroup import AllowDevice
+    from devinject.linux.devcgroup import AllowDevice
 else:
     from devinject.core.records import NamedTuple
 

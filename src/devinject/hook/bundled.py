@@ -1,6 +1,6 @@
 """The entry of the node hook bundle (`<bundle>/bin/devinject`, installed by `devinject install-node-hook`):
 what a runtime that applies CDI itself runs on the host for a spec's createContainer hooks. It runs `cdi-hook`
-and `--version` only: the bundle carries just the standard library those import (agent/nodehook.py measures
+and `--version` only: the bundle carries just the standard library those import (install/nodehook.py measures
 it), so everything else is refused in one line rather than failing on a missing module. Lean, as the hook."""
 
 import sys

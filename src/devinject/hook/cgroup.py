@@ -1,6 +1,6 @@
 """Grant device access in the container's device cgroup.
 
-Which cgroup and which version is core/devcgroup.py's (`device_cgroup_of`, from `/proc/<pid>/cgroup` and the
+Which cgroup and which version is linux/devcgroup.py's (`device_cgroup_of`, from `/proc/<pid>/cgroup` and the
 mounts). v1 appends rules to `devices.allow`; v2 rewrites the attached BPF_CGROUP_DEVICE program (bpf.py).
 
 Rules added here live outside the OCI config: a systemd reload that re-applies the unit's device policy can
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 
-from devinject.core.devcgroup import AllowDevice, DeviceCgroup
-from devinject.core.devcgroup import device_cgroup_of as device_cgroup_of  # the hook's, with the grant
 from devinject.core.errors import HookError
+from devinject.linux.devcgroup import AllowDevice, DeviceCgroup
+from devinject.linux.devcgroup import device_cgroup_of as device_cgroup_of  # the hook's, with the grant
 
 
 class CgroupGrant:

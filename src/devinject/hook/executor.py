@@ -346,7 +346,7 @@ class Executor(Steps):
             return False  # no statx mount id and no fdinfo (not Linux or no /proc): nothing to go on
         if mount_id not in self._shared:  # a mount not seen yet (one attached since): read the table again
             mountinfo = _read_proc("/proc/self/mountinfo").decode("utf-8", "replace")
-            from devinject.core.mountinfo import parse_mountinfo
+            from devinject.linux.mountinfo import parse_mountinfo
 
             self._shared.update((m.mount_id, m.shared) for m in parse_mountinfo(mountinfo, mount_id=mount_id))
         return self._shared.get(mount_id, False)

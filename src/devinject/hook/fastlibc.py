@@ -4,14 +4,14 @@ package.
 The package (its type zoo, `struct`, `types`) costs ~1 ms of every container start the hook runs in-process
 (bench/bench_hook_imports.py), as `signal` and `socket` would (the hook uses `_signal` and `_socket` for the
 same reason). The few types needed are declared here, as ctypes declares them. This is private CPython API,
-so it is kept here, in the hook, and nowhere else: `install()` puts it behind core/libc.py for this process.
+so it is kept here, in the hook, and nowhere else: `install()` puts it behind linux/libc.py for this process.
 """
 
 from __future__ import annotations
 
 import _ctypes
 
-from devinject.core import libc
+from devinject.linux import libc
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class _Process:
 
 
 class Backend:
-    """core/libc.py's backend (libc.Backend) on `_ctypes`."""
+    """linux/libc.py's backend (libc.Backend) on `_ctypes`."""
 
     def function(self, name: str) -> Callable[..., int]:
         if not _Process._handle:

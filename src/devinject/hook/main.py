@@ -18,8 +18,8 @@ from devinject.hook import fastjson
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
-    from devinject.core.identity import NodeId
-    from devinject.core.model import NetDevice
+    from devinject.cdi.identity import NodeId
+    from devinject.cdi.model import NetDevice
     from devinject.hook.cgroup import CgroupGrant
     from devinject.hook.plan import AllowDevice, Plan
     from devinject.hook.registry import Registry, Resolved
@@ -171,7 +171,7 @@ def _log(opts: HookOptions, record: dict[str, object]) -> None:
     warning on stderr: a container does not fail for a log line (the runtime may give no writable /var/log)."""
     if not opts.log_file:
         return
-    from devinject.core.trusteddir import append, trusted_dir
+    from devinject.linux.trusteddir import append, trusted_dir
 
     try:
         trusted_dir(os.path.dirname(opts.log_file) or ".", what="log directory")
@@ -185,7 +185,7 @@ def _log(opts: HookOptions, record: dict[str, object]) -> None:
 def _trusted_state_dir(opts: HookOptions) -> str:
     """The state dir, created 0755 or checked (root's alone) before the hook reads anything from it: the
     ledger, health verdicts, profile facts and cached parses there decide what a container gets."""
-    from devinject.core.trusteddir import trusted_dir
+    from devinject.linux.trusteddir import trusted_dir
 
     return trusted_dir(opts.state_dir, error=HookError)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
+from devinject.cdi.model import NetDevice
 from devinject.core.errors import HookError
-from devinject.core.model import NetDevice
 from devinject.hook.nsenter import run_in_namespace
 
 

@@ -7,16 +7,16 @@ import os
 import posixpath
 import stat as statmod
 
-from devinject.core.devcgroup import AllowDevice as AllowDevice  # a device cgroup rule: the plan's, the ledger's
 from devinject.core.errors import HookError
+from devinject.linux.devcgroup import AllowDevice as AllowDevice  # a device cgroup rule: the plan's, the ledger's
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:  # the CDI model only as types: a cdi-hook's start imports neither
     from collections.abc import Callable
     from typing import NamedTuple
 
-    from devinject.core.identity import NodeId
-    from devinject.core.model import ContainerEdits, DeviceNode, Hook, NetDevice
+    from devinject.cdi.identity import NodeId
+    from devinject.cdi.model import ContainerEdits, DeviceNode, Hook, NetDevice
 
     StatFn = Callable[[str], os.stat_result]
 else:
@@ -102,7 +102,7 @@ def _fill_node(node: DeviceNode, stat_fn: StatFn, uid: int, gid: int) -> MakeNod
 def node_identity(node: DeviceNode, stat_fn: StatFn = os.stat) -> NodeId:
     """`c 195:0`: what the ledger books. Numbers a spec leaves out come from the host node, as for mknod,
     so a node written without major/minor (as other generators write them) is still one device."""
-    from devinject.core.identity import node_id
+    from devinject.cdi.identity import node_id
 
     filled = _fill_node(node, stat_fn, 0, 0)
     return node_id(filled.type, filled.major, filled.minor)

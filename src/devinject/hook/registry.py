@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import os
 
-from devinject.core import jsonlite
-from devinject.core.errors import DevinjectError, ResolveError, SpecError
-from devinject.core.identity import file_identity, qualified
-from devinject.core.model import ContainerEdits
-from devinject.core.names import parse_qualified_name
-from devinject.core.paths import DEFAULT_SPEC_DIRS
-from devinject.core.spec import (
+from devinject.cdi.identity import file_identity, qualified
+from devinject.cdi.model import ContainerEdits
+from devinject.cdi.names import parse_qualified_name
+from devinject.cdi.spec import (
     device_from_dict,
     edits_from_dict,
     list_spec_files,
@@ -27,7 +24,10 @@ from devinject.core.spec import (
     spec_to_dict,
     trust_problem,
 )
-from devinject.core.trusteddir import trusted_dir
+from devinject.core import jsonlite
+from devinject.core.errors import DevinjectError, ResolveError, SpecError
+from devinject.core.paths import DEFAULT_SPEC_DIRS
+from devinject.linux.trusteddir import trusted_dir
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from devinject.cdi.identity import qualified
+from devinject.cdi.names import parse_qualified_name
 from devinject.core.errors import HookError
-from devinject.core.identity import qualified
-from devinject.core.names import parse_qualified_name
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:

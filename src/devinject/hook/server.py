@@ -36,8 +36,8 @@ import sys
 import time
 
 from devinject.core.errors import DevinjectError
-from devinject.core.trusteddir import make_dirs
 from devinject.hook.client import MAX_REQUEST, REFUSED, decode_request
+from devinject.linux.trusteddir import make_dirs
 
 log = logging.getLogger("devinject.hook-server")
 
@@ -66,8 +66,8 @@ def preload() -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    from devinject.core import libc
     from devinject.hook import fastjson, fastlibc
+    from devinject.linux import libc
 
     fastjson.install()  # what hook/main installs: the workers' requests find it in place, nothing cleared
     fastlibc.install()
@@ -80,7 +80,7 @@ def listen(path: str) -> socket.socket:
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise DevinjectError(f"{path}: too long for a unix socket ({MAX_SOCKET_PATH} bytes at most)")
     directory = os.path.dirname(os.path.abspath(path))
-    make_dirs(directory)  # each directory it makes 0755 whatever the umask (core/trusteddir)
+    make_dirs(directory)  # each directory it makes 0755 whatever the umask (linux/trusteddir)
     st = os.stat(directory)
     others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX
     if st.st_uid != os.geteuid() or others_write:
@@ -201,7 +201,7 @@ def _spawn(server: socket.socket, taken_w: int, own: Namespaces, *, background: 
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        from devinject.core import libc
+        from devinject.linux import libc
 
         libc.function("prctl")(PR_SET_PDEATHSIG, libc.Long(signal.SIGTERM))  # never outlive the server
         if os.getppid() != parent:

@@ -1,19 +1,19 @@
 """The mount and namespace syscalls Python 3.11's os module lacks (mount, umount2, setns, the new mount API),
-through core/libc.py; which mount a file is on (statx's mount id, statmount) is core/statmount.py's."""
+through linux/libc.py; which mount a file is on (statx's mount id, statmount) is linux/statmount.py's."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from devinject.core import libc
+from devinject.linux import libc
 
 # Which mount a file is on (statx, statmount): read-only, shared with the device cgroup lookup.
-from devinject.core.statmount import AT_EMPTY_PATH
-from devinject.core.statmount import MS_SHARED as MS_SHARED
-from devinject.core.statmount import mount_id as mount_id
-from devinject.core.statmount import mount_propagation as mount_propagation
-from devinject.core.statmount import syscall as _syscall
+from devinject.linux.statmount import AT_EMPTY_PATH
+from devinject.linux.statmount import MS_SHARED as MS_SHARED
+from devinject.linux.statmount import mount_id as mount_id
+from devinject.linux.statmount import mount_propagation as mount_propagation
+from devinject.linux.statmount import syscall as _syscall
 
 MS_RDONLY = 1
 MS_NOSUID = 2

@@ -12,7 +12,7 @@ import os
 import time
 
 from devinject.core import jsonlite
-from devinject.core.trusteddir import append, trusted_dir
+from devinject.linux.trusteddir import append, trusted_dir
 from devinject.nodestate.statefile import StateFileError, need_object, need_version, read_document
 
 TYPE_CHECKING = False  # the hook records ledger events: `typing` stays off its start path

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 
-from devinject.core.identity import node_id, node_id_of_stat
-from devinject.core.mountinfo import parse_mountinfo
+from devinject.cdi.identity import node_id, node_id_of_stat
+from devinject.linux.mountinfo import parse_mountinfo
 from devinject.nodestate.podcgroup import pod_of
 
 O_PATH = getattr(os, "O_PATH", 0o10000000)  # the fdinfo `flags:` bit (octal), generic Linux value
@@ -111,7 +111,7 @@ def _v1_nodes(directory: str) -> tuple[str, ...]:
 
 
 def _v2_nodes(directory: str) -> tuple[str, ...]:
-    from devinject.core import devprogram
+    from devinject.linux import devprogram
 
     return tuple(dict.fromkeys(node_id(r.type, r.major, r.minor) for r in devprogram.granted_rules(directory)))
 
@@ -139,8 +139,8 @@ def processes(proc: str = "/proc", *, other_mount_namespaces: bool = False) -> l
 def granted_nodes(pid: int, proc: str = "/proc") -> frozenset[str]:
     """The nodes process `pid`'s own device cgroup grants by name (v1 `devices.list`, v2 devinject's
     prefix): what makes its use of a node a container's. Empty when it is unrestricted or gone."""
-    from devinject.core.devcgroup import device_cgroup_of
     from devinject.core.errors import DevinjectError
+    from devinject.linux.devcgroup import device_cgroup_of
 
     try:
         cgroup = device_cgroup_of(pid, proc)

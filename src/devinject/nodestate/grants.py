@@ -51,7 +51,7 @@ def grants_dir(state_dir: str) -> str:
 
 def _checked_dir(path: str, *, create: bool) -> bool:
     """The grants directory: made 0700 (whatever the umask), or checked root's (this user's) alone."""
-    from devinject.core.trusteddir import trusted_dir
+    from devinject.linux.trusteddir import trusted_dir
 
     if not create and not os.path.lexists(path):
         return False
@@ -64,7 +64,7 @@ def write_grant(state_dir: str, resource: str, names: tuple[str, ...], *, now: f
     import secrets
 
     from devinject.core.atomicfile import replace
-    from devinject.core.trusteddir import trusted_dir
+    from devinject.linux.trusteddir import trusted_dir
 
     trusted_dir(state_dir, error=GrantError)
     directory = grants_dir(state_dir)

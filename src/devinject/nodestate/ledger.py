@@ -20,8 +20,8 @@ import time
 
 from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import LedgerError
-from devinject.core.filelock import exclusive
-from devinject.core.trusteddir import trusted_dir
+from devinject.linux.filelock import exclusive
+from devinject.linux.trusteddir import trusted_dir
 from devinject.nodestate import events, healthverdicts
 from devinject.nodestate.claimcheckpoints import consumes_problem
 from devinject.nodestate.statefile import StateFileError, UnreadableStateFile, problem_in
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
     from typing import Any, NamedTuple
 
-    from devinject.core.identity import NodeId, QualifiedName
+    from devinject.cdi.identity import NodeId, QualifiedName
 else:
     from devinject.core.records import NamedTuple
 

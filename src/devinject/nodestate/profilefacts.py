@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 
+from devinject.cdi.identity import file_identity
 from devinject.core import jsonlite
-from devinject.core.identity import file_identity
 from devinject.core.paths import SHIPPED_PROFILE_DIR, profile_search_path
-from devinject.core.trusteddir import trusted_dir
+from devinject.linux.trusteddir import trusted_dir
 from devinject.nodestate.statefile import StateFileError, need_int, need_object, need_str, need_version, read_document
 
 TYPE_CHECKING = False  # the hook reads these facts on every container start: `typing` stays off it

@@ -23,7 +23,7 @@ from devinject.runtimes.config import (
     read_text,
 )
 
-HOOKS_DIR = "/etc/containers/oci/hooks.d"  # hooksd.py's default: the hooks.d files install-hook writes
+HOOKS_DIR = "/etc/containers/oci/hooks.d"  # install/hooksd.py's default: the hooks.d files install-hook writes
 HOOK_FILE = "10-devinject.json"
 
 

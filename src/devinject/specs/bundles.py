@@ -14,7 +14,7 @@ GPUs without a NIC closer than SYS get no pair device; they are still in their N
 
 from __future__ import annotations
 
-from devinject.core.model import ContainerEdits, Device, Spec
+from devinject.cdi.model import ContainerEdits, Device, Spec
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.topology import Topology, label_prefix, topology

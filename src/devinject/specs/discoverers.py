@@ -14,8 +14,7 @@ import posixpath
 import stat
 from dataclasses import dataclass
 
-from devinject.core.ldcache import LdCacheEntry
-from devinject.core.model import ContainerEdits, Mount
+from devinject.cdi.model import ContainerEdits, Mount
 from devinject.discovery.discover import HostView, shared_nodes
 from devinject.discovery.host import Host
 from devinject.discovery.libraries import (
@@ -30,6 +29,7 @@ from devinject.discovery.libraries import (
 )
 from devinject.discovery.procfs import parse_nvidia_version
 from devinject.discovery.profiles import Profile
+from devinject.linux.ldcache import LdCacheEntry
 from devinject.specs.hooks import HookCommand, library_hook
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import posixpath
 
+from devinject.cdi.identity import device_key
+from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Hook, Spec
 from devinject.core.errors import ConfigError
-from devinject.core.identity import device_key
-from devinject.core.model import ContainerEdits, Device, DeviceNode, Hook, Spec
 from devinject.discovery.channels import profile_channels
 from devinject.discovery.discover import FoundDevice, HostView, discover
 from devinject.discovery.host import Host

@@ -8,7 +8,7 @@ import posixpath
 import shutil
 import sys
 
-from devinject.core.model import Hook
+from devinject.cdi.model import Hook
 from devinject.discovery.discover import FoundDevice
 
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)

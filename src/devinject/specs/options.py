@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
+from devinject.cdi.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 from devinject.core.errors import ConfigError
 
 STRATEGIES = ("index", "uuid", "pci")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from devinject.cdi.model import Spec
+from devinject.cdi.spec import dump
 from devinject.core.errors import DevinjectError
-from devinject.core.model import Spec
-from devinject.core.spec import dump
 
 
 def spec_filename(spec: Spec, fmt: str) -> str:
@@ -30,8 +30,8 @@ def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, managed: bool 
     directory's next generation number and never replaces a newer one, and specs of `stale_kinds` (no
     devices left) are removed. Anywhere else the files are a pure function of the specs.
     """
-    from devinject.core.spec import write_atomic
-    from devinject.core.trusteddir import make_dirs
+    from devinject.cdi.spec import write_atomic
+    from devinject.linux.trusteddir import make_dirs
 
     if not output_dir.is_dir():
         try:
@@ -39,7 +39,7 @@ def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, managed: bool 
         except OSError as err:
             raise DevinjectError(f"{output_dir}: cannot create output directory: {err.strerror}") from None
     rendered = {output_dir / spec_filename(spec, fmt): render(spec, fmt) for spec in specs}
-    from devinject.specs import generation
+    from devinject.specs import sequence as generation
 
     if managed or generation.managed(output_dir):
         stale = [output_dir / f"{kind.replace('/', '-')}.{fmt}" for kind in stale_kinds]

@@ -15,9 +15,9 @@ import posixpath
 from collections.abc import Callable
 from dataclasses import replace
 
-from devinject.core.cdiversion import required_version, version_key
+from devinject.cdi.cdiversion import required_version, version_key
+from devinject.cdi.model import ContainerEdits, DeviceNode, Mount, Spec
 from devinject.core.errors import SpecError
-from devinject.core.model import ContainerEdits, DeviceNode, Mount, Spec
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.profiles import Profile

@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from devinject.core.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, released_version, version_key
+from devinject.cdi.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS, released_version, version_key
+from devinject.cdi.identity import qualified
+from devinject.cdi.model import Spec
+from devinject.cdi.spec import list_spec_files, parse_spec_document, read_spec_text, spec_dir_problem, spec_from_dict
+from devinject.cdi.specrules import spec_problems
 from devinject.core.errors import SpecError, SpecValidationError
-from devinject.core.identity import qualified
-from devinject.core.model import Spec
-from devinject.core.spec import list_spec_files, parse_spec_document, read_spec_text, spec_dir_problem, spec_from_dict
-from devinject.core.specrules import spec_problems
 
 OLD_RUNTIMES = "podman 4.x and containerd 1.7"  # they refuse specs above 0.5.0
 _FIELD = re.compile(r"[A-Za-z]\w*(?:\[\d+\])*(?:\.[A-Za-z]\w*(?:\[\d+\])*)*")  # devices[0].containerEdits
@@ -98,7 +98,7 @@ def hook_program_problem(path: str, local: str | None = None) -> str | None:
     import os
     import stat
 
-    from devinject.core.spec import trust_problem
+    from devinject.cdi.spec import trust_problem
 
     if not path.startswith("/"):
         return f"must be an absolute path, not {path!r}"

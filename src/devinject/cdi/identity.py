@@ -20,7 +20,7 @@ TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type
 if TYPE_CHECKING:
     from typing import NewType
 
-    from devinject.core.model import DeviceNode
+    from devinject.cdi.model import DeviceNode
 
     NodeId = NewType("NodeId", str)
     DeviceKey = NewType("DeviceKey", str)

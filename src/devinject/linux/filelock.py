@@ -11,12 +11,12 @@ import os
 import time
 
 from devinject.core.errors import DevinjectError
-from devinject.core.trusteddir import trusted_dir
+from devinject.linux.trusteddir import trusted_dir
 
 
 class exclusive:
     """Hold an exclusive lock on `path` (created 0600, never through a link, with its directory when missing;
-    a directory others could write, where the lock could be swapped, is refused: core/trusteddir)."""
+    a directory others could write, where the lock could be swapped, is refused: linux/trusteddir)."""
 
     def __init__(self, path: str, *, timeout: float, what: str, error: type[DevinjectError] = DevinjectError) -> None:
         self.path, self.timeout, self.what, self.error = path, timeout, what, error

@@ -12,8 +12,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from devinject.core.filelock import exclusive
-from devinject.core.spec import read_generation, write_atomic
+from devinject.cdi.spec import read_generation, write_atomic
+from devinject.linux.filelock import exclusive
 
 COUNTER = ".devinject-generation"
 LOCK = ".devinject-generation.lock"

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from devinject.agent.mps import LOG_IN_CONTAINER, PIPE_IN_CONTAINER, Daemon
-from devinject.core.model import Spec
-from devinject.kubelet.allocation import HEALTHY, UNHEALTHY, AllocationError, PluginDevice, answer, preferred
-from devinject.kubelet.api import v1beta1_pb2 as api
-from devinject.kubelet.api import v1beta1_pb2_grpc as api_grpc
-from devinject.kubelet.sharing import check_replicas, preferred_replicas
+from devinject.cdi.model import Spec
+from devinject.deviceplugin.allocation import HEALTHY, UNHEALTHY, AllocationError, PluginDevice, answer, preferred
+from devinject.deviceplugin.api import v1beta1_pb2 as api
+from devinject.deviceplugin.api import v1beta1_pb2_grpc as api_grpc
+from devinject.deviceplugin.sharing import check_replicas, preferred_replicas
 from devinject.nodestate.grants import GrantError, grant_env_key, prune, write_grant
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from devinject.kubelet.api import v1beta1_pb2 as devinject_dot_kubelet_dot_api_dot_v1beta1__pb2
+from devinject.deviceplugin.api import v1beta1_pb2 as devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in devinject/kubelet/api/v1beta1_pb2_grpc.py depends on'
+        + ' but the generated code in devinject/deviceplugin/api/v1beta1_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,8 +37,8 @@ class RegistrationStub:
         """
         self.Register = channel.unary_unary(
                 '/v1beta1.Registration/Register',
-                request_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.FromString,
+                request_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.FromString,
                 _registered_method=True)
 
 
@@ -57,8 +57,8 @@ def add_RegistrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.RegisterRequest.FromString,
-                    response_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
+                    request_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.RegisterRequest.FromString,
+                    response_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,8 +87,8 @@ class Registration:
             request,
             target,
             '/v1beta1.Registration/Register',
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.RegisterRequest.SerializeToString,
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.FromString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.RegisterRequest.SerializeToString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -112,28 +112,28 @@ class DevicePluginStub:
         """
         self.GetDevicePluginOptions = channel.unary_unary(
                 '/v1beta1.DevicePlugin/GetDevicePluginOptions',
-                request_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
-                response_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.DevicePluginOptions.FromString,
+                request_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
+                response_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.DevicePluginOptions.FromString,
                 _registered_method=True)
         self.ListAndWatch = channel.unary_stream(
                 '/v1beta1.DevicePlugin/ListAndWatch',
-                request_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
-                response_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.ListAndWatchResponse.FromString,
+                request_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
+                response_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.ListAndWatchResponse.FromString,
                 _registered_method=True)
         self.GetPreferredAllocation = channel.unary_unary(
                 '/v1beta1.DevicePlugin/GetPreferredAllocation',
-                request_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreferredAllocationRequest.SerializeToString,
-                response_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreferredAllocationResponse.FromString,
+                request_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreferredAllocationRequest.SerializeToString,
+                response_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreferredAllocationResponse.FromString,
                 _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/v1beta1.DevicePlugin/Allocate',
-                request_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.AllocateResponse.FromString,
+                request_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.AllocateResponse.FromString,
                 _registered_method=True)
         self.PreStartContainer = channel.unary_unary(
                 '/v1beta1.DevicePlugin/PreStartContainer',
-                request_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreStartContainerRequest.SerializeToString,
-                response_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreStartContainerResponse.FromString,
+                request_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreStartContainerRequest.SerializeToString,
+                response_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreStartContainerResponse.FromString,
                 _registered_method=True)
 
 
@@ -177,28 +177,28 @@ def add_DevicePluginServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetDevicePluginOptions': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDevicePluginOptions,
-                    request_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.FromString,
-                    response_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.DevicePluginOptions.SerializeToString,
+                    request_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.FromString,
+                    response_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.DevicePluginOptions.SerializeToString,
             ),
             'ListAndWatch': grpc.unary_stream_rpc_method_handler(
                     servicer.ListAndWatch,
-                    request_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.FromString,
-                    response_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.ListAndWatchResponse.SerializeToString,
+                    request_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.FromString,
+                    response_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.ListAndWatchResponse.SerializeToString,
             ),
             'GetPreferredAllocation': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPreferredAllocation,
-                    request_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreferredAllocationRequest.FromString,
-                    response_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreferredAllocationResponse.SerializeToString,
+                    request_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreferredAllocationRequest.FromString,
+                    response_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreferredAllocationResponse.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
-                    request_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.AllocateRequest.FromString,
-                    response_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.AllocateResponse.SerializeToString,
+                    request_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.AllocateRequest.FromString,
+                    response_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.AllocateResponse.SerializeToString,
             ),
             'PreStartContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.PreStartContainer,
-                    request_deserializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreStartContainerRequest.FromString,
-                    response_serializer=devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreStartContainerResponse.SerializeToString,
+                    request_deserializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreStartContainerRequest.FromString,
+                    response_serializer=devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreStartContainerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,8 +227,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/GetDevicePluginOptions',
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.DevicePluginOptions.FromString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.DevicePluginOptions.FromString,
             options,
             channel_credentials,
             insecure,
@@ -254,8 +254,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/ListAndWatch',
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.ListAndWatchResponse.FromString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.Empty.SerializeToString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.ListAndWatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -281,8 +281,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/GetPreferredAllocation',
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreferredAllocationRequest.SerializeToString,
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreferredAllocationResponse.FromString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreferredAllocationRequest.SerializeToString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreferredAllocationResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -308,8 +308,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/Allocate',
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.AllocateRequest.SerializeToString,
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.AllocateResponse.FromString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.AllocateRequest.SerializeToString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.AllocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -335,8 +335,8 @@ class DevicePlugin:
             request,
             target,
             '/v1beta1.DevicePlugin/PreStartContainer',
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreStartContainerRequest.SerializeToString,
-            devinject_dot_kubelet_dot_api_dot_v1beta1__pb2.PreStartContainerResponse.FromString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreStartContainerRequest.SerializeToString,
+            devinject_dot_deviceplugin_dot_api_dot_v1beta1__pb2.PreStartContainerResponse.FromString,
             options,
             channel_credentials,
             insecure,

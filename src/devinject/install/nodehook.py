@@ -136,7 +136,7 @@ def program_interpreter(path: str) -> str:
 
 
 def _soname(path: str) -> str | None:
-    from devinject.core.elfinfo import read_shared_object
+    from devinject.linux.elfinfo import read_shared_object
 
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -395,7 +395,7 @@ def ancestors_problem(host_root: str, directory: str) -> str | None:
     """Why a directory above the bundle (the host's / down to its parent, as the host names them) lets someone
     but root swap the bundle root then runs: owned by another user, or writable by group or others (a sticky
     one, like /tmp, lets nobody rename what is root's). None when every one is root's alone."""
-    from devinject.core.spec import trust_problem
+    from devinject.cdi.spec import trust_problem
 
     parts = [p for p in directory.strip("/").split("/") if p][:-1]
     for depth in range(len(parts) + 1):
@@ -450,7 +450,7 @@ def node_hook_ready(host_root: str, directory: str = DEFAULT_DIR, *, run: bool =
     since it was installed, and (with `run`) its launcher answers `--version`. The build is this agent's when
     every file the bundle copied (interpreter, libraries, modules) is unchanged here: an edit of a module the
     cdi-hook does not import does not make it stale."""
-    from devinject.core.trusteddir import dir_problem
+    from devinject.linux.trusteddir import dir_problem
 
     bundle = in_root(host_root, directory)
     try:
@@ -494,7 +494,7 @@ def node_hook_ready(host_root: str, directory: str = DEFAULT_DIR, *, run: bool =
 
 def _exchange(source: str, target: str) -> None:
     """Swap two directories of one filesystem in one step (renameat2 RENAME_EXCHANGE)."""
-    from devinject.core import libc
+    from devinject.linux import libc
 
     if libc.function("renameat2")(_AT_FDCWD, source.encode(), _AT_FDCWD, target.encode(), _RENAME_EXCHANGE) != 0:
         raise OSError(libc.errno(), os.strerror(libc.errno()), target)
@@ -504,8 +504,8 @@ def install_node_hook(host_root: str = "/", directory: str = DEFAULT_DIR, *, for
     """Install this agent's node hook at `directory` (a host path; the host's / is at `host_root` here), unless
     the one there is already ready (`force`: rebuild anyway). The new bundle is built and run in a sibling
     directory, then exchanged with the installed one, which is removed only after the new one runs in place."""
-    from devinject.core.filelock import exclusive
-    from devinject.core.trusteddir import make_dirs, trusted_dir
+    from devinject.linux.filelock import exclusive
+    from devinject.linux.trusteddir import make_dirs, trusted_dir
 
     bundle = in_root(host_root, directory)
     parent, name = os.path.split(bundle)

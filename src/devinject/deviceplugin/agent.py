@@ -34,22 +34,22 @@ from devinject.agent.health import HEALTHY, UNHEALTHY
 from devinject.agent.mps import Daemon, MpsDaemons, MpsError
 from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions
+from devinject.cdi.identity import DeviceKey, QualifiedName, device_key, node_id_of, qualified
+from devinject.cdi.model import DeviceNode
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
-from devinject.core.identity import DeviceKey, QualifiedName, device_key, node_id_of, qualified
-from devinject.core.model import DeviceNode
+from devinject.deviceplugin.allocation import HEALTHY as HEALTHY_NAME
+from devinject.deviceplugin.allocation import UNHEALTHY as UNHEALTHY_NAME
+from devinject.deviceplugin.allocation import PluginDevice
+from devinject.deviceplugin.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
+from devinject.deviceplugin.metrics import Metrics, serve
+from devinject.deviceplugin.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
+from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replicated
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.discovery.topology import Place, place_of
-from devinject.kubelet.allocation import HEALTHY as HEALTHY_NAME
-from devinject.kubelet.allocation import UNHEALTHY as UNHEALTHY_NAME
-from devinject.kubelet.allocation import PluginDevice
-from devinject.kubelet.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
-from devinject.kubelet.metrics import Metrics, serve
-from devinject.kubelet.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
-from devinject.kubelet.sharing import SharingConfig, TimeSliced, replicated
 from devinject.nodestate.ledger import PLUGIN_PREFIX
 from devinject.nodestate.profilefacts import write_time_slicing
 
@@ -141,7 +141,7 @@ class PluginOptions:
     pods_dir: str | None = None
     ledger_poll: float = 0.5  # seconds between looks at the ledger, the kubelet's checkpoint and its pods
     pod_grace: float = UNKNOWN_POD_GRACE  # seconds a booking waits for the checkpoint to name its pod
-    sharing: SharingConfig = field(default_factory=SharingConfig)  # time-slicing (kubelet/sharing.py)
+    sharing: SharingConfig = field(default_factory=SharingConfig)  # time-slicing (deviceplugin/sharing.py)
 
     def resource_of(self, kind: str) -> str:
         """The resource a kind is served as: --resource-name's, then renamed when time-sliced."""

@@ -1,115 +1,19 @@
-"""What `devinject list`, `health` and `who` show: result records over a Node, each with its JSON form in the
-one vocabulary of docs/json.md (`name`, `kind`, `pci_address`, `numa_node`, `health`, `reasons`, `holders`).
-A device that is a char node and no PCI function (an IMEX channel: Node.channels) has `pci_address` null."""
+"""What `devinject list`, `health` and `who` show, computed over a Node: verdicts, the ledger's holders, the
+processes holding nodes open. The records they answer with are results.py's."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 from devinject.agent.channels import channel_verdicts
 from devinject.agent.health import DEGRADED, HEALTHY, PROBE_TIMEOUT, UNHEALTHY, Verdict, check_host
 from devinject.agent.healthstate import Published, load_published, load_put_backs
 from devinject.agent.mps import MpsDaemons
-from devinject.core.identity import NodeId, device_key, node_id_of
+from devinject.cdi.identity import NodeId, device_key, node_id_of
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.node import Node
 from devinject.discovery.topology import known_numa
 from devinject.nodestate.ledger import Ledger, LedgerEntry, holders_of
 from devinject.nodestate.profilefacts import time_slicing
-
-
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """Who holds a device: a container the ledger booked it for (its `state` active or reclaiming, the pid it
-    booked with), or a process with one of its nodes open (`who`: its pid, command, the node)."""
-
-    pid: int | None
-    container: str | None
-    command: str | None = None
-    node: str | None = None  # "c 195:0"
-    state: str | None = None  # the ledger's: active, reclaiming
-
-    def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "container": self.container, "command": self.command, "node": self.node,
-                "state": self.state}
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceHealth:
-    """One device's verdict (`health`)."""
-
-    name: str
-    kind: str
-    pci_address: str | None  # None: a char-node device (an IMEX channel), whose key is its name
-    health: str  # healthy, degraded, unhealthy
-    reasons: tuple[str, ...] = ()
-
-    @property
-    def healthy(self) -> bool:
-        return self.health == "healthy"
-
-    @property
-    def key(self) -> str:
-        """What health and watch track it by: `kind=PCI address`; a channel's name (`kind=N`)."""
-        return self.name if self.pci_address is None else device_key(self.kind, self.pci_address)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, "health": self.health,
-                "reasons": list(self.reasons)}
-
-
-@dataclass(frozen=True, slots=True)
-class HeldNode:
-    """A process holding one of a device's nodes open (`who`)."""
-
-    name: str
-    kind: str
-    pci_address: str | None  # None: a char-node device (an IMEX channel)
-    holder: Holder
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "pci_address": self.pci_address, **self.holder.to_json()}
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceRecord:
-    """One discovered device as `list` shows it."""
-
-    names: tuple[str, ...]  # its CDI names, index name first
-    kind: str
-    pci_address: str | None  # None, like pci_id and numa_node, and no functions: a channel (no PCI function)
-    functions: tuple[str, ...]
-    vendor: str
-    model: str
-    pci_id: str | None
-    uuid: str | None
-    numa_node: int | None  # None: the kernel does not know (-1)
-    driver: str | None
-    sharing: str
-    health: str
-    reasons: tuple[str, ...]
-    holders: tuple[Holder, ...]
-    allocation: str  # free, allocated, reclaiming
-    nodes: tuple[tuple[str, int | None, int | None], ...]  # path, major, minor
-    paired_with: tuple[tuple[str, str], ...]  # (CDI name, relation) for --bundles gpu-nic
-    replicas: int | None = None  # time-slicing: how many containers may share it
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "names": list(self.names), "kind": self.kind, "pci_address": self.pci_address,
-            "functions": list(self.functions), "vendor": self.vendor, "model": self.model, "pci_id": self.pci_id,
-            "uuid": self.uuid, "numa_node": self.numa_node, "driver": self.driver, "sharing": self.sharing,
-            "health": self.health, "reasons": list(self.reasons), "holders": [h.to_json() for h in self.holders],
-            "allocation": self.allocation,
-            "nodes": [{"path": path, "major": major, "minor": minor} for path, major, minor in self.nodes],
-            "paired_with": [{"name": name, "relation": relation} for name, relation in self.paired_with],
-            "replicas": self.replicas,
-        }
+from devinject.results import DeviceHealth, DeviceRecord, HeldNode, Holder
 
 
 def _allocations(state_dir: str | None) -> dict[str, LedgerEntry]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import struct
 
-from devinject.core.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, FLAG_ELF_LIBC6
+from devinject.linux.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, FLAG_ELF_LIBC6
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 mounts, never from guesses (cgroup v2 when `/sys/fs/cgroup` is a cgroup2 mount, what runc checks, else v1's
 `devices` hierarchy), and the device rule a grant is made of. The hook grants in it (hook/cgroup.py); the
 ledger's evidence reads what it grants (nodestate/evidence.py). cgroup v2's device program is read in
-core/devprogram.py."""
+linux/devprogram.py."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def find_device_cgroup(mountinfo: str, proc_cgroup: str) -> DeviceCgroup | None:
     # Only cgroup mounts and what is mounted on /sys/fs/cgroup are parsed: a node running many containers
     # has thousands of other mounts, and this runs on every container start.
     wanted = (line for line in mountinfo.splitlines() if " - cgroup" in line or f" {CGROUP_ROOT} " in line)
-    from devinject.core.mountinfo import parse_mountinfo  # here: the plan's AllowDevice alone needs none of it
+    from devinject.linux.mountinfo import parse_mountinfo  # here: the plan's AllowDevice alone needs none of it
 
     mounts = parse_mountinfo("\n".join(wanted))
     paths = parse_proc_cgroup(proc_cgroup)
@@ -89,7 +89,7 @@ V1_DEVICES = CGROUP_ROOT + "/devices"
 
 def _mount_at(path: str) -> tuple[int, str] | None:
     """(filesystem magic, mount root) of the mount visible at `path`, from statmount."""
-    from devinject.core.statmount import mount_magic_and_root
+    from devinject.linux.statmount import mount_magic_and_root
 
     try:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)

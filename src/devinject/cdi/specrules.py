@@ -7,9 +7,9 @@ it on every spec it parses (the parse is cached).
 
 from __future__ import annotations
 
-from devinject.core.cdiversion import KNOWN_VERSIONS, released_version, version_key, version_needs
-from devinject.core.model import ContainerEdits, Spec
-from devinject.core.names import device_name_problem, kind_problem
+from devinject.cdi.cdiversion import KNOWN_VERSIONS, released_version, version_key, version_needs
+from devinject.cdi.model import ContainerEdits, Spec
+from devinject.cdi.names import device_name_problem, kind_problem
 
 HOOK_NAMES = ("prestart", "createRuntime", "createContainer", "startContainer", "poststart", "poststop")
 NODE_TYPES = ("", "b", "c", "u", "p")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 
+from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Hook, IntelRdt, Mount, NetDevice, Spec
 from devinject.core import jsonlite
 from devinject.core.errors import SpecError
-from devinject.core.model import ContainerEdits, Device, DeviceNode, Hook, IntelRdt, Mount, NetDevice, Spec
 
 TYPE_CHECKING = False  # pathlib, typing and collections cost the hook ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -422,7 +422,7 @@ def parse_spec_document(text: str, source: str) -> object:
 
 def load_text(text: str, source: str) -> Spec:
     """Parse and check one spec file's text (shape, then values, as CDI loads a spec); errors name `source`."""
-    from devinject.core.specrules import spec_problems
+    from devinject.cdi.specrules import spec_problems
 
     data = parse_spec_document(text, source)
     try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from devinject.core.errors import DevinjectError
-from devinject.kubelet.allocation import AllocationError, PluginDevice
+from devinject.deviceplugin.allocation import AllocationError, PluginDevice
 
 REPLICA_SEPARATOR = "::"
 MAX_REPLICAS = 1024  # far beyond what time-slicing serves well; a typo (40000) is refused, not offered

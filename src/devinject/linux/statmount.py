@@ -1,6 +1,6 @@
 """Which mount a file is on and what that mount is, asked of the kernel for one file (statx's mount id,
-statmount) rather than read from the mount table: read only, through core/libc.py. The hook's executor
-(shared mounts) and the device cgroup lookup (core/devcgroup.py) use it; `syscall` is the syscall(2) call
+statmount) rather than read from the mount table: read only, through linux/libc.py. The hook's executor
+(shared mounts) and the device cgroup lookup (linux/devcgroup.py) use it; `syscall` is the syscall(2) call
 the hook's mount syscalls share."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from devinject.core import libc
+from devinject.linux import libc
 
 
 def syscall(number: int, *args: int | bytes | libc.Array, what: str) -> int:

@@ -22,10 +22,10 @@ import os
 import time
 from typing import Any
 
+from devinject.cdi.identity import path_identity
 from devinject.core import jsonlite
 from devinject.core.errors import LedgerError
-from devinject.core.identity import path_identity
-from devinject.kubelet.allocation import AllocationError, PluginDevice
+from devinject.deviceplugin.allocation import AllocationError, PluginDevice
 from devinject.nodestate.ledger import (
     LEDGER_FILE,
     Claim,

@@ -21,7 +21,7 @@ def hook_command(executable: str | None = None) -> list[str]:
     and stop; its paths are this installation's, so it is what `install-hook` writes."""
     if executable:
         return [executable, "devinject"]
-    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hook", "launcher.py")
+    launcher = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hook", "launcher.py")
     return [sys.executable, sys.executable, "-IS", launcher]
 
 

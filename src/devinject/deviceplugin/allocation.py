@@ -17,8 +17,8 @@ import itertools
 import posixpath
 from dataclasses import dataclass, field, replace
 
+from devinject.cdi.model import ContainerEdits, Spec
 from devinject.core.errors import DevinjectError
-from devinject.core.model import ContainerEdits, Spec
 from devinject.discovery.topology import Place, place_devices
 
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"  # the kubelet's words
@@ -39,7 +39,7 @@ class PluginDevice:
     shared: tuple[str, ...] = ()  # those of them others may hold too (a MIG instance's parent GPU)
     held: str = ""  # why the other path (a DRA claim) holds it: offered Unhealthy, never allocated
     parent: str = ""  # a time-sliced replica's device (its ID without `::<k>`); "" for a device of its own
-    replicas: int = 1  # how many replicas its device is offered as (kubelet/sharing.py)
+    replicas: int = 1  # how many replicas its device is offered as (deviceplugin/sharing.py)
 
     @property
     def offered(self) -> bool:

@@ -8,7 +8,7 @@ from devinject.core.errors import SpecError
 
 TYPE_CHECKING = False  # `typing` costs the hook ms per container start: type checkers only
 if TYPE_CHECKING:
-    from devinject.core.model import ContainerEdits, Spec
+    from devinject.cdi.model import ContainerEdits, Spec
 
 # Released CDI versions in order; what each adds is in docs/cdi-versions.md.
 KNOWN_VERSIONS = ("0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")

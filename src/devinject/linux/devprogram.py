@@ -1,16 +1,16 @@
 """cgroup v2's device program, read only: the bpf(2) call, the query of a cgroup's BPF_CGROUP_DEVICE programs
 and their instructions, and the format of devinject's own prefix (what hook/bpf.py writes) with its decoding.
 The hook reads a program before it swaps it (hook/bpf.py); the ledger's evidence reads which nodes a
-container's program grants (nodestate/evidence.py). A thin layer on core/libc.py."""
+container's program grants (nodestate/evidence.py). A thin layer on linux/libc.py."""
 
 from __future__ import annotations
 
 import os
 import struct
 
-from devinject.core import libc
-from devinject.core.devcgroup import AllowDevice
 from devinject.core.errors import HookError
+from devinject.linux import libc
+from devinject.linux.devcgroup import AllowDevice
 
 # bpf(2) commands and the attach type read here (include/uapi/linux/bpf.h)
 BPF_PROG_GET_FD_BY_ID = 13

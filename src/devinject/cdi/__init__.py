@@ -1,0 +1,1 @@
+"""The CDI model and its codec: specs, their version table, value rules and names."""
