@@ -43,7 +43,7 @@ from devinject.deviceplugin.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.deviceplugin.allocation import PluginDevice
 from devinject.deviceplugin.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
 from devinject.deviceplugin.metrics import Metrics, serve
-from devinject.deviceplugin.server import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
+from devinject.deviceplugin.service import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replicated
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice

@@ -46,8 +46,8 @@ from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacitySharing
 from devinject.dra.claims import ClaimReadError, Contest, Inventory, Preparer, allocated
+from devinject.dra.kubeletplugin import HealthBroadcast, PluginServers
 from devinject.dra.metrics import DraMetrics
-from devinject.dra.server import HealthBroadcast, PluginServers
 from devinject.dra.slices import (
     DRIVER,
     NO_EXECUTE,
