@@ -152,6 +152,9 @@ def test_mps_starts_a_daemon_on_the_first_claim_and_gives_the_container_its_pipe
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4096M"} <= set(edits["env"])
     mounts = {m["containerPath"]: m["hostPath"] for m in edits["mounts"]}
     assert mounts["/tmp/nvidia-mps"] == str(top / "pipe") and mounts["/var/log/nvidia-mps"] == str(top / "log")
+    options = {m["containerPath"]: m["options"] for m in edits["mounts"]}
+    assert "ro" in options["/var/log/nvidia-mps"] and "rw" not in options["/var/log/nvidia-mps"]  # the daemon's
+    assert {"nosuid", "nodev", "noexec"} <= set(options["/tmp/nvidia-mps"])
     # the last claim gone: the daemon quit, its directories with it
     assert unprepare(driver, ("mps", "uid-mps")).claims["uid-mps"].error == ""
     assert not alive(pid) and not top.exists() and daemon_pid(dirs, GPU) is None

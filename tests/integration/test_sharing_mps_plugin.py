@@ -80,7 +80,7 @@ def test_one_daemon_per_gpu_and_the_clients_env(mps_node) -> None:  # type: igno
                                          "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}.items()
     daemon = daemons(running).daemon("0000:18:00.0")
     assert {(m.container_path, m.host_path, m.read_only) for m in answer.mounts} >= {
-        (PIPE_IN_CONTAINER, daemon.pipe_dir, False), (LOG_IN_CONTAINER, daemon.log_dir, False)}
+        (PIPE_IN_CONTAINER, daemon.pipe_dir, False), (LOG_IN_CONTAINER, daemon.log_dir, True)}  # log: read-only
     assert (Path(daemon.pipe_dir) / "control").exists()  # the GPU's own daemon serves there
     with pytest.raises(grpc.RpcError) as refused:  # an MPS client is one replica
         stub.Allocate(api.AllocateRequest(container_requests=[

@@ -79,7 +79,8 @@ def mps_client(daemon_of: Callable[[str], Daemon | None], devices: dict[str, Plu
             raise AllocationError(f"{device_id}: the MPS control daemon of its GPU is not running; not allocated")
         envs.update({"CUDA_MPS_PIPE_DIRECTORY": PIPE_IN_CONTAINER, "CUDA_MPS_LOG_DIRECTORY": LOG_IN_CONTAINER,
                      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, 100 // max(1, device.replicas)))})
-        mounts += [(PIPE_IN_CONTAINER, daemon.pipe_dir, False), (LOG_IN_CONTAINER, daemon.log_dir, False)]
+        # the log directory read-only: the root daemon writes there, and no pod may plant a link for it
+        mounts += [(PIPE_IN_CONTAINER, daemon.pipe_dir, False), (LOG_IN_CONTAINER, daemon.log_dir, True)]
 
 
 class DevicePluginService(api_grpc.DevicePluginServicer):

@@ -218,10 +218,13 @@ def mps_env(sharing: GpuSharing, pipe_dir: str, log_dir: str) -> ContainerEdits:
         limits = {"0": settings.pinned_memory_limit_mb} if settings.pinned_memory_limit_mb is not None else {}
         limits.update(settings.per_device_limit_mb)
         env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{k}={v}M" for k, v in sorted(limits.items())))
-    options = ("rbind", "rw", "nosuid", "nodev")
+    # The log directory is the root daemon's to write: read-only, so that no pod plants a link there for the
+    # daemon to follow on the host. Clients connect through the pipe directory, which they must write.
+    pipe = ("rbind", "rw", "nosuid", "nodev", "noexec")
+    logs = ("rbind", "ro", "nosuid", "nodev", "noexec")
     return ContainerEdits(env=tuple(env), mounts=(
-        Mount(host_path=pipe_dir, container_path=PIPE_IN_CONTAINER, options=options),
-        Mount(host_path=log_dir, container_path=LOG_IN_CONTAINER, options=options)))
+        Mount(host_path=pipe_dir, container_path=PIPE_IN_CONTAINER, options=pipe),
+        Mount(host_path=log_dir, container_path=LOG_IN_CONTAINER, options=logs)))
 
 
 def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
