@@ -743,3 +743,9 @@ def test_a_driver_following_another_agents_loop_still_writes_the_labels(dirs: di
     driver.refresh(rediscover=False)
     assert labels_in(features_dir)["devinject.io/nvidia.com-gpu.count"] == "7"
     assert not driver.write_labels()  # unchanged: not written again
+    # a broken health.json stops neither the labels nor the slices: what it said last stands
+    (Path(dirs["state"]) / "health.json").write_text('{"unhealthy_nodes": ["c 19')
+    api.slices = []  # gone from the API server: the next round must publish them again
+    driver.refresh(rediscover=False)
+    assert devices(api)["gpu-0000-18-00-0"]["taints"]
+    assert labels_in(features_dir)["devinject.io/nvidia.com-gpu.count"] == "7"

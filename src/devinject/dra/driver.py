@@ -417,7 +417,11 @@ class DraDriver:
             return False
         from devinject.agent.nfd import features, write_features
 
-        out = frozenset(read_health(self.opts.state_dir).reasons)
+        try:
+            health = read_health(self.opts.state_dir)
+        except StateFileError:  # a broken health.json: what it said last stands, as for the slices
+            health = self._health_read
+        out = frozenset(health.reasons)
         with self.lock:
             host, found = self._host, list(self._found)
         if host is None:
