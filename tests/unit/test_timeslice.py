@@ -82,3 +82,27 @@ def test_a_hung_nvidia_smi_meets_its_deadline(tmp_path: Path) -> None:
         apply_timeslice(str(tmp_path), "0000:18:00.0", "GPU-1", "Long", timeout=0.3)
     with pytest.raises(TimesliceError, match="UUID is not known"):
         apply_timeslice(str(tmp_path), "0000:18:00.0", "", "Long")
+
+
+def test_an_nvidia_smi_whose_child_holds_its_output_still_meets_the_deadline(tmp_path: Path) -> None:
+    """The deadline held only for nvidia-smi itself: killed, its output was read to the end, which a child
+    still holding the pipe (as a process stuck on a wedged GPU does) kept open for as long as it lived, with
+    the claims' lock held all along."""
+    import time
+
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/nvidia-smi").write_text("#!/bin/sh\nsleep 20 &\nexec sleep 20\n")
+    (tmp_path / "usr/bin/nvidia-smi").chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(TimesliceError, match="did not answer within 0.3 s"):
+        apply_timeslice(str(tmp_path), "0000:18:00.0", "GPU-1", "Long", timeout=0.3)
+    assert time.monotonic() - started < 5
+
+
+def test_what_nvidia_smi_says_is_read_only_up_to_a_bound(tmp_path: Path) -> None:
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/nvidia-smi").write_text("#!/bin/sh\nhead -c 20000000 /dev/zero | tr '\\0' x\nexit 4\n")
+    (tmp_path / "usr/bin/nvidia-smi").chmod(0o755)
+    with pytest.raises(TimesliceError, match=r"failed \(status 4\): x+$") as refused:
+        apply_timeslice(str(tmp_path), "0000:18:00.0", "GPU-1", "Long")
+    assert len(str(refused.value)) < 600

@@ -6,8 +6,11 @@ claim's error)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import threading
 
 from devinject.core.errors import DevinjectError
 
@@ -15,6 +18,7 @@ NVIDIA_SMI = "usr/bin/nvidia-smi"  # under the driver root
 TIMESLICES = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
 TIMEOUT = 10.0  # seconds per nvidia-smi call
 MAX_ANSWER = 400  # characters of its output kept for the error
+MAX_KEPT = 4096  # bytes of its output read into memory; the rest is drained and dropped
 
 
 class TimesliceError(DevinjectError):
@@ -41,15 +45,36 @@ def apply_timeslice(driver_root: str, gpu: str, uuid: str, interval: str, timeou
 
 
 def _run(program: str, args: list[str], gpu: str, interval: str, timeout: float) -> None:
+    """One nvidia-smi call within `timeout`, its output read up to MAX_KEPT bytes (the rest drained and
+    dropped). On a wedged GPU nvidia-smi can sit in uninterruptible sleep, where a kill takes no effect: it is
+    killed and left to a reaper thread, never waited for here (the caller may hold the claims' lock)."""
     try:
-        done = subprocess.run([program, *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
-                              check=False, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-    except subprocess.TimeoutExpired:
-        raise TimesliceError(f"{gpu}: interval {interval}: nvidia-smi {' '.join(args)} did not answer within "
-                             f"{timeout:g} s") from None
+        process = subprocess.Popen([program, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+                                   start_new_session=True)
     except OSError as err:
         raise TimesliceError(f"{gpu}: interval {interval}: {program}: {err.strerror}") from None
-    if done.returncode != 0:
-        said = " ".join((done.stdout + done.stderr).decode("utf-8", "replace").split())[:MAX_ANSWER]
+    kept = bytearray()
+    reader = threading.Thread(target=_drain, args=(process, kept), daemon=True)
+    reader.start()
+    try:
+        status = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(process.pid, signal.SIGKILL)  # its session: children it left behind too
+        threading.Thread(target=process.wait, daemon=True).start()  # reaped whenever it does exit
+        raise TimesliceError(f"{gpu}: interval {interval}: nvidia-smi {' '.join(args)} did not answer within "
+                             f"{timeout:g} s") from None
+    reader.join(timeout=1.0)  # a child it left holding the pipe must not hold us either
+    if status != 0:
+        said = " ".join(bytes(kept).decode("utf-8", "replace").split())[:MAX_ANSWER]
         raise TimesliceError(f"{gpu}: interval {interval}: nvidia-smi {' '.join(args)} failed "
-                             f"(status {done.returncode}): {said or 'no output'}")
+                             f"(status {status}): {said or 'no output'}")
+
+
+def _drain(process: subprocess.Popen[bytes], kept: bytearray) -> None:
+    assert process.stdout is not None
+    with process.stdout:
+        while chunk := process.stdout.read(4096):
+            if len(kept) < MAX_KEPT:
+                kept += chunk[:MAX_KEPT - len(kept)]
