@@ -1003,7 +1003,8 @@ def runtime_configure(runtime_name: str, config: str | None, spec_dirs: tuple[st
 @click.option("--driver-name", default="dra.devinject.io", show_default=True, metavar="NAME",
               help="The DRA driver whose slices are checked.")
 @click.option("--dra-metrics", default="127.0.0.1:9401", show_default=True, metavar="HOST:PORT",
-              help="The DRA driver's /metrics, read for the publishes it counts as failed ('' not to).")
+              help="The DRA driver's /metrics, read for the publishes it counts as failed ('' not to; the "
+                   "shipped DaemonSet serves it on the node's IP).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_name: str | None,
            runtime_version: str | None, state_dir: str, profile_dirs: tuple[str, ...], kubeconfig: str | None,

@@ -608,16 +608,21 @@ def publish_errors(address: str, timeout: float = METRICS_TIMEOUT, limit: int = 
     import time
 
     host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return {}
     end = time.monotonic() + timeout
-    connection = http.client.HTTPConnection(host.strip("[]") or "127.0.0.1", int(port or 0), timeout=timeout)
+    connection = http.client.HTTPConnection(host.strip("[]") or "127.0.0.1", int(port), timeout=timeout)
     try:
         connection.request("GET", "/metrics")
+        sock = connection.sock  # the answer's reads go through it even once the connection lets it go
         response = connection.getresponse()
         if response.status != 200:
             return {}
         chunks, size = [], 0
-        while time.monotonic() < end and size <= limit:
-            chunk = response.read(65536)
+        while (left := end - time.monotonic()) > 0 and size <= limit:
+            if sock is not None:
+                sock.settimeout(left)  # one deadline for the whole answer, not one per read
+            chunk = response.read1(65536)  # what one receive brings: the deadline is checked between them
             if not chunk:
                 break
             chunks.append(chunk)

@@ -266,3 +266,36 @@ def test_the_command_takes_the_kubeconfig_and_refuses_one_that_is_not(root: Path
     done = CliRunner().invoke(cli, ["doctor", "--root", str(root), "--kubeconfig", str(bad)])
     assert done.exit_code == 2 and "not a kubeconfig" in done.output and "Traceback" not in done.output
     assert os.path.exists(config)
+
+
+def test_a_metrics_answer_that_trickles_is_cut_at_one_deadline_and_a_bad_address_is_no_answer() -> None:
+    """/metrics sending a line every 0.3 s: each read met its own timeout, so the answer could hold doctor
+    far past `timeout`; now one deadline covers the whole answer. A port that is no number reads as no answer
+    (it raised ValueError before the try)."""
+    import threading
+    import time
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+
+    def trickle() -> None:
+        peer, _ = server.accept()
+        with peer:
+            peer.recv(4096)
+            peer.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+            for _ in range(30):
+                try:
+                    peer.sendall(b"# HELP filler a line\n")
+                except OSError:
+                    return
+                time.sleep(0.3)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    assert publish_errors(f"127.0.0.1:{port}", timeout=1.0) == {}
+    assert time.monotonic() - started < 2.5
+    server.close()
+    assert publish_errors("127.0.0.1:metrics") == {}
