@@ -328,3 +328,23 @@ def test_a_stale_claims_copy_is_made_good_by_the_next_write(tmp_path: Path) -> N
     assert json.loads(copy.read_text()) == {}
     (tmp_path / "state" / "ledger.json").write_text('{"allocations": {"c1": {"exclus')
     assert CLAIM not in ledger.snapshot()["allocations"]
+
+
+def test_containers_of_two_pods_riding_shares_of_one_gpu_do_not_clash(tmp_path: Path) -> None:
+    """Consumable capacity: two claims each hold a share of one GPU, for two pods. The hook books each pod's
+    container on the GPU's node (its claim's kind names no sharing, so exclusively): the second container
+    clashed with the first, though both ride shares of that GPU. A container riding no share still clashes."""
+    proc = tmp_path / "proc"
+    fake_process(proc, 1, b"0::/init.scope\n")
+    fake_process(proc, 4100, b"0::/kubepods/besteffort/pod" + POD.encode() + b"/c1\n")
+    fake_process(proc, 4200, b"0::/kubepods/besteffort/pod" + OTHER_POD.encode() + b"/c2\n")
+    fake_process(proc, 4300, b"0::/system.slice/other.scope\n")
+    ledger = Ledger(str(tmp_path / "state"), proc=str(proc))
+    gib = 2**30
+    for claim, pod in ((CLAIM, POD), ("dra-claim:dra.devinject.io:2222", OTHER_POD)):
+        ledger.book(claim, 1, GPU, POLICY, for_pods=(pod,),
+                    consumes={NODE: {"memory": [16 * gib, 40 * gib], "shares": [1, 4]}})
+    assert ledger.book("mine", 4100, GPU, POLICY).new
+    assert ledger.book("theirs", 4200, GPU, POLICY).new
+    with pytest.raises(LedgerError, match=f"device {NODE} is"):
+        ledger.book("stranger", 4300, GPU, POLICY)

@@ -680,6 +680,10 @@ class Ledger:
             our_claims = [entry for entry in allocations.values() if booking.get("pod") in entry.get("pods", ())]
             # a container of a pod whose claim holds a consumable-capacity share rides on that share
             riding = {n for reserved in our_claims for n in (reserved.get("consumes") or {})}
+            if riding & set(exclusive):  # a share is not the container's alone: other pods' shares ride it too
+                exclusive = [n for n in exclusive if n not in riding]
+                shared = sorted(set(shared) | (riding & set(booking["exclusive"])))
+                booking.update(exclusive=exclusive, shared=shared)
             for other_id, entry in allocations.items():
                 if entry.get("recovered") and entry["pid"] == pid:
                     continue  # evidence of this very container from an earlier run of its hook
