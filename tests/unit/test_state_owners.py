@@ -102,6 +102,18 @@ def test_a_checkpoint_reads_back_what_was_saved_with_its_version_and_checksum(tm
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
+def test_a_checkpoint_beyond_the_size_cap_is_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read whole, up to statefile's cap, as every state file: a huge file is not taken into memory."""
+    from devinject.dra import claims
+    from devinject.dra.claims import Checkpoint, CheckpointError
+
+    monkeypatch.setattr(claims, "MAX_BYTES", 1 << 20)
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(b" " * ((1 << 20) + 1))
+    with pytest.raises(CheckpointError, match=r"checkpoint.json: corrupt checkpoint \(larger than 1 MiB\)"):
+        Checkpoint(str(path)).load()
+
+
 def test_a_checkpoint_from_before_checksums_is_still_read(tmp_path: Path) -> None:
     """An upgrade: the driver restarts on a version 1 checkpoint; its claims stay prepared."""
     from devinject.dra.claims import Checkpoint

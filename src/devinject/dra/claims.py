@@ -43,7 +43,7 @@ from devinject.nodestate.claimcheckpoints import (
     strings_of,
 )
 from devinject.nodestate.ledger import PLUGIN_PREFIX, Claim, Ledger
-from devinject.nodestate.statefile import StateFileError, problem_in
+from devinject.nodestate.statefile import MAX_BYTES, StateFileError, problem_in
 from devinject.specs.generate import GenerateOptions, build_specs, versioned
 
 log = logging.getLogger(__name__)
@@ -115,11 +115,14 @@ class Checkpoint:
     def load(self) -> dict[str, dict[str, object]]:
         try:
             with open(self.path, "rb") as handle:
-                raw = handle.read()
+                raw = handle.read(MAX_BYTES + 1)  # statefile's rule: whole, up to a size cap
         except FileNotFoundError:
             return {}
         except OSError as err:
             raise CheckpointError(f"{self.path}: cannot read the checkpoint: {err.strerror}") from None
+        if len(raw) > MAX_BYTES:
+            raise CheckpointError(f"{self.path}: corrupt checkpoint (larger than {MAX_BYTES >> 20} MiB); no claim "
+                                  "is prepared until it is repaired or removed")
         try:
             return parse_checkpoint(raw, self.path).claims
         except StateFileError as err:

@@ -71,7 +71,7 @@ def has_own_pid_namespace(pid: int, proc: str = "/proc") -> bool:
 def read_entries(state_dir: str) -> dict[str, LedgerEntry]:
     """The ledger's bookings as they are now (no lock, no housekeeping: the file is replaced whole), read as a
     file the hook may act on: a regular file of this user's that nobody else can write, no link followed.
-    None when it is missing, not that, or fails validation (the next booking rebuilds it)."""
+    Empty when it is missing, not that, or fails validation (the next booking rebuilds it)."""
     import stat
 
     try:
