@@ -46,10 +46,30 @@ def test_without_specs_the_loop_publishes_health_json_alone(host_copy, tmp_path:
 def test_health_json_is_written_by_one_function(host_copy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """Every write of health.json goes through `write_health_file` (the write with the specs, and the one
     after a round whose verdicts changed)."""
+    from devinject.core import atomicfile
+
     calls: list[list[str]] = []
+    inside: list[bool] = []  # whether write_health_file is on the stack
     real = publishers.write_health_file
-    monkeypatch.setattr(publishers, "write_health_file",
-                        lambda state_dir, nodes, devices: (calls.append(nodes), real(state_dir, nodes, devices)))
+
+    def counted(state_dir: str, nodes: list[str], devices: dict[str, object]) -> None:
+        calls.append(nodes)
+        inside.append(True)
+        try:
+            real(state_dir, nodes, devices)  # type: ignore[arg-type]
+        finally:
+            inside.pop()
+
+    real_replace = atomicfile.replace
+    writes_outside: list[str] = []
+
+    def watched_replace(path: str, *args: object, **kwargs: object) -> object:
+        if path.endswith("health.json") and not inside:
+            writes_outside.append(path)  # a second writer of health.json, beside the one function
+        return real_replace(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(publishers, "write_health_file", counted)
+    monkeypatch.setattr(atomicfile, "replace", watched_replace)
     root = host_copy("hgx-h100")
     watcher = Watcher(options(root, tmp_path))
     watcher.rescan()
@@ -60,3 +80,4 @@ def test_health_json_is_written_by_one_function(host_copy, tmp_path: Path, monke
     health.unlink()
     watcher.check()  # nothing changed: not written again
     assert not health.exists() and len(calls) == 1
+    assert writes_outside == []
