@@ -110,7 +110,7 @@ def test_a_checkpoint_beyond_the_size_cap_is_refused_unread(tmp_path: Path, monk
     monkeypatch.setattr(claims, "MAX_BYTES", 1 << 20)
     path = tmp_path / "checkpoint.json"
     path.write_bytes(b" " * ((1 << 20) + 1))
-    with pytest.raises(CheckpointError, match=r"checkpoint.json: corrupt checkpoint \(larger than 1 MiB\)"):
+    with pytest.raises(CheckpointError, match=r"checkpoint.json: corrupt checkpoint \(larger than 1048576 bytes\)"):
         Checkpoint(str(path)).load()
 
 

@@ -43,7 +43,7 @@ from devinject.nodestate.claimcheckpoints import (
     strings_of,
 )
 from devinject.nodestate.ledger import PLUGIN_PREFIX, Claim, Ledger
-from devinject.nodestate.statefile import MAX_BYTES, StateFileError, problem_in
+from devinject.nodestate.statefile import MAX_BYTES, StateFileError, UnreadableStateFile, problem_in, read_bytes
 from devinject.specs.generate import GenerateOptions, build_specs, versioned
 
 log = logging.getLogger(__name__)
@@ -113,18 +113,11 @@ class Checkpoint:
         self.path = path
 
     def load(self) -> dict[str, dict[str, object]]:
-        try:
-            with open(self.path, "rb") as handle:
-                raw = handle.read(MAX_BYTES + 1)  # statefile's rule: whole, up to a size cap
-        except FileNotFoundError:
-            return {}
-        except OSError as err:
-            raise CheckpointError(f"{self.path}: cannot read the checkpoint: {err.strerror}") from None
-        if len(raw) > MAX_BYTES:
-            raise CheckpointError(f"{self.path}: corrupt checkpoint (larger than {MAX_BYTES >> 20} MiB); no claim "
-                                  "is prepared until it is repaired or removed")
-        try:
-            return parse_checkpoint(raw, self.path).claims
+        try:  # the state files' one rule: whole, up to their size cap
+            raw = read_bytes(self.path, what="the checkpoint", max_bytes=MAX_BYTES)
+            return {} if raw is None else parse_checkpoint(raw, self.path).claims
+        except UnreadableStateFile as err:
+            raise CheckpointError(err.message) from None
         except StateFileError as err:
             raise CheckpointError(f"{self.path}: corrupt checkpoint ({problem_in(err, self.path)}); no claim is "
                                   "prepared until it is repaired or removed") from None

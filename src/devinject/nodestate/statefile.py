@@ -28,9 +28,9 @@ class UnreadableStateFile(StateFileError):
     """The file is there but cannot be read (permissions, I/O): not a sign it is corrupt."""
 
 
-def read_document(path: str, *, what: str = "it", max_bytes: int = MAX_BYTES) -> object | None:
-    """The parsed JSON of `path`; None when there is no such file. StateFileError for one that cannot be
-    read, is larger than `max_bytes`, or is not one JSON document (a truncated file is not)."""
+def read_bytes(path: str, *, what: str = "it", max_bytes: int = MAX_BYTES) -> bytes | None:
+    """The whole of `path`; None when there is no such file. UnreadableStateFile for one that cannot be read,
+    StateFileError for one larger than `max_bytes` (never taken into memory whole)."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(max_bytes + 1)
@@ -40,7 +40,14 @@ def read_document(path: str, *, what: str = "it", max_bytes: int = MAX_BYTES) ->
         raise UnreadableStateFile(f"{path}: cannot read {what}: {err.strerror}") from None
     if len(data) > max_bytes:
         raise StateFileError(f"{path}: larger than {max_bytes} bytes")
-    return parse_document(data, path)
+    return data
+
+
+def read_document(path: str, *, what: str = "it", max_bytes: int = MAX_BYTES) -> object | None:
+    """The parsed JSON of `path`; None when there is no such file. StateFileError for one that cannot be
+    read, is larger than `max_bytes`, or is not one JSON document (a truncated file is not)."""
+    data = read_bytes(path, what=what, max_bytes=max_bytes)
+    return None if data is None else parse_document(data, path)
 
 
 def parse_document(data: bytes, path: str) -> object:
