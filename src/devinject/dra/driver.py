@@ -322,19 +322,24 @@ class DraDriver:
             return self._since.setdefault((offer.pool, offer.name, key), _now_rfc3339())
         return since
 
+    def _health_now(self) -> NodeHealth:
+        """health.json as it reads now; a broken one is never read as "all healthy": what it said last stands
+        (for the slices' taints and the labels alike), and the problem is logged once."""
+        try:
+            self._health_read = read_health(self.opts.state_dir)
+            self._health_problem = None
+        except StateFileError as err:
+            if err.message != self._health_problem:
+                log.warning("%s; the slices keep the taints read before", err.message)
+            self._health_problem = err.message
+        return self._health_read
+
     def desired(self) -> list[dict[str, Any]]:
         """The slices from the offers discovered last and health.json as it reads now; the health stream is
         updated on the way. A device out of discovery stays, tainted, while the loop keeps it out (a channel:
         always, as `gone`); one the loop has not judged yet is left out until it does (discovery may see an
         unbound or removed function before the loop's next round)."""
-        try:
-            health = self._health_read = read_health(self.opts.state_dir)
-            self._health_problem = None
-        except StateFileError as err:  # never read as "all healthy": what it said last stands
-            health = self._health_read
-            if err.message != self._health_problem:
-                log.warning("%s; the slices keep the taints read before", err.message)
-            self._health_problem = err.message
+        health = self._health_now()
         with self.lock:
             host, offered = self._host, list(self._all)
             present = {(o.pool, o.name) for o in offered}
@@ -417,11 +422,7 @@ class DraDriver:
             return False
         from devinject.agent.nfd import features, write_features
 
-        try:
-            health = read_health(self.opts.state_dir)
-        except StateFileError:  # a broken health.json: what it said last stands, as for the slices
-            health = self._health_read
-        out = frozenset(health.reasons)
+        out = frozenset(self._health_now().reasons)
         with self.lock:
             host, found = self._host, list(self._found)
         if host is None:
