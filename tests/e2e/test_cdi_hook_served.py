@@ -63,11 +63,15 @@ def server(tmp_path: Path) -> Iterator[Server]:
 
 
 def cdi_container(bundle: Bundle, spec_dir: Path, server: Path | None) -> int:
-    """The bundle as a CDI runtime writes it for nvidia.com/gpu=0: the spec's mounts and its createContainer
-    hooks (no OCI hook), pointed at `server` (else at a socket nobody listens on: in-process); how many."""
+    """The bundle as a CDI runtime writes it for nvidia.com/gpu=0: the spec's device nodes, its mounts and its
+    createContainer hook (no OCI hook), pointed at `server` (else at a socket nobody listens on: in-process);
+    how many hooks."""
     spec = load_file(spec_dir / "nvidia.com-gpu.yaml")
     edits = spec.edits.merge(next(d for d in spec.devices if d.name == "0").edits)
-    assert "links-and-ldcache" in edits.hooks[0].args  # the spec's; the device's own: its /dev/dri links
+    (hook,) = edits.hooks  # the spec's one hook: the libraries' links and cache, the device's own links too
+    assert hook.args[hook.args.index("cdi-hook") + 1] == "links-and-ldcache"
+    bundle.config["linux"].setdefault("devices", []).extend(
+        {"path": n.path, "type": n.type, "major": n.major, "minor": n.minor} for n in edits.device_nodes)
     socket = str(server) if server is not None else str(bundle.path / "nobody-listens.sock")
     bundle.config["hooks"] = {"createContainer": [{"path": hook.path, "args": [*hook.args, "--server", socket],
                                                    "timeout": 30} for hook in edits.hooks]}
@@ -153,7 +157,7 @@ def test_podman_served_cdi_hook_never_writes_through_proc_1_root(hostile_image: 
                           capture_output=True, text=True, timeout=180)
     assert untouched(canary), done.stderr
     assert done.returncode == 0, done.stderr
-    assert server.served() == 2, server.log.read_text()  # the spec's hook and the device's (its /dev/dri links)
+    assert server.served() == 1, server.log.read_text()  # the spec's one hook, its GPU's /dev/dri links too
 
 
 def _hook_state(tmp_path: Path) -> tuple[Path, Path]:

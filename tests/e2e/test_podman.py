@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from devinject.install.hooksd import hook_command, hooks_d_entry
-from tests.e2e.conftest import DEVINJECT, PODMAN
+from tests.e2e.conftest import DEVINJECT, PODMAN, in_cdi_dir
+from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_mi300x
 
 pytestmark = pytest.mark.live
 
@@ -26,7 +28,30 @@ def test_podman_consumes_generated_cdi_spec(image: str, cdi_spec: Path) -> None:
     assert mount.split()[3].startswith("ro,nosuid,nodev")  # read-only driver file
     assert "libcuda.so.550.54.14\n" in out  # the SONAME link made by devinject's CDI createContainer hook
     assert "No such device or address" in out
-    assert "\n../renderD129\n" in out  # the GPU's DRM by-path link, made by the device's own hook
+    assert "\n../renderD129\n" in out  # the GPU's DRM by-path link, made by the spec's one hook
+
+
+def test_podman_gives_a_container_the_by_path_links_of_its_own_gpus_only(image: str, tmp_path: Path) -> None:
+    """Eight MI300X GPUs, their DRM by-path links all named in the spec's one hook (`--device-link`): a container
+    given GPUs 1 and 3 gets exactly their four links, each to a node it has, none naming another GPU's address."""
+    host = tmp_path / "host"
+    builder = LibBuilder()
+    try:
+        build_mi300x(builder, FakeHost(host, real_nodes=True))
+    finally:
+        shutil.rmtree(builder.tmp, ignore_errors=True)
+    subprocess.run([DEVINJECT, "generate", "--root", str(host), "--output-dir", str(tmp_path / "cdi"),
+                    "--kind", "amd.com/gpu", "--hook-path", DEVINJECT], check=True, capture_output=True, timeout=120)
+    script = "for l in /dev/dri/by-path/*; do echo $l; test -c $l && echo node; done; echo done"
+    with in_cdi_dir(tmp_path / "cdi" / "amd.com-gpu.yaml"):
+        done = subprocess.run([*PODMAN, "--device", "amd.com/gpu=1", "--device", "amd.com/gpu=3", image,
+                               "sh", "-c", script], capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and out.endswith("done\n"), out
+    links = [line for line in out.splitlines() if line.startswith("/dev/")]
+    expected = [f"/dev/dri/by-path/pci-0000:{bus}:00.0-{kind}" for bus in ("1d", "65") for kind in ("card", "render")]
+    assert links == expected
+    assert out.count("node\n") == 4  # each link resolves to a device node the container was given
 
 
 @pytest.mark.parametrize("executable", [None, DEVINJECT], ids=["launcher", "console-script"])

@@ -25,7 +25,7 @@ def test_requested_device_reaches_driver_unrequested_stays_denied(bundle: Bundle
     assert "can't open '/dev/nvidia0': No such device or address" in out  # cgroup let us reach the "driver"
     assert "can't open '/dev/unrequested': Operation not permitted" in out  # device cgroup still denies
     assert " ro,nosuid,nodev" in out and "/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.14" in out
-    assert "\n../card1\n" in out  # the GPU's DRM by-path link (a device-level hook, run inline)
+    assert "\n../card1\n" in out  # the GPU's DRM by-path link (the spec's hook's --device-link, run inline)
     assert "libcuda.so.550.54.14" in out.split("finished")[0].splitlines()[-1]
     cache = {e.soname: e.path for e in parse_ldcache((bundle.rootfs / "etc/ld.so.cache").read_bytes())}
     assert cache["libcuda.so.1"] == "/usr/lib/x86_64-linux-gnu/libcuda.so.1"

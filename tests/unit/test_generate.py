@@ -1,3 +1,4 @@
+import itertools
 import os
 import shutil
 import stat
@@ -200,13 +201,25 @@ def test_driver_root_takes_driver_files_from_there_and_nodes_from_the_host(host_
 
 
 def test_a_spec_names_one_hook_per_need_and_none_when_nothing_is_needed():
-    """links and the linker cache: one process; only one of them: its own subcommand; neither: no hook."""
+    """links, devices' own links and the linker cache: one process; only links: create-symlinks; only the
+    cache: update-ldcache; nothing: no hook. Never a device-level hook: a container of two GPUs would start
+    one process per GPU."""
+    every = [spec for host in sorted(HOSTS.iterdir()) for spec in _specs(host.name).values()]
+    assert every and all(len(spec.edits.hooks) <= 1 and not any(d.edits.hooks for d in spec.devices) for spec in every)
     by_command = {kind: [h.args[2] for h in spec.edits.hooks] for kind, spec in _specs("gaudi2").items()}
     assert by_command["habana.ai/gaudi"] == ["update-ldcache"]  # libraries, no links to make
-    assert [h.args[2] for h in _specs("workstation")["intel.com/gpu"].edits.hooks] == []  # no libraries
-    amd = _specs("mi300x")["amd.com/gpu"]
-    assert [h.args[2] for h in amd.edits.hooks] == ["links-and-ldcache"]
-    assert {h.args[2] for d in amd.devices for h in d.edits.hooks} == {"create-symlinks"}  # the DRM by-path links
+    assert [h.args[2] for h in _specs("hgx-h100")["nvidia.com/rdma"].edits.hooks] == []  # nothing to make
+    (intel,) = _specs("workstation")["intel.com/gpu"].edits.hooks  # no libraries: its DRM by-path links only
+    assert intel.args[2:] == ("create-symlinks", "--device-link", "../card0::/dev/dri/by-path/pci-0000:00:02.0-card",
+                              "--device-link", "../renderD128::/dev/dri/by-path/pci-0000:00:02.0-render")
+    spec = _specs("mi300x")["amd.com/gpu"]
+    (amd,) = spec.edits.hooks
+    assert amd.args[2] == "links-and-ldcache"
+    device_links = [v for flag, v in itertools.pairwise(amd.args) if flag == "--device-link"]
+    whole = [d for d in spec.devices if d.name.isdigit()]  # GPU 7 is offered as its 8 partitions: no by-path links
+    drm_nodes = [n.path for d in whole for n in d.edits.device_nodes if n.path.startswith("/dev/dri/")]
+    assert len(whole) == 7 and len(device_links) == len(drm_nodes) == 14  # each GPU's card and render node, one hook
+    assert "../card1::/dev/dri/by-path/pci-0000:05:00.0-card" in device_links
 
 
 def test_a_library_directory_without_libraries_asks_for_no_linker_cache(tmp_path):

@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -174,7 +175,8 @@ def test_a_merged_cdi_hook_takes_both_commands_flags_and_the_single_ones_keep_th
     command, values = parse_cdi_hook(["links-and-ldcache", "--link", "a::/l", "--folder=/usr/lib",
                                       "--forward-compat", "/c:libx.so:1.0"])
     assert command == "links-and-ldcache"
-    assert values == {"--link": ["a::/l"], "--folder": ["/usr/lib"], "--forward-compat": ["/c:libx.so:1.0"]}
+    assert values == {"--link": ["a::/l"], "--device-link": [], "--folder": ["/usr/lib"],
+                      "--forward-compat": ["/c:libx.so:1.0"]}
     for single, foreign in (("create-symlinks", "--folder"), ("update-ldcache", "--link")):
         with pytest.raises(HookError, match="unexpected argument"):
             parse_cdi_hook([single, foreign, "/x"])
@@ -190,3 +192,61 @@ def test_a_cdi_hook_takes_the_launchers_server_flags_and_nothing_else_new():
     for bad in (["--server"], ["--servers", "/x"], ["--no-server=1"]):
         with pytest.raises(HookError, match="unexpected argument"):
             parse_cdi_hook(["create-symlinks", *bad])
+
+
+BY_PATH = ("--device-link", "../card1::/dev/dri/by-path/pci-0000:01:00.0-card",
+           "--device-link", "../renderD129::/dev/dri/by-path/pci-0000:01:00.0-render",
+           "--device-link", "../card2::/dev/dri/by-path/pci-0000:02:00.0-card")
+
+
+def test_the_oci_hook_makes_the_device_links_of_the_devices_it_gives_only():
+    """The spec-level hook names every GPU's by-path links; a container given card1 gets card1's links, never
+    one naming another GPU's PCI address (nor a dangling link to a node it lacks)."""
+    hook = Hook("createContainer", "/usr/bin/devinject", ("devinject", "cdi-hook", "create-symlinks", *BY_PATH))
+    given = (DeviceNode("/dev/dri/card1", type="c", major=226, minor=1),
+             DeviceNode("/dev/dri/renderD129", type="c", major=226, minor=129))
+    steps = plan(ContainerEdits(device_nodes=given, hooks=(hook,)))
+    assert steps.links == (Symlink("../card1", "/dev/dri/by-path/pci-0000:01:00.0-card"),
+                           Symlink("../renderD129", "/dev/dri/by-path/pci-0000:01:00.0-render"))
+    assert plan(ContainerEdits(hooks=(hook,))).links == ()
+    bad = hook._replace(args=("devinject", "cdi-hook", "create-symlinks", "--device-link", "../card1"))
+    with pytest.raises(HookError, match="--device-link '../card1' is not TARGET::/ABSOLUTE/LINK"):
+        plan(ContainerEdits(device_nodes=given, hooks=(bad,)))
+
+
+def _cdi_hook_container(tmp_path, devices):
+    """A container as a runtime hands it to a createContainer hook: its bundle's config.json listing
+    `devices`, the OCI state on a pipe."""
+    rootfs = tmp_path / "bundle" / "rootfs"
+    (rootfs / "dev" / "dri").mkdir(parents=True)
+    config = {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
+              "linux": {"devices": [{"path": p, "type": "c", "major": 226, "minor": 1} for p in devices]}}
+    (rootfs.parent / "config.json").write_text(json.dumps(config))
+    read, write = os.pipe()
+    os.write(write, json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": os.getpid(),
+                                "bundle": str(rootfs.parent)}).encode())
+    os.close(write)
+    return rootfs, read
+
+
+def test_a_cdi_hook_makes_the_device_links_of_the_container_s_own_devices(tmp_path):
+    from devinject.hook.main import run_cdi_hook
+
+    rootfs, stdin = _cdi_hook_container(tmp_path, ["/dev/dri/card2", "/dev/nvidia0"])
+    try:
+        run_cdi_hook(["create-symlinks", *BY_PATH], stdin)
+    finally:
+        os.close(stdin)
+    assert sorted(os.listdir(rootfs / "dev/dri/by-path")) == ["pci-0000:02:00.0-card"]
+    assert os.readlink(rootfs / "dev/dri/by-path/pci-0000:02:00.0-card") == "../card2"
+
+
+def test_a_cdi_hook_whose_devices_are_not_in_the_container_makes_nothing(tmp_path):
+    from devinject.hook.main import run_cdi_hook
+
+    rootfs, stdin = _cdi_hook_container(tmp_path, ["/dev/nvidia0"])
+    try:
+        assert run_cdi_hook(["create-symlinks", *BY_PATH], stdin) == []
+    finally:
+        os.close(stdin)
+    assert os.listdir(rootfs / "dev/dri") == []  # not even the by-path directory

@@ -404,18 +404,22 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
 def run_cdi_hook(args: list[str], stdin_fd: int = 0) -> list[str]:
     """A CDI createContainer hook: already inside the container's mount namespace, before pivot_root. One with
     nothing to make (no link, no library directory) returns before it reads the container's state."""
-    from devinject.hook.plan import Plan, parse_cdi_hook, parse_forward_compat, parse_link
+    from devinject.hook.plan import Plan, device_links, parse_cdi_hook, parse_forward_compat, parse_link
 
     _, values = parse_cdi_hook(args)
     links = tuple(dict.fromkeys(parse_link(v) for v in values["--link"]))
     folders = tuple(dict.fromkeys(v for v in values["--folder"] if v.startswith("/")))
     compat = tuple(dict.fromkeys(parse_forward_compat(v) for v in values["--forward-compat"]))
-    if not links and not folders:
+    if not links and not folders and not values["--device-link"]:
         return []
     from devinject.hook.executor import Executor
-    from devinject.hook.state import load_bundle, parse_state, read_stdin
+    from devinject.hook.state import given_devices, load_bundle, parse_state, read_stdin
 
     bundle = load_bundle(parse_state(read_stdin(stdin_fd)))
+    if values["--device-link"]:
+        links += tuple(s for s in device_links(values["--device-link"], given_devices(bundle)) if s not in links)
+        if not links and not folders:
+            return []  # none of the devices whose links the spec names is in this container
     return Executor(bundle.rootfs).apply(Plan(links=links, ldcache_folders=folders, forward_compat=compat))
 
 

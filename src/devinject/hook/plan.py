@@ -137,19 +137,21 @@ LAUNCHER_SUFFIX = "/devinject/hook/launcher.py"  # the hook launcher, as generat
 
 
 _LINK_FLAG = ("--link", "TARGET::LINK", "make LINK (an absolute path in the container) a symlink to TARGET")
+_DEVICE_LINK_FLAG = ("--device-link", "TARGET::LINK",
+                     "make LINK only when the container was given TARGET (from LINK's directory) as a device node")
 _FOLDER_FLAG = ("--folder", "DIR", "a directory of the driver's libraries in the container")
 _FORWARD_COMPAT_FLAG = ("--forward-compat", "DIR:LIBRARY:VERSION",
                         "DIR first when the image's LIBRARY.<version> there is newer than VERSION, the host driver's")
 CDI_HOOK_COMMANDS = {  # subcommand -> (what it does, its flags: (flag, value, meaning)); parsing and --help read it
     "create-symlinks": ("Make symlinks in the container, as the host's driver has them (the soname links).", (
-        _LINK_FLAG,
+        _LINK_FLAG, _DEVICE_LINK_FLAG,
     )),
     "update-ldcache": ("Add library directories to the container's linker cache (ld.so.cache, or musl's path).", (
         _FOLDER_FLAG, _FORWARD_COMPAT_FLAG,
     )),
     "links-and-ldcache": ("Make the symlinks, then add the library directories to the linker cache: "
                           "create-symlinks and update-ldcache in one process.", (
-        _LINK_FLAG, _FOLDER_FLAG, _FORWARD_COMPAT_FLAG,
+        _LINK_FLAG, _DEVICE_LINK_FLAG, _FOLDER_FLAG, _FORWARD_COMPAT_FLAG,
     )),
 }
 
@@ -182,7 +184,7 @@ def parse_cdi_hook(args: list[str]) -> tuple[str, dict[str, list[str]]]:
     if command not in CDI_HOOK_COMMANDS:
         raise HookError(f"cdi-hook: unknown subcommand {command!r}")
     own = {flag for flag, _, _ in CDI_HOOK_COMMANDS[command][1]}
-    values: dict[str, list[str]] = {flag: [] for flag in ("--link", "--folder", "--forward-compat")}
+    values: dict[str, list[str]] = {flag: [] for flag in ("--link", "--device-link", "--folder", "--forward-compat")}
     i = 0
     while i < len(rest):
         arg = rest[i]
@@ -228,11 +230,20 @@ def newer_than(version: str, host_version: str) -> bool:
     return bool(mine) and bool(host) and mine > host
 
 
-def parse_link(value: str) -> Symlink:
+def parse_link(value: str, flag: str = "--link") -> Symlink:
     target, sep, link = value.partition("::")
     if not sep or not target or not link.startswith("/"):
-        raise HookError(f"cdi-hook create-symlinks: --link {value!r} is not TARGET::/ABSOLUTE/LINK")
+        raise HookError(f"cdi-hook create-symlinks: {flag} {value!r} is not TARGET::/ABSOLUTE/LINK")
     return Symlink(target, link)
+
+
+def device_links(values: list[str], given: set[str]) -> list[Symlink]:
+    """The `--device-link`s whose target is a device node the container was given (`given`: container paths,
+    normalized). A spec names every device's own links (a GPU's /dev/dri/by-path ones) in its one spec-level
+    hook, so that a container of any of its devices starts one hook process; each container gets its own
+    devices' links only, never a link naming another device's PCI address."""
+    links = [parse_link(v, "--device-link") for v in values]
+    return [s for s in links if posixpath.normpath(posixpath.join(posixpath.dirname(s.link), s.target)) in given]
 
 
 def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid: int = 0) -> Plan:
@@ -258,6 +269,7 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
             continue
         _, values = parse_cdi_hook(args)
         links += [parse_link(v) for v in values["--link"]]
+        links += device_links(values["--device-link"], {posixpath.normpath(n.path) for n in edits.device_nodes})
         folders += [v for v in values["--folder"] if v.startswith("/")]
         compat += [parse_forward_compat(v) for v in values["--forward-compat"]]
     allow = tuple(dict.fromkeys(AllowDevice(n.type, n.major, n.minor, _access(d.permissions))

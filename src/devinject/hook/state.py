@@ -107,3 +107,14 @@ def load_bundle(state: ContainerState) -> BundleConfig:
         annotations=_strings(raw.get("annotations"), f"{path}: annotations"),
         raw=raw,
     )
+
+
+def given_devices(bundle: BundleConfig) -> set[str]:
+    """The device nodes the runtime gives the container (config.json `linux.devices`, normalized container
+    paths); anything not in the shape the runtime spec gives is no device."""
+    linux = bundle.raw.get("linux")
+    devices = linux.get("devices") if isinstance(linux, dict) else None
+    if not isinstance(devices, list):
+        return set()
+    return {os.path.normpath(d["path"]) for d in devices
+            if isinstance(d, dict) and isinstance(d.get("path"), str) and d["path"].startswith("/")}

@@ -53,10 +53,11 @@ _SCENARIOS = (
     ("cdi-hook", "create-symlinks", "--link", "bad"),  # an error's path imports what errors need
     ("cdi-hook", "links-and-ldcache", "--link", "libdevinject-probe.so.1.0::/usr/lib/libdevinject-probe.so.1",
      "--folder", "/usr/lib"),  # what specs name when they need both: one process
+    ("cdi-hook", "create-symlinks", "--device-link", "../card0::/dev/dri/by-path/pci-probe-card"),  # no such device
     ("cdi-hook", "--help"),
     ("--version",),
 )
-_SCENARIO_OK = (0, 0, 1, 0, 0, 0)
+_SCENARIO_OK = (0, 0, 1, 0, 0, 0, 0)
 
 _PROBE = r"""
 import os, sys

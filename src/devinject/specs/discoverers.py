@@ -192,10 +192,11 @@ def forward_compat(profile: Profile, version: str | None, folders: list[str]) ->
     return [f"{compat_dir}:{compat_lib}:{version}"]
 
 
-def common_edits(view: HostView, profile: Profile, sources: FileSources, command: HookCommand) -> ContainerEdits:
+def common_edits(view: HostView, profile: Profile, sources: FileSources, command: HookCommand,
+                 device_links: tuple[str, ...] = ()) -> ContainerEdits:
     """The kind's spec-level edits, as the host names its paths: shared device nodes from the host; driver
-    files (libraries, binaries, firmware and other files) from a driver root or else the host too; the hook
-    that makes their links and linker cache."""
+    files (libraries, binaries, firmware and other files) from a driver root or else the host too; the one
+    hook that makes their links and linker cache and the `device_links` of the container's devices."""
     libraries, version = discover_libraries(sources, profile)
     driver_files = discover_driver_files(sources, profile, version)
     mounts = discover_mounts(sources, profile, libraries, driver_files)
@@ -205,5 +206,5 @@ def common_edits(view: HostView, profile: Profile, sources: FileSources, command
         env=profile.env,
         device_nodes=tuple(shared_nodes(view, profile)),
         mounts=tuple(mounts.values()),
-        hooks=library_hook(command, links, folders, forward_compat(profile, version, folders)),
+        hooks=library_hook(command, links, folders, forward_compat(profile, version, folders), device_links),
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import posixpath
 
 from devinject.cdi.identity import device_key
-from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Hook, Spec
+from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Spec
 from devinject.core.errors import ConfigError
 from devinject.discovery.channels import profile_channels
 from devinject.discovery.discover import FoundDevice, HostView, discover
@@ -21,7 +21,7 @@ from devinject.discovery.libraries import read_ldcache
 from devinject.discovery.node import Node, device_names
 from devinject.discovery.profiles import Profile
 from devinject.specs.discoverers import FileSources, common_edits, driver_version
-from devinject.specs.hooks import HOOK_ENV, HOOK_TIMEOUT, HookCommand, default_hook_path, drm_by_path_hook, hook_command
+from devinject.specs.hooks import HOOK_ENV, HOOK_TIMEOUT, default_hook_path, drm_by_path_links, hook_command
 from devinject.specs.options import STRATEGIES, GenerateOptions
 from devinject.specs.output import render, spec_filename, write_specs
 from devinject.specs.transforms import Transform, enrich_uuids, spec_transforms, transformed, versioned, with_groups
@@ -51,11 +51,11 @@ def served_devices(node: Node, opts: GenerateOptions) -> tuple[list[Profile], li
     return profiles, enrich_uuids(found, opts, node.host)
 
 
-def _device_edits(item: FoundDevice, opts: GenerateOptions,
-                  command: HookCommand) -> list[tuple[list[str], ContainerEdits]]:
+def _device_edits(item: FoundDevice, opts: GenerateOptions) -> list[tuple[list[str], ContainerEdits]]:
     """A device's edits (as the host names its nodes) with their names: a device with partitions (MIG
     devices) is offered as its partitions only, each by its name and, with the uuid strategy, its UUID; else
-    the device by each of its names, with its DRM by-path links and the groups its nodes need."""
+    the device by each of its names, with the groups its nodes need (its DRM by-path links are the spec-level
+    hook's: `_device_links`)."""
     if item.partitions:
         out = []
         for partition in item.partitions:
@@ -64,27 +64,28 @@ def _device_edits(item: FoundDevice, opts: GenerateOptions,
                 names.append(partition.uuid)  # MIG-<uuid>, as NVIDIA names it
             out.append((names, ContainerEdits(device_nodes=tuple(partition.nodes))))
         return out
-    edits = with_groups(ContainerEdits(device_nodes=tuple(item.nodes), hooks=drm_by_path_hook(item, command)), opts,
-                        f"{item.profile.kind}={item.index}")
+    edits = with_groups(ContainerEdits(device_nodes=tuple(item.nodes)), opts, f"{item.profile.kind}={item.index}")
     return [] if edits.is_empty() else [(device_names(item, opts.strategies), edits)]
+
+
+def _device_links(found: list[FoundDevice]) -> tuple[str, ...]:
+    """Every device's own links (DRM by-path) for the spec-level hook, which makes those of the devices a
+    container is given: one hook process per container, however many devices (partitioned ones have none)."""
+    return tuple(link for item in found if not item.partitions for link in drm_by_path_links(item))
 
 
 def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdits, transforms: tuple[Transform, ...],
                opts: GenerateOptions) -> Spec | None:
-    """The kind's spec: each device by its names, then `all` (every node and hook once), through `transforms`."""
-    command = hook_command(opts.hook_path, target_root=opts.target_root)
+    """The kind's spec: each device by its names, then `all` (every node once), through `transforms`."""
     devices: list[Device] = []
     every_node: dict[DeviceNode, None] = {}  # insertion-ordered set: `all` in one pass, not n merges
-    every_hook: dict[Hook, None] = {}
     for item in found:
-        for names, edits in _device_edits(item, opts, command):
+        for names, edits in _device_edits(item, opts):
             every_node.update(dict.fromkeys(edits.device_nodes))
-            every_hook.update(dict.fromkeys(edits.hooks))
             devices.extend(Device(name, edits) for name in names)
     if not devices:
         return None
-    devices.append(Device("all", with_groups(ContainerEdits(device_nodes=tuple(every_node),
-                                                            hooks=tuple(every_hook)), opts, None)))
+    devices.append(Device("all", with_groups(ContainerEdits(device_nodes=tuple(every_node)), opts, None)))
     return transformed(Spec(kind=profile.kind, devices=tuple(devices), edits=common), transforms)
 
 
@@ -127,8 +128,8 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
     for profile in profiles:
         devices = by_kind.pop(profile.kind, [])
         if devices:
-            spec = build_spec(profile, devices, common_edits(view, profile, sources, command),
-                              spec_transforms(host, profile, opts), opts)
+            common = common_edits(view, profile, sources, command, _device_links(devices))
+            spec = build_spec(profile, devices, common, spec_transforms(host, profile, opts), opts)
             specs += [spec] if spec is not None else []
     for profile in profiles:
         if profile.channels is not None:

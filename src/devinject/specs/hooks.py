@@ -1,5 +1,6 @@
 """The CDI hooks a spec runs: how they start devinject (`hook_command`) and the `cdi-hook` subcommands the
-spec pipeline asks for (the libraries' links and linker cache, a DRM device's by-path links)."""
+spec pipeline asks for: one spec-level hook for the libraries' links, the linker cache and the devices' own
+links (a DRM device's by-path links)."""
 
 from __future__ import annotations
 
@@ -69,15 +70,18 @@ def cdi_hook(command: HookCommand, subcommand: str, *flags: tuple[str, list[str]
     return Hook("createContainer", path, tuple(args), HOOK_ENV, HOOK_TIMEOUT)
 
 
-def library_hook(command: HookCommand, links: list[str], folders: list[str],
-                 forward_compat: list[str]) -> tuple[Hook, ...]:
-    """The spec-level hook: one process per container for the links and the linker cache together (each hook
-    is an interpreter's start), the single-purpose subcommand when only one is needed, none when neither is."""
-    if links and folders:
-        return (cdi_hook(command, "links-and-ldcache", ("--link", links), ("--folder", folders),
+def library_hook(command: HookCommand, links: list[str], folders: list[str], forward_compat: list[str],
+                 device_links: tuple[str, ...] = ()) -> tuple[Hook, ...]:
+    """The spec-level hook: one process per container for the links, its devices' own links (`--device-link`,
+    made only for the devices the container was given) and the linker cache together (each hook is an
+    interpreter's start), the single-purpose subcommand when only links or only the cache are needed, none
+    when nothing is."""
+    linked = ("--link", links), ("--device-link", list(device_links))
+    if (links or device_links) and folders:
+        return (cdi_hook(command, "links-and-ldcache", *linked, ("--folder", folders),
                          ("--forward-compat", forward_compat)),)
-    if links:
-        return (cdi_hook(command, "create-symlinks", ("--link", links)),)
+    if links or device_links:
+        return (cdi_hook(command, "create-symlinks", *linked),)
     if folders:
         return (cdi_hook(command, "update-ldcache", ("--folder", folders), ("--forward-compat", forward_compat)),)
     return ()
@@ -86,9 +90,10 @@ def library_hook(command: HookCommand, links: list[str], folders: list[str],
 _DRM_BY_PATH = (("card", "card"), ("renderD", "render"))
 
 
-def drm_by_path_hook(item: FoundDevice, command: HookCommand) -> tuple[Hook, ...]:
-    """`/dev/dri/by-path/pci-<address>-card` and `-render` links to the device's DRM nodes, as udev makes
-    them on the host (Chromium, VA-API and GStreamer find a GPU's nodes by its PCI address through them)."""
+def drm_by_path_links(item: FoundDevice) -> tuple[str, ...]:
+    """`/dev/dri/by-path/pci-<address>-card` and `-render` links to the device's DRM nodes (TARGET::LINK), as
+    udev makes them on the host (Chromium, VA-API and GStreamer find a GPU's nodes by its PCI address through
+    them): the spec-level hook's `--device-link`s, made for the devices a container is given."""
     links = []
     for node in item.nodes:
         directory, name = posixpath.split(node.path)
@@ -97,6 +102,4 @@ def drm_by_path_hook(item: FoundDevice, command: HookCommand) -> tuple[Hook, ...
         for prefix, suffix in _DRM_BY_PATH:
             if name.startswith(prefix) and name[len(prefix):].isdigit():
                 links.append(f"../{name}::/dev/dri/by-path/pci-{item.address}-{suffix}")
-    if not links:
-        return ()
-    return (cdi_hook(command, "create-symlinks", ("--link", links)),)
+    return tuple(links)
