@@ -4,14 +4,13 @@ The hook's in-process start (and every `cdi-hook`, which always runs in-process)
 `typing` costs ~2 ms, and `collections.namedtuple`, which compiles a `__new__` per class, ~1 ms more for the
 hook's records (bench/bench_hook_imports.py measures both). Type checkers see `typing.NamedTuple` (modules
 import this one only in the `else` branch of `if TYPE_CHECKING`); at run time this builds an equivalent tuple
-subclass, with the standard library's public parts only: fields from the annotations, defaults from the class
-body, `operator.itemgetter` field accessors (as namedtuple's were before CPython's private C accessor),
-methods and properties kept.
+subclass, with the language's public parts only: fields from the annotations, defaults from the class
+body, each field a property over a two-line function of this module (not `operator.itemgetter`: `operator`
+is ~0.4 ms of imports on every in-process start, for accessors a hook calls a few hundred times; nor CPython's
+private C accessor), methods and properties kept.
 """
 
 from __future__ import annotations
-
-from operator import itemgetter
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -91,6 +90,14 @@ def _getnewargs(self: tuple[object, ...]) -> tuple[object, ...]:
     return tuple(self)
 
 
+def _field(index: int, name: str) -> property:
+    def get(self: tuple[object, ...]) -> object:
+        return self[index]
+
+    get.__name__ = name
+    return property(get, doc=f"field {index}: {name}")
+
+
 class _Meta(type):
     def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, object]) -> type:
         if not bases:  # the `NamedTuple` marker class itself
@@ -104,7 +111,7 @@ class _Meta(type):
             elif seen_default:
                 raise TypeError(f"{name}: field {field!r} without a default follows one with a default")
         body = {k: v for k, v in namespace.items() if k not in _NOT_COPIED and k not in fields}
-        body.update({f: property(itemgetter(i), doc=f"field {i}: {f}") for i, f in enumerate(fields)})
+        body.update({f: _field(i, f) for i, f in enumerate(fields)})
         body.update(__new__=_make_new(name, fields, defaults), __slots__=(), _fields=fields,
                     _field_defaults=defaults, __match_args__=fields, _replace=_replace, _asdict=_asdict,
                     __getnewargs__=_getnewargs)

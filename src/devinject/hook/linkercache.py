@@ -16,7 +16,6 @@ import os
 import posixpath
 import stat
 
-from devinject.cdi.identity import file_identity
 from devinject.core import jsonlite
 from devinject.core.atomicfile import replace_at
 from devinject.core.errors import HookError, LdCacheError, UnsafePathError
@@ -43,7 +42,11 @@ class SonameMemo:
         self.used: set[str] = set()
         self.learned = False
 
-    key = staticmethod(file_identity)
+    @staticmethod
+    def key(st: os.stat_result) -> str:
+        from devinject.cdi.identity import file_identity  # here: a run without the memo (a cdi-hook) needs none
+
+        return file_identity(st)
 
     def recall(self, st: os.stat_result) -> SharedObject | None:
         """What the file with this identity was read as (NOT_A_LIBRARY for anything else); None when it was

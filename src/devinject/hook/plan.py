@@ -8,7 +8,6 @@ import posixpath
 import stat as statmod
 
 from devinject.core.errors import HookError
-from devinject.linux.devcgroup import AllowDevice as AllowDevice  # a device cgroup rule: the plan's, the ledger's
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:  # the CDI model only as types: a cdi-hook's start imports neither
@@ -17,10 +16,21 @@ if TYPE_CHECKING:  # the CDI model only as types: a cdi-hook's start imports nei
 
     from devinject.cdi.identity import NodeId
     from devinject.cdi.model import ContainerEdits, DeviceNode, Hook, NetDevice
+    from devinject.linux.devcgroup import AllowDevice as AllowDevice  # a device cgroup rule: the plan's, the ledger's
 
     StatFn = Callable[[str], os.stat_result]
 else:
     from devinject.core.records import NamedTuple
+
+
+def __getattr__(name: str) -> object:
+    """`AllowDevice` (the plan's device cgroup rule) from linux/devcgroup.py when first asked for: a cdi-hook
+    makes no rule, and its start does not load that module."""
+    if name == "AllowDevice":
+        from devinject.linux.devcgroup import AllowDevice
+
+        return AllowDevice
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 MAX_ACTIONS = 4096
@@ -272,6 +282,8 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
         links += device_links(values["--device-link"], {posixpath.normpath(n.path) for n in edits.device_nodes})
         folders += [v for v in values["--folder"] if v.startswith("/")]
         compat += [parse_forward_compat(v) for v in values["--forward-compat"]]
+    from devinject.linux.devcgroup import AllowDevice
+
     allow = tuple(dict.fromkeys(AllowDevice(n.type, n.major, n.minor, _access(d.permissions))
                                 for n, d in zip(nodes, edits.device_nodes, strict=True)))
     result = Plan(tuple(nodes), tuple(mounts), tuple(dict.fromkeys(links)), tuple(dict.fromkeys(folders)), allow,
