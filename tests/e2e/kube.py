@@ -153,15 +153,9 @@ class ReferenceDriver:
               60, "the reference driver's slice")
 
     def stop(self) -> None:
-        import signal
-        import subprocess
+        from tests.e2e.conftest import terminate
 
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+        terminate(self.process)
 
 
 def interleaved(client: KubeClient, clock: PodClock, variants: dict[str, Callable[[str], dict[str, Any]]],

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import DEVINJECT
+from tests.e2e.conftest import DEVINJECT, REPO, terminate
 from tests.e2e.kube import KUBE, KubeClient, PodClock, interleaved, need, one_device_template, timed_pod, until
 from tests.e2e.podphases import ROUNDS, median_phases, pod_phases, race_the_reference, record, table
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
@@ -59,13 +58,8 @@ class Node(KubeClient):
 
     def stop(self, name: str) -> None:
         process = self.processes.pop(name, None)
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(5)
+        if process is not None:
+            terminate(process)
 
     def hook_work(self, pod: dict[str, Any]) -> list[str]:
         """What the pod's container sees of its GPU and the hook's work (HOOK_CHECK), the pod removed after."""
@@ -105,6 +99,9 @@ def node() -> Iterator[Node]:
     finally:
         for name in list(running.processes):
             running.stop(name)
+        kept = REPO / "build" / "podstart-logs"  # the run's logs, for its phases (--purge removes them)
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(KUBE_DIR / "logs", kept, dirs_exist_ok=True)
         subprocess.run([str(KUBE / "cluster-down.sh"), "--purge"], capture_output=True, env=running.env,
                        timeout=300)
         shutil.rmtree(HOST.parent, ignore_errors=True)
