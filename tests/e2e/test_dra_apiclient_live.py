@@ -2,7 +2,8 @@
 DaemonSet's service account would (deploy/kubernetes/dra/rbac.yaml), with a token bound to a Secret in a
 kubeconfig's `tokenFile`, and reaches the API server through a TCP proxy in this process that the tests can
 cut (the API server itself is never stopped: the cluster's other parts need it) and that counts the
-driver's connections (one per request: the client keeps none open but a watch).
+driver's connections (a GET may go over a connection an earlier answer came on, kept open up to 30 s;
+anything else opens one of its own, and the watch has its own).
 
 - the token is replaced in the file and the old one revoked (its Secret deleted): the driver keeps
   restoring slices and preparing claims, with no restart;

@@ -42,7 +42,7 @@ class Recorder(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
         self.seen.append({"method": self.command, "path": self.path, "body": body,
-                          "auth": self.headers.get("Authorization"),
+                          "auth": self.headers.get("Authorization"), "peer": self.client_address,
                           "client_cert": bool(self.connection.getpeercert())})  # type: ignore[attr-defined]
         status, answer = self.answers.get((self.command, self.path.split("?")[0]), (200, {"ok": True}))
         data = json.dumps(answer).encode()
@@ -58,10 +58,26 @@ class Recorder(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def server(certs: Path) -> Iterator[int]:
-    Recorder.seen, Recorder.answers = [], {}
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+class KeepAlive(Recorder):
+    """HTTP/1.1: the connection stays open after an answer (as the API server's does), unless `drop` says the
+    server closes it after the next one without saying so (an idle connection the server ended)."""
+
+    protocol_version = "HTTP/1.1"
+    drop = False
+
+    def _answer(self) -> None:
+        super()._answer()
+        if KeepAlive.drop:
+            KeepAlive.drop = False
+            self.close_connection = True
+
+    do_GET = do_POST = do_PUT = do_DELETE = _answer
+
+
+@pytest.fixture(params=[Recorder])
+def server(certs: Path, request: pytest.FixtureRequest) -> Iterator[int]:
+    Recorder.seen, Recorder.answers, KeepAlive.drop = [], {}, False
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), request.param)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(certs / "server.crt", certs / "server.key")
     context.verify_mode = ssl.CERT_OPTIONAL  # asks for a client certificate, checks one that is sent
@@ -105,6 +121,36 @@ def test_the_calls_the_driver_makes_reach_the_server_as_the_official_client_send
     assert {s["auth"] for s in Recorder.seen} == {"Bearer s3cret"}
     assert not any(s["client_cert"] for s in Recorder.seen)
     assert Recorder.seen[1]["body"] == {"metadata": {"name": "a"}}
+
+
+@pytest.mark.parametrize("server", [KeepAlive], indirect=True)
+def test_gets_go_over_one_kept_connection_and_nothing_else_does(tmp_path: Path, server: int, certs: Path) -> None:
+    """A claim's read on the prepare path: a round trip over the connection the last whole answer came on,
+    not a TCP and TLS handshake each time; a POST, PUT or DELETE opens its own connection."""
+    api = ResourceApi(credentials(str(kubeconfig(tmp_path / "kc", server, certs / "server.crt", token="t"))))
+    for _ in range(3):
+        api.read_namespaced_resource_claim("claim-1", "ns")
+    api.create_resource_slice({"metadata": {"name": "a"}})
+    api.replace_resource_slice("a", {"metadata": {"name": "a"}})
+    api.read_namespaced_resource_claim("claim-1", "ns")
+    peers = [s["peer"] for s in Recorder.seen]
+    assert len(set(peers[:3])) == 1, peers  # one connection for the three GETs
+    assert len({*peers[:3], peers[3], peers[4]}) == 3, peers  # the POST and the PUT each on a new one
+    assert peers[5] in {peers[3], peers[4]}, peers  # the next GET on a connection kept since
+
+
+@pytest.mark.parametrize("server", [KeepAlive], indirect=True)
+def test_a_kept_connection_the_server_closed_is_replaced_with_no_retry(tmp_path: Path, server: int,
+                                                                      certs: Path) -> None:
+    waits: list[float] = []
+    api = ResourceApi(credentials(str(kubeconfig(tmp_path / "kc", server, certs / "server.crt", token="t"))),
+                      sleep=waits.append)
+    Recorder.answers[("GET", "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c")] = (200, {"n": 1})
+    KeepAlive.drop = True  # closed after this answer, the client not told
+    assert api.read_namespaced_resource_claim("c", "ns") == {"n": 1}
+    assert api.read_namespaced_resource_claim("c", "ns") == {"n": 1}
+    peers = [s["peer"] for s in Recorder.seen]
+    assert len(peers) == 2 and peers[0] != peers[1] and waits == [], (peers, waits)
 
 
 def test_an_error_answer_is_one_line_with_the_servers_message(tmp_path: Path, server: int, certs: Path) -> None:
