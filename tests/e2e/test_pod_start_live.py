@@ -5,7 +5,8 @@ fixture host (tests/fixtures/build_hosts.py, real char nodes) has the driver's l
 every container start (test_dra_live.py's host has no libraries: its specs name no hook).
 
 - DRA: a pod with a one-GPU claim of `devinject dra-driver` (default timings, a DRA-only node) against the
-  same pod with Kubernetes' own dra-test-driver (env edits only) and a pod with no claim, interleaved.
+  same pod with Kubernetes' own dra-test-driver (env edits only) and a pod with no claim, interleaved; then
+  again with `devinject hook-server` on the node, the hook handed to it (its log counts what it served).
 - Device plugin: `devinject device-plugin --allocate cdi` (Allocate answers CDI names only, containerd applies
   them) on the same host: a pod with `nvidia.com/gpu: 1` against the same pod with no device, interleaved.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from devinject.core.paths import HOOK_SOCKET
 from tests.e2e.conftest import DEVINJECT, REPO, terminate
 from tests.e2e.kube import KUBE, KubeClient, PodClock, interleaved, need, one_device_template, timed_pod, until
 from tests.e2e.podphases import ROUNDS, median_phases, pod_phases, race_the_reference, record, table
@@ -123,7 +125,15 @@ def test_a_dra_pod_whose_spec_names_the_hook_against_the_reference_driver(node: 
         seen = node.hook_work(timed_pod("check", claim_template="check"))
         assert seen[:1] == ["1"] and seen[1:2] == ["libcuda.so.550.54.14"] and seen[2:] != ["0"], seen
         race_the_reference(node, node.node, GPU_CLASS, "pod_running_hooks")
+        # The same race with the spec's hook handed to a hook server on the node (its default socket, where
+        # the hook looks): what the served path saves a pod start in the cluster, not on an idle runc.
+        node.start("devinject-hook-server", [DEVINJECT, "-v", "hook-server"])
+        until(lambda: Path(HOOK_SOCKET).exists(), 30, f"the hook server's socket {HOOK_SOCKET}")
+        race_the_reference(node, node.node, GPU_CLASS, "pod_running_hooks_served")
+        served = (KUBE_DIR / "logs" / "devinject-hook-server.log").read_text().count("cdi-hook served for pid")
+        assert served >= ROUNDS, f"{served} cdi-hooks served for {ROUNDS} pods: the pods' hooks ran in-process"
     finally:
+        node.stop("devinject-hook-server")
         node.stop("devinject-dra-driver")
 
 
