@@ -403,7 +403,8 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
 
 def run_cdi_hook(args: list[str], stdin_fd: int = 0) -> list[str]:
     """A CDI createContainer hook: already inside the container's mount namespace, before pivot_root. One with
-    nothing to make (no link, no library directory) returns before it reads the container's state."""
+    nothing to make (no link, device link or library directory) returns before it reads the container's state;
+    one whose device links name none of the container's devices, and nothing else, right after."""
     from devinject.hook.plan import Plan, device_links, parse_cdi_hook, parse_forward_compat, parse_link
 
     _, values = parse_cdi_hook(args)
