@@ -220,3 +220,50 @@ def test_a_peer_inside_a_container_is_refused_and_runs_in_process(tmp_path: Path
     assert (server.served(), server.refused()) == (0, 1), server.log.read_text()
     assert "its root is not the host's" in server.log.read_text()
     assert os.readlink(rootfs / LIBDIR / "libz.so.1") == real  # in-process, in its own root's view
+
+
+def test_a_server_whose_devinject_was_replaced_refuses_and_exits_for_its_service_to_restart_it(tmp_path: Path) -> None:
+    """An upgrade under a running server: the specs the new devinject writes may carry what the old code cannot
+    read (this version's `--device-link`), so once its package is replaced every request runs in-process, with
+    the new code, and the server exits with status 3 for its service (Restart=on-failure) to start the new one."""
+    import devinject
+
+    code = tmp_path / "code"
+    shutil.copytree(Path(devinject.__file__).parent, code / "devinject", ignore=shutil.ignore_patterns("__pycache__"))
+    socket = Path(f"/tmp/di-cs-{os.getpid()}-replaced") / "hook.sock"
+    log = tmp_path / "hook-server.log"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(code)}
+    with open(log, "w") as errors:
+        process = subprocess.Popen([sys.executable, "-m", "devinject", "-v", "hook-server", "--socket", str(socket)],
+                                   stderr=errors, env=env)
+    try:
+        for _ in range(400):
+            if socket.exists() or process.poll() is not None:
+                break
+            time.sleep(0.025)
+        server = Server(process, socket, log)
+        state, rootfs = _hook_state(tmp_path)
+        real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
+        path, argv = hook_command(None)
+
+        def cdi_hook() -> subprocess.CompletedProcess[str]:
+            with open(state, "rb") as stdin:
+                return subprocess.run([path, *argv[1:], "cdi-hook", "create-symlinks", "--link",
+                                       f"{real}::/{LIBDIR}/libz.so.1", "--server", str(socket)], stdin=stdin,
+                                      capture_output=True, text=True, timeout=60)
+
+        assert cdi_hook().returncode == 0 and (server.served(), server.refused()) == (1, 0), log.read_text()
+        init = code / "devinject" / "__init__.py"
+        replacement = init.with_name("__init__.py.new")
+        replacement.write_bytes(init.read_bytes())
+        os.replace(replacement, init)  # as an installer replaces it: a new file
+        done = cdi_hook()
+        assert done.returncode == 0, done.stderr
+        assert os.readlink(rootfs / LIBDIR / "libz.so.1") == real
+        assert process.wait(timeout=10) == 3, log.read_text()
+        assert server.served() == 1 and not socket.exists()
+        text = log.read_text()
+        assert "changed on disk" in text and (server.refused() == 1 or "exiting" in text), text
+    finally:
+        terminate(process, timeout=10)
+        shutil.rmtree(socket.parent, ignore_errors=True)

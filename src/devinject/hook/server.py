@@ -49,6 +49,7 @@ PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.reques
 RECEIVE_TIMEOUT = 5.0
 SPARES = 3  # workers waiting for a request: container starts come in bursts, and a poststop takes one too
 REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one
+CODE_CHANGED_STATUS = 3  # the server's exit when devinject was reinstalled under it: its service restarts it
 PR_SET_PDEATHSIG = 1
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # What the OCI state and the hook's arguments are read in: the pid, the bundle and spec paths, the uid the
@@ -110,8 +111,15 @@ def serve(path: str, *, spares: int = SPARES) -> None:
     so a fork (~2 ms for a process with everything loaded) is neither on a container's start path nor
     competing with it for the CPU. A replacement forked while another worker waits readies itself (~5 ms)
     at idle priority, and a worker that has answered exits at idle priority: runc and the next container
-    start come first."""
+    start come first.
+
+    A devinject reinstalled or upgraded under a running server (its package's `__init__.py` replaced) is not
+    served by the old code: the specs the new one writes may carry what the old cannot read (a flag it does not
+    know), so from then on every request is answered REFUSED, to run in-process with the new code, and the
+    server exits with CODE_CHANGED_STATUS within a second, for its service to start the new one."""
+    global STARTED_CODE
     preload()
+    STARTED_CODE = code_identity()  # the workers, forked from here, compare with it
     own = namespaces_of("self")
     server = listen(path)
     gc.freeze()  # what preloading made is never collected: no collection in a worker touches (copies) it
@@ -137,6 +145,10 @@ def serve(path: str, *, spares: int = SPARES) -> None:
                     idle.discard(int.from_bytes(data[i:i + 4], sys.byteorder))
             for pid in _reap():
                 idle.discard(pid)  # a worker that died before taking anything
+            if code_changed():
+                log.warning("devinject changed on disk since this hook server started: exiting, for its service to "
+                            "start the new one (requests meanwhile run in-process)")
+                raise SystemExit(CODE_CHANGED_STATUS)
     finally:
         for pid in idle:
             try:
@@ -151,6 +163,26 @@ def serve(path: str, *, spares: int = SPARES) -> None:
         except OSError:
             pass
         _reap()
+
+
+STARTED_CODE: tuple[int, int, int] | None = None  # code_identity() when serve() started
+
+
+def code_identity() -> tuple[int, int, int] | None:
+    """The installed devinject's identity: its package's `__init__.py` (device, inode, mtime), which a reinstall
+    or an upgrade replaces; None when it cannot be read."""
+    import devinject
+
+    try:
+        st = os.stat(os.path.join(os.path.dirname(os.path.abspath(devinject.__file__)), "__init__.py"))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def code_changed() -> bool:
+    """Whether the package serve() started with has been replaced (never, when its identity was not read)."""
+    return STARTED_CODE is not None and code_identity() != STARTED_CODE
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -333,8 +365,9 @@ def _take(conn: socket.socket, own: Namespaces) -> None:  # pragma: no cover - r
         return
     cdi_hook = args[0] == "cdi-hook"
     place: list[int] = []  # a cdi-hook's: the peer's mount namespace, root and working directory
-    why = refusal(conn, pid, own, shared=CDI_HOOK_NAMESPACES if cdi_hook else NAMESPACES,
-                  hold=place if cdi_hook else None)
+    why = ("devinject changed on disk since this hook server started (it restarts)" if code_changed() else
+           refusal(conn, pid, own, shared=CDI_HOOK_NAMESPACES if cdi_hook else NAMESPACES,
+                   hold=place if cdi_hook else None))
     if why is not None:  # before anything is done: the hook runs in-process, in the runtime's namespaces
         for fd in fds + place:
             os.close(fd)
