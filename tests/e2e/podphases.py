@@ -125,6 +125,19 @@ def record(name: str, value: object) -> None:
     FIGURES.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
 
 
+def summarized(kube_dir: Path, clock: PodClock, taken: dict[str, dict[str, float]], label: str) \
+        -> tuple[dict[str, float], dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """An interleaved run's medians (variant -> seconds), phase columns (variant -> phase -> ms) and each pod's
+    phases from the cluster's logs, the medians and the table printed under `label`."""
+    medians = {v: statistics.median(t.values()) for v, t in taken.items()}
+    took = {name: seconds for t in taken.values() for name, seconds in t.items()}
+    phases = pod_phases(kube_dir, clock.created, took)
+    columns = {v: median_phases(phases, list(t)) for v, t in taken.items()}
+    print(f"{label}: POST to Running, median of {ROUNDS}: " + ", ".join(f"{v} {m:.3f} s" for v, m in medians.items()))
+    print(table(columns))
+    return medians, columns, phases
+
+
 ROUNDS = 9  # pods per variant, interleaved: the median of 9 (the issue asks for at least 5)
 
 
@@ -147,12 +160,8 @@ def race_the_reference(cluster: KubeClient, node: str, device_class: str, prefix
                                              "plain": timed_pod}, ROUNDS, prefix.replace("_", "-"))
     finally:
         reference.stop()
-    medians = {v: statistics.median(t.values()) for v, t in taken.items()}
+    medians, columns, phases = summarized(cluster.kube_dir, clock, taken, prefix)
     took = {name: seconds for t in taken.values() for name, seconds in t.items()}
-    phases = pod_phases(cluster.kube_dir, clock.created, took)
-    columns = {v: median_phases(phases, list(t)) for v, t in taken.items()}
-    print(f"{prefix}: POST to Running, median of {ROUNDS}: " + ", ".join(f"{v} {m:.3f} s" for v, m in medians.items()))
-    print(table(columns))
     record(f"{prefix}_devinject_s", round(medians["ours"], 3))
     record(f"{prefix}_reference_s", round(medians["reference"], 3))
     record(f"{prefix}_plain_s", round(medians["plain"], 3))

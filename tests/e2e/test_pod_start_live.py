@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ import pytest
 from devinject.core.paths import HOOK_SOCKET
 from tests.e2e.conftest import DEVINJECT, REPO, terminate
 from tests.e2e.kube import KUBE, KubeClient, PodClock, interleaved, need, one_device_template, timed_pod, until
-from tests.e2e.podphases import ROUNDS, median_phases, pod_phases, race_the_reference, record, table
+from tests.e2e.podphases import ROUNDS, race_the_reference, record, summarized
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
 
 pytestmark = pytest.mark.live
@@ -155,13 +154,8 @@ def test_a_device_plugin_pod_on_containerd_17_against_the_same_pod_without_devic
                                           "plain": timed_pod}, ROUNDS, "plugin")
     finally:
         node.stop("devinject-device-plugin")
-    medians = {v: statistics.median(t.values()) for v, t in taken.items()}
+    medians, columns, phases = summarized(KUBE_DIR, clock, taken, f"device plugin (CDI specs: {specs})")
     took = {name: seconds for t in taken.values() for name, seconds in t.items()}
-    phases = pod_phases(KUBE_DIR, clock.created, took)
-    columns = {v: median_phases(phases, list(t)) for v, t in taken.items()}
-    print(f"device plugin, POST to Running, median of {ROUNDS}: plugin {medians['plugin']:.3f} s, "
-          f"plain {medians['plain']:.3f} s; CDI specs: {specs}")
-    print(table(columns))
     record("pod_running_plugin_s", round(medians["plugin"], 3))
     record("pod_running_plugin_plain_s", round(medians["plain"], 3))
     record("pod_running_plugin_over_plain_ms", round((medians["plugin"] - medians["plain"]) * 1000, 1))
