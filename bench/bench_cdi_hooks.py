@@ -13,7 +13,9 @@ each time (a snapshotter's):
 - `1 hook, launcher -IS`: as generate writes it now (links-and-ldcache, this interpreter on the hook launcher);
 - `1 hook, launcher -IS, served`: the same hook handed to the running hook server (`--server`), whose worker
   joins the container's mount namespace and runs it with its imports done;
-- `1 hook, node hook`: the same hook through the node hook bundle (install/nodehook.py, in a scratch host root);
+- `1 hook, node hook`: the same hook through the node hook bundle (install/nodehook.py, installed in the
+  scratch host root) as `generate --node-hook` names it: its loader and interpreter, no launcher;
+- `1 hook, node hook's launcher`: the same through the bundle's /bin/sh launcher (a `--hook-path` naming it);
 - `floor: /bin/true hook`: one createContainer hook that does nothing: the runtime's own cost of a hook;
 - `bare` and `OCI hook, served`: no CDI edits, without and with `devinject hook` as prestart (install-hook's
   command) handed to a hook server: the reference the CDI hooks are held to.
@@ -120,12 +122,12 @@ def main() -> int:
         builder = LibBuilder()
         build_hgx_h100(builder, FakeHost(work / "host", real_nodes=True))
         shutil.rmtree(builder.tmp, ignore_errors=True)
-        node_root = work / "node"
-        node_hook = install_node_hook(str(node_root), "/opt/devinject/hook").hook_path
+        node_hook = install_node_hook(str(work / "host"), "/opt/devinject/hook").hook_path
         specs = {}
-        for name, hook_path in (("launcher", DEVINJECT), ("node", str(node_root) + node_hook)):
+        for name, how in (("launcher", ("--hook-path", DEVINJECT)), ("node", ("--node-hook", "/opt/devinject/hook")),
+                          ("node launcher", ("--hook-path", str(work / "host") + node_hook))):
             subprocess.run([DEVINJECT, "generate", "--root", str(work / "host"), "--output-dir",
-                            str(work / f"cdi-{name}"), "--hook-path", hook_path], check=True, capture_output=True)
+                            str(work / f"cdi-{name}"), *how], check=True, capture_output=True)
             spec = load_file(work / f"cdi-{name}" / "nvidia.com-gpu.yaml")
             device = next(d for d in spec.devices if d.name == DEVICE)
             specs[name] = spec.edits.merge(device.edits)
@@ -209,6 +211,7 @@ def main() -> int:
             "1 hook, launcher -IS": specs["launcher"],
             "1 hook, launcher -IS, served": specs["launcher"]._replace(hooks=served_hooks),
             "1 hook, node hook": specs["node"],
+            "1 hook, node hook's launcher": specs["node launcher"],
             "floor: /bin/true hook": floor,
             "bare": None,
             "OCI hook, served": "served",

@@ -22,6 +22,7 @@ from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_
 if TYPE_CHECKING:
     from devinject.agent.watch import WatchOptions
     from devinject.api import Node
+    from devinject.specs.options import BundleCommand
 
 log = logging.getLogger("devinject")
 
@@ -95,6 +96,16 @@ def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_r
     if problem:
         raise DevinjectError(f"--node-hook {node_hook}: {problem}", hint="devinject install-node-hook installs it")
     return bundle_hook_path(in_root(root if target_root is None else target_root, node_hook))
+
+
+def _bundle_command(node_hook: str | None, hook_path: str | None) -> BundleCommand | None:
+    """With --node-hook, what the specs' CDI hooks run: the bundle's launcher's command (`hook_path`, as
+    `_node_hook` made it), named directly."""
+    if node_hook is None or hook_path is None:
+        return None
+    from devinject.install.nodehook import LAUNCHER, bundle_command
+
+    return bundle_command(hook_path.removesuffix(f"/{LAUNCHER}"))
 
 
 def _node(*, root: str = "/", target_root: str | None = None, profile_dirs: tuple[str, ...] = (),
@@ -184,7 +195,8 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
     from devinject.specs.generate import GenerateOptions, render, write_specs
 
     opts = GenerateOptions(kinds=kinds, strategies=strategies, version_cap=version_cap, hook_path=hook_path,
-                           nvml=nvml, bundles=bundles, driver_root=driver_root)
+                           node_hook=_bundle_command(node_hook, hook_path), nvml=nvml, bundles=bundles,
+                           driver_root=driver_root)
     specs = node.specs(opts)
     missing = _missing_kinds(kinds, {spec.kind for spec in specs})
     if not specs or missing:
@@ -614,7 +626,8 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
     _check_timings(interval, recheck, rescan, test_timings)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
-                          target_root=target_root, driver_root=driver_root, profile_dirs=profile_dirs)
+                          node_hook=_bundle_command(node_hook, hook_path), target_root=target_root,
+                          driver_root=driver_root, profile_dirs=profile_dirs)
     gen.check()
     return WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
                         recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log,
@@ -825,7 +838,8 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     make_dirs(cdi_dir)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), profile_dirs=profile_dirs,
-                          target_root=target_root, driver_root=driver_root)
+                          node_hook=_bundle_command(node_hook, hook_path), target_root=target_root,
+                          driver_root=driver_root)
     gen.check()
     watch = WatchOptions(generate=gen, state_dir=state_dir, interval=interval, recheck=recheck, threshold=threshold,
                          rescan=rescan, kernel_log=kernel_log, uevents=uevents, specs=False)

@@ -178,7 +178,7 @@ def test_a_cdi_hook_in_another_user_namespace_is_refused_and_runs_in_process(tmp
                                                                               server: Server) -> None:
     state, rootfs = _hook_state(tmp_path)
     real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
-    path, argv = hook_command(None)
+    path, argv, _ = hook_command(None)
     with open(state, "rb") as stdin:  # root mapped to root, in a user namespace of its own
         done = subprocess.run(["unshare", "--user", "--map-root-user", path, *argv[1:], "cdi-hook",
                                "links-and-ldcache", "--link", f"{real}::/{LIBDIR}/libz.so.1", "--folder",
@@ -191,7 +191,7 @@ def test_a_cdi_hook_in_another_user_namespace_is_refused_and_runs_in_process(tmp
 
 
 def test_a_cdi_hook_with_nothing_to_make_is_not_offered_to_the_server(server: Server) -> None:
-    path, argv = hook_command(None)
+    path, argv, _ = hook_command(None)
     done = subprocess.run([path, *argv[1:], "cdi-hook", "links-and-ldcache", "--server", str(server.socket)],
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (0, "")
@@ -204,7 +204,7 @@ def test_a_peer_inside_a_container_is_refused_and_runs_in_process(tmp_path: Path
     socket is no runtime's createContainer hook: refused, before anything is done, and its hook runs here."""
     state, rootfs = _hook_state(tmp_path)
     real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
-    path, argv = hook_command(None)
+    path, argv, _ = hook_command(None)
     jail = tmp_path / "jail"
     binds = sorted({"/usr", "/lib", "/lib64", "/bin", "/proc", "/tmp", "/dev", str(Path(argv[2]).parents[3])})
     script = f"mount -t tmpfs jail {jail} && " + " && ".join(
@@ -244,7 +244,7 @@ def test_a_server_whose_devinject_was_replaced_refuses_and_exits_for_its_service
         server = Server(process, socket, log)
         state, rootfs = _hook_state(tmp_path)
         real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
-        path, argv = hook_command(None)
+        path, argv, _ = hook_command(None)
 
         def cdi_hook() -> subprocess.CompletedProcess[str]:
             with open(state, "rb") as stdin:

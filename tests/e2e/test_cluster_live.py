@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 import yaml
 
+from devinject.install.nodehook import loader_name
 from tests.e2e.conftest import REPO
 from tests.e2e.kube import KUBE, KubeClient, need, until
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
@@ -309,10 +310,12 @@ def test_the_daemonset_rolls_out_and_the_node_shows_the_gpus_and_nics(cluster: C
     (init,) = agent["status"]["initContainerStatuses"]
     assert init["state"]["terminated"]["exitCode"] == 0, init
     # the init container installed the node hook, and the specs name it (under the fake host's root)
-    hook = HOST / "opt" / "devinject" / "hook" / "bin" / "devinject"
-    assert hook.is_file()
+    bundle = HOST / "opt" / "devinject" / "hook"
+    assert (bundle / "bin" / "devinject").is_file()
     spec = yaml.safe_load(Path("/var/run/cdi/nvidia.com-gpu.yaml").read_text())
-    assert {h["path"] for h in spec["containerEdits"]["hooks"]} == {str(hook)}
+    # what the bundle's launcher runs, named directly (no /bin/sh): its loader, in the launcher's environment
+    assert {(h["path"], h["env"][0]) for h in spec["containerEdits"]["hooks"]} == {
+        (str(bundle / "lib" / loader_name()), f"PYTHONHOME={bundle}")}
     assert cluster.figures["rollout_s"] < 300
 
 

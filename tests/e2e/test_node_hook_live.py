@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from devinject.install.nodehook import DEFAULT_DIR, hook_path
+from devinject.install.nodehook import DEFAULT_DIR, hook_path, loader_name
 from devinject.linux.ldcache import parse_ldcache
 from tests.e2e.conftest import DEVINJECT, PODMAN, REPO, in_cdi_dir, require
 
@@ -71,11 +72,22 @@ def _run_gpu_container(image: str, spec: Path, *, hide_python: bool) -> subproce
                               timeout=180)
 
 
+@pytest.mark.parametrize("named", ["--node-hook", "--hook-path"])
 def test_a_spec_naming_the_installed_node_hook_starts_on_podman_with_no_python_on_the_node(
-        image: str, live_host: Path, node_hook: str, tmp_path: Path) -> None:
-    spec = _spec(live_host, tmp_path, "--node-hook", DEFAULT_DIR)
-    text = spec.read_text()
-    assert f"path: {node_hook}\n" in text and "/.venv/" not in text  # every CDI hook is the bundle's launcher
+        image: str, live_host: Path, node_hook: str, tmp_path: Path, named: str) -> None:
+    """`--node-hook DIR` names what the bundle's launcher runs (its loader, the interpreter, the hook's env),
+    without the launcher's /bin/sh; a `--hook-path` of the launcher runs the launcher."""
+    spec = _spec(live_host, tmp_path, *(("--node-hook", DEFAULT_DIR) if named == "--node-hook" else
+                                        ("--hook-path", node_hook)))
+    hooks = yaml.safe_load(spec.read_text())["containerEdits"]["hooks"]
+    bundle = node_hook.removesuffix("/bin/devinject")
+    assert "/.venv/" not in spec.read_text()  # every CDI hook is the bundle's
+    if named == "--node-hook":
+        site = f"{bundle}/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages"
+        assert {(h["path"], tuple(h["env"])) for h in hooks} == {
+            (f"{bundle}/lib/{loader_name()}", (f"PYTHONHOME={bundle}", f"PYTHONPATH={site}"))}
+    else:
+        assert {h["path"] for h in hooks} == {node_hook}
     done = _run_gpu_container(image, spec, hide_python=True)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     link, _, cache = done.stdout.partition(b"\n---\n")

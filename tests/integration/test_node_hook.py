@@ -15,6 +15,7 @@ import pytest
 
 from devinject import __version__
 from devinject.core.errors import DevinjectError
+from devinject.hook.plan import BUNDLED_ENTRY
 from devinject.install import nodehook
 from devinject.install.nodehook import DEFAULT_DIR, LAUNCHER, STAMP, install_node_hook, node_hook_ready
 from devinject.linux.ldcache import parse_ldcache
@@ -195,7 +196,11 @@ def test_install_node_hook_command_prints_the_hook_path_and_generate_names_it(ho
                           capture_output=True, text=True, timeout=60)
     assert spec.returncode == 0, spec.stderr
     hooks = json.loads(spec.stdout)["containerEdits"]["hooks"]
-    assert hooks and {h["path"] for h in hooks} == {f"{DEFAULT_DIR}/{LAUNCHER}"}
+    # what the launcher runs, named directly: the bundled loader, the interpreter's flags, the launcher's env
+    program, argv, env = nodehook.bundle_command(DEFAULT_DIR)
+    assert hooks and {(h["path"], tuple(h["args"][:len(argv)]), tuple(h["env"])) for h in hooks} == {
+        (program, argv, env)}
+    assert program == f"{DEFAULT_DIR}/lib/{nodehook.loader_name()}" and argv[-2:] == ("-c", BUNDLED_ENTRY)
     both = subprocess.run([DEVINJECT, "generate", "--root", str(fake), "--output", "-", "--node-hook", DEFAULT_DIR,
                            "--hook-path", "/usr/bin/devinject"], capture_output=True, text=True, timeout=60)
     assert both.returncode == 2 and "give one" in both.stderr

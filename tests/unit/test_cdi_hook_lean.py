@@ -48,7 +48,7 @@ def _container(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _run_as_the_spec_names_it(args: list[str], stdin: Path | None, *extra: str) -> subprocess.CompletedProcess[str]:
-    path, argv = hook_command(None)
+    path, argv, _ = hook_command(None)
     with open(stdin or os.devnull, "rb") as source:
         return subprocess.run([path, *extra, *argv[1:], "cdi-hook", *args], capture_output=True, text=True,
                               env={"PATH": "/usr/bin:/bin"}, stdin=source, cwd="/", timeout=60)

@@ -243,15 +243,23 @@ def test_the_default_hook_and_this_installation_s_console_script_run_lean(tmp_pa
     from devinject.specs.generate import hook_command
 
     launcher = str(Path(generate_specs.__code__.co_filename).parent.parent / "hook" / "launcher.py")
-    assert hook_command(None) == (sys.executable, (sys.executable, "-IS", launcher))
+    assert hook_command(None)[:2] == (sys.executable, (sys.executable, "-IS", launcher))
     ours = tmp_path / "devinject"
     ours.write_text(f"#!{sys.executable}\nimport sys\nfrom devinject.entry import main\nsys.exit(main())\n")
     assert hook_command(str(ours)) == hook_command(None)
-    assert hook_command(str(ours), target_root="/host") == (str(ours), ("devinject",))  # another host's path
+    assert hook_command(str(ours), target_root="/host")[:2] == (str(ours), ("devinject",))  # another host's path
     other = tmp_path / "other"
     other.write_text("#!/usr/bin/python3\nimport sys\nfrom devinject.entry import main\nsys.exit(main())\n")
-    assert hook_command(str(other)) == (str(other), ("devinject",))
-    assert hook_command("/opt/devinject/hook/bin/devinject") == ("/opt/devinject/hook/bin/devinject", ("devinject",))
+    assert hook_command(str(other))[:2] == (str(other), ("devinject",))
+    launcher_path = "/opt/devinject/hook/bin/devinject"
+    assert hook_command(launcher_path)[:2] == (launcher_path, ("devinject",))
+    # the node hook's launcher with --node-hook: what it runs, named directly (no /bin/sh), in its environment
+    from devinject.install.nodehook import bundle_command
+
+    bundled = bundle_command("/opt/devinject/hook")
+    assert hook_command(launcher_path, target_root="/", node_hook=bundled) == bundled
+    assert bundled[2] == ("PYTHONHOME=/opt/devinject/hook", f"PYTHONPATH=/opt/devinject/hook/lib/python"
+                          f"{sys.version_info[0]}.{sys.version_info[1]}/site-packages")
     spec = {s.kind: s for s in generate_specs(GenerateOptions(root=str(HOSTS / "hgx-h100")))}["nvidia.com/gpu"]
     (hook,) = spec.edits.hooks
     assert (hook.path, hook.args[:5]) == (sys.executable, (sys.executable, "-IS", launcher, "cdi-hook",

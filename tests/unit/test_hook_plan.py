@@ -167,6 +167,15 @@ def test_the_hook_runs_a_merged_cdi_hook_and_the_launcher_form_inline():
     assert steps.warnings == ()
     other = hook._replace(args=(sys.executable, "-IS", "/opt/other/launcher.py", "cdi-hook", "create-symlinks"))
     assert "skipped" in plan(ContainerEdits(hooks=(other,))).warnings[0]
+    # the node hook's loader and interpreter, as `generate --node-hook` names them: inline too
+    from devinject.install.nodehook import bundle_command
+
+    program, argv, env = bundle_command("/opt/devinject/hook")
+    bundled = Hook("createContainer", program, (*argv, *hook.args[3:]), env)
+    assert plan(ContainerEdits(hooks=(bundled,))) == steps
+    for wrong in (("-c", "import os", "cdi-hook"), ("-x", argv[-1], "cdi-hook"), ("-c", argv[-1], "other")):
+        foreign = bundled._replace(args=(*argv[:-2], *wrong, *hook.args[4:]))
+        assert "skipped" in plan(ContainerEdits(hooks=(foreign,))).warnings[0]
 
 
 def test_a_merged_cdi_hook_takes_both_commands_flags_and_the_single_ones_keep_theirs():

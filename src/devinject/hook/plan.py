@@ -134,16 +134,21 @@ def _bind(host_path: str, container_path: str, options: tuple[str, ...], mount_t
 
 def _devinject_hook_args(hook: Hook) -> list[str] | None:
     """Args after `cdi-hook` when this is a hook devinject generated, else None: `devinject cdi-hook ...` (a
-    console script, the node hook's launcher) or `PYTHON -IS .../devinject/hook/launcher.py cdi-hook ...`."""
+    console script, the node hook's launcher), `PYTHON -IS .../devinject/hook/launcher.py cdi-hook ...`, or the
+    node hook's loader running its interpreter on `-c BUNDLED_ENTRY cdi-hook ...`."""
     args = list(hook.args)
     if len(args) >= 3 and posixpath.basename(args[0]) == "devinject" and args[1] == "cdi-hook":
         return args[2:]
     if len(args) >= 5 and args[1] == "-IS" and args[2].endswith(LAUNCHER_SUFFIX) and args[3] == "cdi-hook":
         return args[4:]
+    for index in range(1, len(args) - 1):
+        if args[index] == BUNDLED_ENTRY and args[index - 1] == "-c" and args[index + 1] == "cdi-hook":
+            return args[index + 2:]
     return None
 
 
 LAUNCHER_SUFFIX = "/devinject/hook/launcher.py"  # the hook launcher, as generate names it in a spec
+BUNDLED_ENTRY = "from devinject.hook.bundled import run; run()"  # the node hook's interpreter runs this (-c)
 
 
 _LINK_FLAG = ("--link", "TARGET::LINK", "make LINK (an absolute path in the container) a symlink to TARGET")

@@ -19,9 +19,11 @@ directories, the previous bundle removed only once the new one is in place.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import stat
 import struct
@@ -33,6 +35,8 @@ from pathlib import Path
 
 from devinject import __version__
 from devinject.core.errors import DevinjectError
+from devinject.hook.plan import BUNDLED_ENTRY
+from devinject.specs.options import BundleCommand
 
 DEFAULT_DIR = "/opt/devinject/hook"  # its parent is devinject's alone: the DaemonSet mounts only that
 LAUNCHER = "bin/devinject"
@@ -240,11 +244,35 @@ def layout(measured: _Measured) -> dict[str, str]:
     return files
 
 
-def launcher_text(loader_name: str) -> str:
+@functools.cache
+def loader_name() -> str:
+    """The file name of the ELF loader this agent's interpreter asks for: the bundle's `lib/<it>`."""
+    return os.path.basename(program_interpreter(interpreter()))
+
+
+def bundle_command(directory: str, loader: str | None = None) -> BundleCommand:
+    """How the bundle at `directory` (as the host names it) runs a cdi-hook: (the program, its argv before
+    `cdi-hook`, its environment): the bundled interpreter through the bundled loader, on the bundled libraries
+    only, with no `site`, no user site, nothing prepended to its path and no pycs written. The launcher runs
+    exactly this; a spec names it itself (`generate --node-hook`), with this environment as the hook's `env`,
+    and saves the launcher's /bin/sh (1.3 ms a container start): a runtime gives a hook its spec's `env` and
+    nothing else (runc, crun), so there is nothing to unset."""
+    lib = f"{directory}/lib"
+    program = f"{lib}/{loader or loader_name()}"
+    argv = (program, "--inhibit-cache", "--library-path", lib, f"{directory}/bin/python3", "-S", "-s", "-P", "-B",
+            "-c", BUNDLED_ENTRY)
+    return program, argv, (f"PYTHONHOME={directory}", f"PYTHONPATH={directory}/{_SITE}")
+
+
+def launcher_text(loader: str) -> str:
     """The `/bin/sh` launcher: the bundle is where it is (shell parameter expansion of $0 only: the hook path
     must be the launcher itself, not a link to it); every variable it was given is unset (a spec's env, an
     admin's shell: LD_PRELOAD, PYTHONPATH, PYTHONINSPECT... reach neither the loader nor the interpreter), then
-    the bundled interpreter runs through the bundled loader, on the bundled libraries only."""
+    it runs `bundle_command` in that command's environment."""
+    _, argv, env = bundle_command("$D", loader)
+    words = [f'"{a}"' if "$D" in a else shlex.quote(a) for a in argv]
+    names = " ".join(e.partition("=")[0] for e in env)
+    assignments = "\n".join(env)
     return f"""#!/bin/sh
 # devinject's node hook, written by `devinject install-node-hook`: covered by {STAMP}'s hash, do not edit.
 # Runs devinject's own interpreter through its own loader and libraries; needs only /bin/sh and the kernel.
@@ -262,11 +290,10 @@ case $0 in
 /*/{LAUNCHER}) D=${{0%/{LAUNCHER}}} ;;
 *) echo "devinject: error: $0: run the node hook by its absolute path, <bundle>/{LAUNCHER}" >&2; exit 127 ;;
 esac
-PYTHONHOME=$D
-PYTHONPATH=$D/{_SITE}
-export PYTHONHOME PYTHONPATH
-exec "$D/lib/{loader_name}" --inhibit-cache --library-path "$D/lib" "$D/bin/python3" -S -s -P -B \\
-\t-c 'from devinject.hook.bundled import run; run()' "$@"
+{assignments}
+export {names}
+exec {" ".join(words[:-2])} \\
+\t{" ".join(words[-2:])} "$@"
 """
 
 
@@ -341,7 +368,7 @@ def build(stage: str, final_dir: str, work_dir: str) -> tuple[int, int]:
                                invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
             os.chmod(cache, 0o644)
     launcher = os.path.join(stage, LAUNCHER)
-    Path(launcher).write_text(launcher_text(os.path.basename(program_interpreter(interpreter()))))
+    Path(launcher).write_text(launcher_text(loader_name()))
     os.chmod(launcher, 0o755)
     for top, dirs, _ in os.walk(stage):
         for name in dirs:

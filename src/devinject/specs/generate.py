@@ -118,7 +118,7 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
                 view: HostView | None = None) -> list[Spec]:
     """One spec per kind with devices; devices whose `kind=address` is in `opts.exclude` are left out."""
     view = view or HostView(host)
-    command = hook_command(opts.hook_path, target_root=opts.target_root)
+    command = hook_command(opts.hook_path, target_root=opts.target_root, node_hook=opts.node_hook)
     sources = file_sources(host, profiles, opts)
     kept = [f for f in found if device_key(f.profile.kind, f.address) not in opts.exclude]
     by_kind: dict[str, list[FoundDevice]] = {}

@@ -8,14 +8,22 @@ import os
 import posixpath
 import shutil
 import sys
+from typing import NamedTuple
 
 from devinject.cdi.model import Hook
 from devinject.discovery.discover import FoundDevice
+from devinject.specs.options import BundleCommand
 
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_TIMEOUT = 10
 
-HookCommand = tuple[str, tuple[str, ...]]  # the hook's path, its argv before `cdi-hook`
+
+class HookCommand(NamedTuple):
+    """How a spec's hooks start devinject."""
+
+    path: str
+    argv: tuple[str, ...]  # before `cdi-hook`
+    env: tuple[str, ...] = HOOK_ENV
 
 
 def default_hook_path() -> str:
@@ -48,26 +56,28 @@ def _is_this_installation(path: str) -> bool:
     return first == b"#!" + os.fsencode(sys.executable) and b"from devinject.entry import main" in rest
 
 
-def hook_command(hook_path: str | None, *, target_root: str | None = None) -> HookCommand:
-    """How a spec's CDI hooks run devinject: (the hook's path, its argv before `cdi-hook`). By default, and for
-    a --hook-path that is this installation's console script, this interpreter on the hook launcher with
-    `-IS`, as `install-hook` writes the OCI hook: no `site` (a virtual environment's `site` and `.pth` files
-    cost a container start ~30 ms per hook here, bench/bench_cdi_hooks.py) and nothing imported but the
-    cdi-hook's own modules. Any other --hook-path (the node hook's launcher, a path as another host names
-    it) runs as given."""
+def hook_command(hook_path: str | None, *, target_root: str | None = None,
+                 node_hook: BundleCommand | None = None) -> HookCommand:
+    """How a spec's CDI hooks run devinject. By default, and for a --hook-path that is this installation's
+    console script, this interpreter on the hook launcher with `-IS`, as `install-hook` writes the OCI hook: no
+    `site` (a virtual environment's `site` and `.pth` files cost a container start ~30 ms per hook here,
+    bench/bench_cdi_hooks.py) and nothing imported but the cdi-hook's own modules. `node_hook` (`--node-hook`:
+    what the node hook bundle's launcher runs, install/nodehook.py bundle_command) is named as it is. Any other
+    --hook-path (a path as another host names it) runs as given."""
+    if node_hook is not None:
+        return HookCommand(*node_hook)
     if hook_path is None or (target_root is None and _is_this_installation(hook_path)):
-        return sys.executable, (sys.executable, "-IS", _launcher())
-    return hook_path, ("devinject",)
+        return HookCommand(sys.executable, (sys.executable, "-IS", _launcher()))
+    return HookCommand(hook_path, ("devinject",))
 
 
 def cdi_hook(command: HookCommand, subcommand: str, *flags: tuple[str, list[str]]) -> Hook:
     """A createContainer hook running one of devinject's own `cdi-hook` subcommands (`command`: hook_command's)."""
-    path, argv = command
-    args = [*argv, "cdi-hook", subcommand]
+    args = [*command.argv, "cdi-hook", subcommand]
     for flag, values in flags:
         for value in values:
             args += [flag, value]
-    return Hook("createContainer", path, tuple(args), HOOK_ENV, HOOK_TIMEOUT)
+    return Hook("createContainer", command.path, tuple(args), command.env, HOOK_TIMEOUT)
 
 
 def library_hook(command: HookCommand, links: list[str], folders: list[str], forward_compat: list[str],
