@@ -22,7 +22,7 @@ from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_
 if TYPE_CHECKING:
     from devinject.agent.watch import WatchOptions
     from devinject.api import Node
-    from devinject.specs.options import BundleCommand
+    from devinject.specs.hooks import HookCommand
 
 log = logging.getLogger("devinject")
 
@@ -98,7 +98,7 @@ def _node_hook(root: str, node_hook: str | None, hook_path: str | None, target_r
     return bundle_hook_path(in_root(root if target_root is None else target_root, node_hook))
 
 
-def _bundle_command(node_hook: str | None, hook_path: str | None) -> BundleCommand | None:
+def _bundle_command(node_hook: str | None, hook_path: str | None) -> HookCommand | None:
     """With --node-hook, what the specs' CDI hooks run: the bundle's launcher's command (`hook_path`, as
     `_node_hook` made it), named directly."""
     if node_hook is None or hook_path is None:

@@ -36,7 +36,7 @@ from pathlib import Path
 from devinject import __version__
 from devinject.core.errors import DevinjectError
 from devinject.hook.plan import BUNDLED_ENTRY
-from devinject.specs.options import BundleCommand
+from devinject.specs.hooks import HookCommand
 
 DEFAULT_DIR = "/opt/devinject/hook"  # its parent is devinject's alone: the DaemonSet mounts only that
 LAUNCHER = "bin/devinject"
@@ -250,7 +250,7 @@ def loader_name() -> str:
     return os.path.basename(program_interpreter(interpreter()))
 
 
-def bundle_command(directory: str, loader: str | None = None) -> BundleCommand:
+def bundle_command(directory: str, loader: str | None = None) -> HookCommand:
     """How the bundle at `directory` (as the host names it) runs a cdi-hook: (the program, its argv before
     `cdi-hook`, its environment): the bundled interpreter through the bundled loader, on the bundled libraries
     only, with no `site`, no user site, nothing prepended to its path and no pycs written. The launcher runs
@@ -261,7 +261,7 @@ def bundle_command(directory: str, loader: str | None = None) -> BundleCommand:
     program = f"{lib}/{loader or loader_name()}"
     argv = (program, "--inhibit-cache", "--library-path", lib, f"{directory}/bin/python3", "-S", "-s", "-P", "-B",
             "-c", BUNDLED_ENTRY)
-    return program, argv, (f"PYTHONHOME={directory}", f"PYTHONPATH={directory}/{_SITE}")
+    return HookCommand(program, argv, (f"PYTHONHOME={directory}", f"PYTHONPATH={directory}/{_SITE}"))
 
 
 def launcher_text(loader: str) -> str:

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 from devinject.cdi.model import Hook
 from devinject.discovery.discover import FoundDevice
-from devinject.specs.options import BundleCommand
 
 HOOK_ENV = ("PATH=/usr/sbin:/usr/bin:/sbin:/bin",)
 HOOK_TIMEOUT = 10
@@ -57,7 +56,7 @@ def _is_this_installation(path: str) -> bool:
 
 
 def hook_command(hook_path: str | None, *, target_root: str | None = None,
-                 node_hook: BundleCommand | None = None) -> HookCommand:
+                 node_hook: HookCommand | None = None) -> HookCommand:
     """How a spec's CDI hooks run devinject. By default, and for a --hook-path that is this installation's
     console script, this interpreter on the hook launcher with `-IS`, as `install-hook` writes the OCI hook: no
     `site` (a virtual environment's `site` and `.pth` files cost a container start ~30 ms per hook here,
@@ -65,7 +64,7 @@ def hook_command(hook_path: str | None, *, target_root: str | None = None,
     what the node hook bundle's launcher runs, install/nodehook.py bundle_command) is named as it is. Any other
     --hook-path (a path as another host names it) runs as given."""
     if node_hook is not None:
-        return HookCommand(*node_hook)
+        return node_hook
     if hook_path is None or (target_root is None and _is_this_installation(hook_path)):
         return HookCommand(sys.executable, (sys.executable, "-IS", _launcher()))
     return HookCommand(hook_path, ("devinject",))

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from devinject.cdi.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 from devinject.core.errors import ConfigError
 
+if TYPE_CHECKING:
+    from devinject.specs.hooks import HookCommand
+
 STRATEGIES = ("index", "uuid", "pci")
-BundleCommand = tuple[str, tuple[str, ...], tuple[str, ...]]  # program, argv before `cdi-hook`, env
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +22,7 @@ class GenerateOptions:
     strategies: tuple[str, ...] = ()
     version_cap: str = DEFAULT_VERSION_CAP
     hook_path: str | None = None
-    node_hook: BundleCommand | None = None  # --node-hook: what the bundle's launcher runs, named in specs
+    node_hook: HookCommand | None = None  # --node-hook: what the bundle's launcher runs, named in specs
     profile_dirs: tuple[str, ...] = ()
     nvml: bool | None = None
     exclude: frozenset[str] = field(default_factory=frozenset)
