@@ -44,7 +44,7 @@ from devinject.nodestate.claimcheckpoints import (
 )
 from devinject.nodestate.ledger import PLUGIN_PREFIX, Claim, Ledger
 from devinject.nodestate.statefile import MAX_BYTES, StateFileError, UnreadableStateFile, problem_in, read_bytes
-from devinject.specs.generate import GenerateOptions, build_specs, versioned
+from devinject.specs.generate import EditsMemo, GenerateOptions, build_specs, versioned
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +282,7 @@ class Preparer:
         self.ledger = ledger if ledger is not None else Ledger(state_dir)
         self.checkpoint = Checkpoint(checkpoint_path(state_dir, driver))  # the ledger's rebuild reads it too
         self.lock = threading.Lock()
+        self.edits = EditsMemo()  # the driver's files as read for the last claim: _spec, under the lock
         self.contests: dict[str, Contest] = {}  # claim uid -> refused on a held device, until it is gone
         self.contests_changed = threading.Event()  # set when one is added or dropped: publish again
 
@@ -484,7 +485,7 @@ class Preparer:
         chosen = _chosen(offers)
         profiles = list({**{f.profile.name: f.profile for f in chosen},
                          **{o.channel.profile.name: o.channel.profile for o in offers if o.channel}}.values())
-        specs = {s.kind: s for s in build_specs(node.host, profiles, chosen, self.generate, node.view)}
+        specs = {s.kind: s for s in build_specs(node.host, profiles, chosen, self.generate, node.view, self.edits)}
         common = ContainerEdits()
         for spec in specs.values():
             common = common.merge(spec.edits)

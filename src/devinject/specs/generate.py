@@ -9,19 +9,27 @@ so they cannot produce different specs.
 
 from __future__ import annotations
 
+import os
 import posixpath
 
-from devinject.cdi.identity import device_key
+from devinject.cdi.identity import device_key, file_identity
 from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Spec
 from devinject.core.errors import ConfigError
 from devinject.discovery.channels import profile_channels
 from devinject.discovery.discover import FoundDevice, HostView, discover
 from devinject.discovery.host import Host
-from devinject.discovery.libraries import read_ldcache
+from devinject.discovery.libraries import LDCACHE_PATH, read_ldcache
 from devinject.discovery.node import Node, device_names
 from devinject.discovery.profiles import Profile
 from devinject.specs.discoverers import FileSources, common_edits, driver_version
-from devinject.specs.hooks import HOOK_ENV, HOOK_TIMEOUT, default_hook_path, drm_by_path_links, hook_command
+from devinject.specs.hooks import (
+    HOOK_ENV,
+    HOOK_TIMEOUT,
+    HookCommand,
+    default_hook_path,
+    drm_by_path_links,
+    hook_command,
+)
 from devinject.specs.options import STRATEGIES, GenerateOptions
 from devinject.specs.output import render, spec_filename, write_specs
 from devinject.specs.transforms import Transform, enrich_uuids, spec_transforms, transformed, versioned, with_groups
@@ -101,24 +109,68 @@ def channel_spec(view: HostView, profile: Profile, common: ContainerEdits, trans
     return transformed(Spec(kind=profile.kind, devices=(*devices, Device("all", every)), edits=common), transforms)
 
 
+def _files_host(host: Host, opts: GenerateOptions) -> Host:
+    """Where the driver's files are read: its --driver-root under the host root, else the host itself."""
+    return Host(posixpath.join(host.root, opts.driver_root.strip("/"))) if opts.driver_root else host
+
+
 def file_sources(host: Host, profiles: list[Profile], opts: GenerateOptions) -> FileSources:
     """Where the kinds' files are read. With --driver-root (a driver installed in a container, GPU-operator
     style, at e.g. /run/nvidia/driver as the host names it) the driver's files are read under the host root,
     with the driver root's own paths as their container paths; the linker cache is the driver's then."""
-    files = host
-    if opts.driver_root:
-        files = Host(posixpath.join(host.root, opts.driver_root.strip("/")))
+    files = _files_host(host, opts)
     wants_cache = any(p.libraries or p.driver_libraries for p in profiles)
     ldcache = tuple(read_ldcache(files)) if wants_cache else ()
     driver_root = "/" + opts.driver_root.strip("/") if opts.driver_root else ""
     return FileSources(host, files, ldcache, driver_root)
 
 
+class EditsMemo:
+    """The kinds' spec-level edits (`common_edits`: the driver's libraries, files, links and shared nodes)
+    kept from one `build_specs` to the next, for a server that builds a spec per request: the DRA driver,
+    one per claim, whose prepare read the driver's files again each time (~2.5 ms of its ~5, bench_dra.py).
+    They are read again when the node is (another HostView: a rescan), with other options, or when the
+    linker cache's file changed: a driver's install or upgrade runs ldconfig, so the next claim after it has
+    the new driver's files, not the next rescan. Not thread-safe: its owner builds under its own lock."""
+
+    def __init__(self) -> None:
+        self._epoch: tuple[HostView, GenerateOptions, str | None] | None = None
+        self._edits: dict[tuple[str, tuple[str, ...]], ContainerEdits] = {}
+
+    def renew(self, view: HostView, opts: GenerateOptions, ldcache: str | None) -> None:
+        """Forget the edits kept unless they are of this view, these options and this linker cache."""
+        epoch = self._epoch
+        if epoch is None or epoch[0] is not view or epoch[1] is not opts or epoch[2] != ldcache:
+            self._epoch, self._edits = (view, opts, ldcache), {}
+
+    def common_edits(self, view: HostView, profile: Profile, sources: FileSources, command: HookCommand,
+                     device_links: tuple[str, ...] = ()) -> ContainerEdits:
+        key = (profile.name, device_links)
+        edits = self._edits.get(key)
+        if edits is None:
+            edits = self._edits[key] = common_edits(view, profile, sources, command, device_links)
+        return edits
+
+
+def linker_cache_identity(host: Host, opts: GenerateOptions) -> str | None:
+    """The identity of the linker cache file the driver's libraries are found by (None when it has none)."""
+    files = _files_host(host, opts)
+    try:
+        return file_identity(os.stat(files.real(files.resolve(LDCACHE_PATH))))
+    except OSError:
+        return None
+
+
 def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], opts: GenerateOptions,
-                view: HostView | None = None) -> list[Spec]:
-    """One spec per kind with devices; devices whose `kind=address` is in `opts.exclude` are left out."""
+                view: HostView | None = None, memo: EditsMemo | None = None) -> list[Spec]:
+    """One spec per kind with devices; devices whose `kind=address` is in `opts.exclude` are left out. With
+    `memo`, the kinds' spec-level edits are those it keeps, while they hold (EditsMemo)."""
     view = view or HostView(host)
     command = hook_command(opts.hook_path, target_root=opts.target_root, node_hook=opts.node_hook)
+    common_edits_of = common_edits
+    if memo is not None:
+        memo.renew(view, opts, linker_cache_identity(host, opts))  # before the cache is read: a change after
+        common_edits_of = memo.common_edits                          # it is seen by the next build
     sources = file_sources(host, profiles, opts)
     kept = [f for f in found if device_key(f.profile.kind, f.address) not in opts.exclude]
     by_kind: dict[str, list[FoundDevice]] = {}
@@ -128,12 +180,12 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
     for profile in profiles:
         devices = by_kind.pop(profile.kind, [])
         if devices:
-            common = common_edits(view, profile, sources, command, _device_links(devices))
+            common = common_edits_of(view, profile, sources, command, _device_links(devices))
             spec = build_spec(profile, devices, common, spec_transforms(host, profile, opts), opts)
             specs += [spec] if spec is not None else []
     for profile in profiles:
         if profile.channels is not None:
-            channel = channel_spec(view, profile, common_edits(view, profile, sources, command),
+            channel = channel_spec(view, profile, common_edits_of(view, profile, sources, command),
                                    spec_transforms(host, profile, opts), opts)
             specs += [channel] if channel is not None else []
     if "gpu-nic" in opts.bundles:
