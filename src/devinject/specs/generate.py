@@ -9,10 +9,9 @@ so they cannot produce different specs.
 
 from __future__ import annotations
 
-import os
 import posixpath
 
-from devinject.cdi.identity import device_key, file_identity
+from devinject.cdi.identity import device_key, path_identity
 from devinject.cdi.model import ContainerEdits, Device, DeviceNode, Spec
 from devinject.core.errors import ConfigError
 from devinject.discovery.channels import profile_channels
@@ -155,10 +154,7 @@ class EditsMemo:
 def linker_cache_identity(host: Host, opts: GenerateOptions) -> str | None:
     """The identity of the linker cache file the driver's libraries are found by (None when it has none)."""
     files = _files_host(host, opts)
-    try:
-        return file_identity(os.stat(files.real(files.resolve(LDCACHE_PATH))))
-    except OSError:
-        return None
+    return path_identity(files.real(files.resolve(LDCACHE_PATH)))
 
 
 def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], opts: GenerateOptions,
