@@ -7,7 +7,9 @@ error for that claim and nothing left behind."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Iterator
@@ -163,6 +165,29 @@ def test_prepare_writes_one_claim_spec_and_unprepare_removes_it(driver: DraDrive
     assert unprepare(driver, ("two", uid)).claims[uid].error == ""
     assert not path.exists()
     assert unprepare(driver, ("two", uid)).claims[uid].error == ""  # and again: nothing to do, no error
+
+
+def test_the_prepare_log_says_how_much_of_it_was_the_claims_read(driver: DraDriver, api: FakeApi,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """An admin with slow prepares reads in the driver's log whether the API server or the node took the time."""
+    uid = "0b7f8e7c-1111-4c1b-9a55-00000000000a"
+    api.add("slow", uid, [(GPU_POOL, "gpu-0000-18-00-0")])
+    read = api.get_claim
+
+    def slow_read(namespace: str, name: str) -> dict[str, Any]:
+        time.sleep(0.3)
+        return read(namespace, name)
+
+    monkeypatch.setattr(driver.preparer, "get_claim", slow_read)
+    with caplog.at_level(logging.INFO, logger="devinject"):
+        assert prepare(driver, ("slow", uid)).claims[uid].error == ""
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prepared claim default/slow")]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    found = re.search(r" in ([0-9.]+) ms, ([0-9.]+) of them reading it: ", lines[0])
+    assert found, lines[0]
+    total, reading = float(found[1]), float(found[2])
+    assert 300 <= reading <= total < reading + 1000, lines[0]
 
 
 def test_a_claimed_device_is_in_the_ledger_for_the_hook_and_the_device_plugin(driver: DraDriver, api: FakeApi,
