@@ -139,6 +139,22 @@ def summarized(kube_dir: Path, clock: PodClock, taken: dict[str, dict[str, float
 
 
 ROUNDS = 9  # pods per variant, interleaved: the median of 9 (the issue asks for at least 5)
+DRIVER_LOG = "devinject-dra-driver.log"
+PREPARED = re.compile(r"prepared claim default/(\S+) \(\S+\) in ([0-9.]+) ms, ([0-9.]+) of them reading it: ")
+
+
+def driver_prepares(log: Path, pods: list[str]) -> dict[str, tuple[float, float]]:
+    """Each pod's claim as devinject's driver logged its prepare: pod -> (ms in the driver, ms of them the
+    claim's read). A claim made from a pod's template is named `<pod>-<claim>-<suffix>`."""
+    found: dict[str, tuple[float, float]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        match = PREPARED.search(line)
+        if match is None:
+            continue
+        for pod in pods:
+            if match[1].startswith(f"{pod}-"):
+                found[pod] = (float(match[2]), float(match[3]))
+    return found
 
 
 def race_the_reference(cluster: KubeClient, node: str, device_class: str, prefix: str) -> tuple[float, float]:
@@ -168,4 +184,12 @@ def race_the_reference(cluster: KubeClient, node: str, device_class: str, prefix
     record(f"{prefix}_ratio", round(medians["ours"] / medians["reference"], 3))
     record(f"{prefix}_phases_ms", columns)
     assert all(len(phases.get(n, {})) == len(PHASES) for n in took), f"phases missing from the logs: {sorted(took)}"
+    # the prepare phase's part inside devinject's driver, and of that the claim's read, from the driver's log
+    prepares = driver_prepares(cluster.kube_dir / "logs" / DRIVER_LOG, list(taken["ours"]))
+    assert sorted(prepares) == sorted(taken["ours"]), f"prepares missing from {DRIVER_LOG}: {sorted(prepares)}"
+    inside = round(statistics.median(ms for ms, _ in prepares.values()), 1)
+    reading = round(statistics.median(read for _, read in prepares.values()), 1)
+    print(f"{prefix}: devinject's prepare inside the driver, median {inside} ms, the claim's read {reading} ms")
+    record(f"{prefix}_driver_prepare_ms", inside)
+    record(f"{prefix}_driver_claim_read_ms", reading)
     return medians["ours"], medians["reference"]
