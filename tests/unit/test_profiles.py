@@ -74,6 +74,35 @@ def test_unparseable_admin_profile_is_a_config_error(host_copy):
         load_profiles(Host(str(root)))
 
 
+def test_a_refused_profile_gets_pyyamls_fuller_message_at_the_same_place(host_copy):
+    """libyaml reads the profiles (5x faster); what it refuses is read again for PyYAML's message, which names
+    the alias libyaml's leaves out."""
+    root = host_copy("empty-vm")
+    (root / "etc/devinject/profiles.d").mkdir(parents=True)
+    (root / "etc/devinject/profiles.d/alias.yaml").write_text("name: &x a\nkind: *y\n")
+    with pytest.raises(ConfigError, match=r"alias\.yaml:2:7: found undefined alias 'y'$"):
+        load_profiles(Host(str(root)))
+
+
+def test_the_shipped_profiles_are_read_by_libyaml_and_read_the_same_by_pyyaml(monkeypatch):
+    import yaml
+
+    from devinject.discovery import profiles as profiles_module
+
+    shipped = Path(profiles_module.__file__).parent.parent / "data/profiles"
+    texts = sorted(shipped.glob("*.yaml"))
+    assert texts
+    for path in texts:
+        text = path.read_text()
+        assert yaml.load(text, Loader=yaml.CSafeLoader) == yaml.load(text, Loader=yaml.SafeLoader), path.name
+
+    def slow(*_: object, **__: object) -> object:
+        raise AssertionError("PyYAML's pure loader read a shipped profile")
+
+    monkeypatch.setattr(yaml, "safe_load", slow)
+    assert builtin_profiles()
+
+
 def test_mount_options_per_file_from_the_profile(tmp_path, host_copy):
     """Some stacks need a writable mount: `mount-options` gives one container path its own options, and the
     hook's plan honours them; every other driver file stays ro, nosuid, nodev."""
