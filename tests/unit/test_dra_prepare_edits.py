@@ -37,6 +37,20 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+@pytest.fixture
+def cache_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every read of the linker cache the driver's libraries are found by, by the root it was read under."""
+    calls: list[str] = []
+    real = generate_module.read_ldcache
+
+    def counted(host):  # type: ignore[no-untyped-def]
+        calls.append(host.root)
+        return real(host)
+
+    monkeypatch.setattr(generate_module, "read_ldcache", counted)
+    return calls
+
+
 def _driver(root: Path, base: Path) -> tuple[DraDriver, FakeApi]:
     dirs = {name: str(base / name) for name in ("plugins", "registry", "cdi", "state")}
     os.makedirs(dirs["state"], mode=0o755)
@@ -62,11 +76,12 @@ def _host_paths(spec: dict[str, object]) -> set[str]:
 
 
 def test_claims_after_the_first_read_no_driver_file_and_get_the_spec_a_fresh_read_gives(
-        host_copy, tmp_path: Path, reads: list[str]) -> None:  # type: ignore[no-untyped-def]
+        host_copy, tmp_path: Path, reads: list[str], cache_reads: list[str]) -> None:  # type: ignore[no-untyped-def]
     root = host_copy("hgx-h100")
     driver, _ = _driver(root, tmp_path / "one")
     specs = [_prepare(driver, n) for n in range(len(GPUS))]
     assert reads == ["nvidia-gpu"]  # once, for the first claim
+    assert len(cache_reads) == 1, cache_reads  # and the linker cache with them
     for n, spec in enumerate(specs):  # each as a driver that never built a spec before builds it
         fresh, _ = _driver(root, tmp_path / f"fresh-{n}")
         assert _prepare(fresh, n) == spec
@@ -83,7 +98,8 @@ def test_a_rescan_reads_the_driver_files_again(host_copy, tmp_path: Path,  # typ
 
 
 def test_a_new_linker_cache_is_read_at_the_next_claim_not_the_next_rescan(
-        host_copy, tmp_path: Path, reads: list[str]) -> None:  # type: ignore[no-untyped-def]
+        host_copy, tmp_path: Path, reads: list[str],  # type: ignore[no-untyped-def]
+        cache_reads: list[str]) -> None:
     """A driver's files change (a library removed, as an upgrade or uninstall does) and ldconfig writes the
     host's linker cache again: the next claim's spec has the files as they are now, with no rescan between."""
     need = shutil.which("ldconfig") or "/sbin/ldconfig"
@@ -95,5 +111,6 @@ def test_a_new_linker_cache_is_read_at_the_next_claim_not_the_next_rescan(
     subprocess.run([need, "-X", "-r", str(root)], check=True, capture_output=True, timeout=60)
     after = _host_paths(_prepare(driver, 1))
     assert reads == ["nvidia-gpu", "nvidia-gpu"]
+    assert len(cache_reads) == 2, cache_reads  # the new cache read for the claim after ldconfig
     assert not [p for p in after if "libnvidia-opencl" in p], sorted(after)
     assert any(p.endswith("libcuda.so.550.54.14") for p in after), sorted(after)

@@ -113,21 +113,25 @@ def _files_host(host: Host, opts: GenerateOptions) -> Host:
     return Host(posixpath.join(host.root, opts.driver_root.strip("/"))) if opts.driver_root else host
 
 
+def _wants_ldcache(profiles: list[Profile]) -> bool:
+    return any(p.libraries or p.driver_libraries for p in profiles)
+
+
 def file_sources(host: Host, profiles: list[Profile], opts: GenerateOptions) -> FileSources:
     """Where the kinds' files are read. With --driver-root (a driver installed in a container, GPU-operator
     style, at e.g. /run/nvidia/driver as the host names it) the driver's files are read under the host root,
     with the driver root's own paths as their container paths; the linker cache is the driver's then."""
     files = _files_host(host, opts)
-    wants_cache = any(p.libraries or p.driver_libraries for p in profiles)
-    ldcache = tuple(read_ldcache(files)) if wants_cache else ()
+    ldcache = tuple(read_ldcache(files)) if _wants_ldcache(profiles) else ()
     driver_root = "/" + opts.driver_root.strip("/") if opts.driver_root else ""
     return FileSources(host, files, ldcache, driver_root)
 
 
 class EditsMemo:
-    """The kinds' spec-level edits (`common_edits`: the driver's libraries, files, links and shared nodes)
-    kept from one `build_specs` to the next, for a server that builds a spec per request: the DRA driver,
-    one per claim, whose prepare read the driver's files again each time (~2.5 ms of its ~5, bench_dra.py).
+    """The kinds' spec-level edits (`common_edits`: the driver's libraries, files, links and shared nodes),
+    and the linker cache's entries they were found by, kept from one `build_specs` to the next, for a server
+    that builds a spec per request: the DRA driver, one per claim, whose prepare read the driver's files again
+    each time (~2.5 ms of its ~5, bench_dra.py).
     They are read again when the node is (another HostView: a rescan), with other options, or when the
     linker cache's file changed: a driver's install or upgrade runs ldconfig, so the next claim after it has
     the new driver's files, not the next rescan. Not thread-safe: its owner builds under its own lock."""
@@ -135,12 +139,21 @@ class EditsMemo:
     def __init__(self) -> None:
         self._epoch: tuple[HostView, GenerateOptions, str | None] | None = None
         self._edits: dict[tuple[str, tuple[str, ...]], ContainerEdits] = {}
+        self._sources: dict[bool, FileSources] = {}  # by whether the linker cache is read
 
     def renew(self, view: HostView, opts: GenerateOptions, ldcache: str | None) -> None:
         """Forget the edits kept unless they are of this view, these options and this linker cache."""
         epoch = self._epoch
         if epoch is None or epoch[0] is not view or epoch[1] is not opts or epoch[2] != ldcache:
-            self._epoch, self._edits = (view, opts, ldcache), {}
+            self._epoch, self._edits, self._sources = (view, opts, ldcache), {}, {}
+
+    def file_sources(self, host: Host, profiles: list[Profile], opts: GenerateOptions) -> FileSources:
+        """`file_sources`, the linker cache read once while the edits hold, not once per build."""
+        key = _wants_ldcache(profiles)
+        sources = self._sources.get(key)
+        if sources is None:
+            sources = self._sources[key] = file_sources(host, profiles, opts)
+        return sources
 
     def common_edits(self, view: HostView, profile: Profile, sources: FileSources, command: HookCommand,
                      device_links: tuple[str, ...] = ()) -> ContainerEdits:
@@ -163,11 +176,11 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
     `memo`, the kinds' spec-level edits are those it keeps, while they hold (EditsMemo)."""
     view = view or HostView(host)
     command = hook_command(opts.hook_path, target_root=opts.target_root, node_hook=opts.node_hook)
-    common_edits_of = common_edits
+    sources_of, common_edits_of = file_sources, common_edits
     if memo is not None:
         memo.renew(view, opts, linker_cache_identity(host, opts))  # before the cache is read: a change after
-        common_edits_of = memo.common_edits                          # it is seen by the next build
-    sources = file_sources(host, profiles, opts)
+        sources_of, common_edits_of = memo.file_sources, memo.common_edits  # it is seen by the next build
+    sources = sources_of(host, profiles, opts)
     kept = [f for f in found if device_key(f.profile.kind, f.address) not in opts.exclude]
     by_kind: dict[str, list[FoundDevice]] = {}
     for item in kept:
