@@ -13,13 +13,21 @@ IMAGE_INPUTS := pyproject.toml README.md tools/mkimage.py $(wildcard deploy/imag
 
 .PHONY: demo test check lint unit live bench golden fixtures system-deps venv clean mutation proto image cluster-test
 
-$(BIN)/devinject: pyproject.toml
+# Two stages: what devinject runs (`make demo` needs no more), then the tools the tests and lint use. Every
+# package is pinned in constraints.txt, so a clean clone installs today's versions next month too.
+PIP_INSTALL := $(BIN)/pip install -q -c constraints.txt
+
+$(BIN)/devinject: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) -e .
 	touch $@
 
-venv: $(BIN)/devinject
+$(VENV)/.dev: $(BIN)/devinject
+	$(PIP_INSTALL) -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.dev
 
 # Debian packages the live tests drive (real runc, podman, crun), build fixture libraries with, and check
 # the systemd units with (systemd-analyze), write kernel lines into a journal (systemd-journal-remote), build the agent's image with (mmdebstrap), and scrape the agent with
@@ -31,13 +39,18 @@ system-deps:
 		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
 
-demo: venv
+DEMO_OUT := build/demo
+
+demo: $(BIN)/devinject
 	@echo "== devinject list --root $(DEMO_HOST)"
 	@$(BIN)/devinject list --root $(DEMO_HOST)
-	@echo
-	@echo "== devinject generate --root $(DEMO_HOST) --output -   (first spec shown)"
-	@$(BIN)/devinject generate --root $(DEMO_HOST) --kind nvidia.com/gpu --output - \
+	@mkdir -p $(DEMO_OUT)
+	@$(BIN)/devinject generate --root $(DEMO_HOST) --kind nvidia.com/gpu --output $(DEMO_OUT)/nvidia.com-gpu.yaml \
 		--hook-path $(abspath $(BIN))/devinject
+	@echo
+	@echo "== devinject generate --root $(DEMO_HOST) --kind nvidia.com/gpu   (its first lines; all of it in $(DEMO_OUT)/nvidia.com-gpu.yaml)"
+	@head -n 30 $(DEMO_OUT)/nvidia.com-gpu.yaml
+	@echo "   ... $$(wc -l < $(DEMO_OUT)/nvidia.com-gpu.yaml) lines"
 
 lint: venv
 	$(BIN)/ruff check src tests bench tools

@@ -59,3 +59,56 @@ def test_the_image_pins_satisfy_the_package_pins():
     pins = dict(re.findall(r"^([\w-]+)==([\d.]+)", (REPO / "deploy/image/requirements.txt").read_text(), re.M))
     for package in ("grpcio", "protobuf"):
         assert tuple(int(p) for p in pins[package].split(".")) >= lower_bound(package), package
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not pinned with =="
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def _closure(name: str, extras: tuple[str, ...] = ()) -> dict[str, str]:
+    """The installed distributions `name[extras]` needs, transitively: {normalised name: version}."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    found: dict[str, str] = {}
+    todo = [(name, extras)]
+    while todo:
+        current, wanted = todo.pop()
+        dist = distribution(current)
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in ("", *wanted)):
+                continue
+            key = re.sub(r"[-_.]+", "-", req.name).lower()
+            if key in found:
+                continue
+            try:
+                found[key] = distribution(req.name).version
+            except PackageNotFoundError:
+                continue  # a dependency of another platform or Python
+            todo.append((req.name, tuple(req.extras)))
+    return found
+
+
+def test_every_package_make_venv_installs_is_pinned_at_its_installed_version():
+    """`make venv` installs devinject[dev] with -c constraints.txt: a package missing from it floats (a new
+    grpcio-tools once regenerated the gRPC modules differently and failed a clean clone's `make test`)."""
+    pins = _pins()
+    needed = _closure("devinject", ("dev",))
+    assert "grpcio-tools" in needed and "click" in needed
+    wrong = {name: (version, pins.get(name)) for name, version in needed.items() if pins.get(name) != version}
+    assert wrong == {}, f"installed (version, pinned) not as constraints.txt says: {wrong}"
+
+
+def test_grpcio_tools_is_pinned_to_the_version_that_generated_the_modules():
+    versions = {re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", p.read_text()).group(1)  # type: ignore[union-attr]
+                for p in GENERATED if p.name.endswith("_grpc.py")}
+    assert versions == {_pins()["grpcio-tools"]}
