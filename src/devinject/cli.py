@@ -164,8 +164,9 @@ def cli(verbose: int, quiet: bool) -> None:
 
 @cli.command()
 @root_option
-@click.option("--output-dir", default=STATIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
-              metavar="DIRECTORY", help="Write one <vendor>-<class> spec per kind here.")
+@click.option("--output-dir", default=None, type=click.Path(file_okay=False), metavar="DIRECTORY",
+              help=f"Write one <vendor>-<class> spec per kind here [default: {STATIC_SPEC_DIR} when --root is /, "
+                   "else stdout: a fixture's or a mounted host's paths never land in this machine's spec dir].")
 @click.option("-o", "--output", "output", default=None, metavar="FILE",
               help="Write to this file instead ('-' for stdout).")
 @click.option("--format", "fmt", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True,
@@ -184,11 +185,14 @@ def cli(verbose: int, quiet: bool) -> None:
 @target_root_option
 @driver_root_option
 @node_hook_option
-def generate(root: str, output_dir: str, output: str | None, fmt: str, strategies: tuple[str, ...],
+def generate(root: str, output_dir: str | None, output: str | None, fmt: str, strategies: tuple[str, ...],
              version_cap: str, kinds: tuple[str, ...], hook_path: str | None, profile_dirs: tuple[str, ...],
              nvml: bool | None, bundles: tuple[str, ...], target_root: str | None, driver_root: str | None,
              node_hook: str | None) -> None:
     """Discover devices on the host and write CDI specs."""
+    if output is None and output_dir is None:
+        # the node's own spec dir only for the node's own devices
+        output, output_dir = ("-", None) if os.path.realpath(root) != "/" else (None, STATIC_SPEC_DIR)
     node = _node(root=root, target_root=target_root, profile_dirs=profile_dirs)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     from devinject.cdi.spec import write_atomic
@@ -208,7 +212,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
     from devinject.cdi.spec import spec_dir_problem
 
     if output != "-":  # a spec dir others could write: the hook and validate refuse every spec in it
-        directory = output_dir if output is None else os.path.dirname(os.path.abspath(output))
+        directory = (output_dir or STATIC_SPEC_DIR) if output is None else os.path.dirname(os.path.abspath(output))
         problem = spec_dir_problem(directory)
         if problem:
             raise DevinjectError(f"{problem}; nothing written", hint="write into a directory only root can change")
@@ -227,7 +231,7 @@ def generate(root: str, output_dir: str, output: str | None, fmt: str, strategie
         write_atomic(Path(output), render(specs[0], fmt))
         note(f"wrote {output} ({specs[0].kind}, {len(specs[0].devices)} names)")
         return
-    for spec, path in zip(specs, write_specs(specs, Path(output_dir), fmt), strict=True):
+    for spec, path in zip(specs, write_specs(specs, Path(output_dir or STATIC_SPEC_DIR), fmt), strict=True):
         note(f"wrote {path} ({spec.kind}, {len(spec.devices)} names)")
 
 

@@ -30,6 +30,21 @@ def test_generate_to_stdout_and_list_json():
     assert rows[0]["names"] == ["amd.com/gpu=0", "amd.com/gpu=0000:05:00.0"] and rows[0]["health"] == "healthy"
 
 
+def test_generate_under_a_root_that_is_not_slash_writes_to_stdout_not_the_nodes_spec_dir(tmp_path):
+    """Was: `generate --root <fixture>` (the README's line without `-o -`) wrote the fixture's paths into
+    /etc/cdi, where every runtime on the machine reads them."""
+    watched = Path("/etc/cdi")
+    before = sorted(watched.iterdir()) if watched.is_dir() else None
+    done = run("generate", "--root", str(HOSTS / "mi300x"), "--hook-path", "/usr/bin/devinject")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("---\ncdiVersion: 0.5.0\nkind: amd.com/gpu\n")
+    assert (sorted(watched.iterdir()) if watched.is_dir() else None) == before
+    out = tmp_path / "cdi"
+    done = run("generate", "--root", str(HOSTS / "mi300x"), "--hook-path", "/usr/bin/devinject",
+               "--output-dir", str(out))
+    assert done.returncode == 0 and done.stdout == "" and [p.name for p in out.iterdir()] == ["amd.com-gpu.yaml"]
+
+
 def test_generate_is_a_pure_function_of_the_host(tmp_path):
     """Two runs on the same host write the same bytes, into the same or a fresh directory; no hidden counter."""
     # a hook path that exists here: validate checks that the specs' hooks will run on this host
