@@ -55,11 +55,17 @@ class Node(discovery_node.Node):
         return generate_specs(options, node=self)
 
     def events(self, device: str | None = None) -> list[Event]:
-        """The state dir's last transitions per device (all, or those whose key holds `device`), by device
-        then time."""
+        """The state dir's last transitions per device (all, or those of the device `device` names: its key as
+        filed, else any name discovery/resolve.py reads on this node), by device then time."""
         from devinject.nodestate.events import device_history
 
-        history = device_history(self.state_dir or DEFAULT_STATE_DIR, device)
+        state_dir = self.state_dir or DEFAULT_STATE_DIR
+        history = device_history(state_dir)
+        if device is not None:
+            from devinject.discovery.resolve import resolve
+
+            keys = {device} if device in history else set(resolve(self, device).keys)
+            history = {key: entries for key, entries in history.items() if key in keys}
         return [Event.of(key, entry) for key, entries in sorted(history.items()) for entry in entries]
 
     def dev_char_links(self) -> list[tuple[str, str]]:

@@ -875,11 +875,15 @@ def _check_kubeconfig(path: str) -> None:
 
 @cli.command("events")
 @click.argument("device", required=False)
+@root_option
 @state_dir_option
+@profile_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def events_command(device: str | None, state_dir: str, as_json: bool) -> None:
-    """The last transitions per device (all devices, or those matching DEVICE)."""
-    found = _node(state_dir=state_dir).events(device)
+def events_command(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, ...],
+                   as_json: bool) -> None:
+    """The last transitions per device (all devices, or DEVICE's: its key, or any name of it on the node
+    under --root)."""
+    found = _node(root=root, state_dir=state_dir, profile_dirs=profile_dirs).events(device)
     if as_json:
         click.echo(json.dumps([e.to_json() for e in found], indent=2))
         return

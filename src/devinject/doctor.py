@@ -191,12 +191,17 @@ def check_link(node: Node, device: str, link: str, options: DoctorOptions = Doct
 def _select(node: Node, device: str | None) -> list[_Subject]:
     subjects = _subjects(node)
     if device is not None:
-        found = {id(f) for f in node.find(device)}
+        from devinject.discovery.resolve import UnknownDevice, resolve
+
+        refusal: DevinjectError | None = None
+        try:
+            found = {id(f) for f in resolve(node, device).devices}
+        except UnknownDevice as unknown:
+            found, refusal = set(), unknown
         chosen = [s for s in subjects if (s.found is not None and id(s.found) in found)
-                  or (s.found is None and device in (*s.names, s.pci.address))]
+                  or (s.found is None and device in (*s.names, s.pci.address))]  # bound to no driver
         if not chosen:
-            names = ", ".join(s.name for s in subjects) or "none"
-            raise DevinjectError(f"no device {device!r} on this node (devices: {names})")
+            raise refusal or DevinjectError(f"{device}: no device doctor can check under {node.root}")
         subjects = chosen
     return subjects
 

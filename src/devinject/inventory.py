@@ -148,13 +148,16 @@ def _command(pid: int) -> str:
 
 
 def holders(node: Node, device: str | None = None) -> list[HeldNode]:
-    """Processes with a node of the devices (`device`: those it names, as Node.find and Node.find_channels
-    read it) open, and the container the ledger says they belong to."""
+    """Processes with a node of the devices (`device`: those it names, discovery/resolve.py; UnknownDevice for
+    a name no device answers to) open, and the container the ledger says they belong to."""
+    from devinject.discovery.resolve import Named, resolve
+
+    named = resolve(node, device) if device else Named(tuple(node.devices()), tuple(node.channels()))
     owner: dict[str, tuple[str, str, str | None]] = {}
-    for item in node.find(device) if device else node.devices():
+    for item in named.devices:
         for device_node in item.nodes:
             owner.setdefault(node_id_of(device_node), (node.names(item)[0], item.profile.kind, item.address))
-    for channel in node.find_channels(device) if device else node.channels():
+    for channel in named.channels:
         owner.setdefault(node_id_of(channel.node), (channel.key, channel.profile.kind, None))
     allocations = _allocations(node.state_dir)
     rows = []

@@ -197,5 +197,5 @@ def test_a_bare_number_naming_a_gpu_and_a_channel_asks_for_the_key(tmp_path: Pat
     (it said kind=PCI address only, which no channel has)."""
     done = cli("put-back", "1", "--root", str(DGX), "--state-dir", str(tmp_path / "state"))
     assert done.returncode != 0
-    assert done.stderr.strip().endswith("1: names 2 devices; give one's key (kind=PCI address, a channel's kind=N)"), \
-        done.stderr
+    assert done.stderr.strip().endswith(f"1: names 2 devices (nvidia.com/gpu=0000:87:00.0, {KIND}=1); give one's key "
+                                        "(kind=PCI address, a channel's kind=N)"), done.stderr

@@ -408,17 +408,13 @@ def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple
 
     node = node or Node(root, profile_dirs=profile_dirs, check=False)
     host = node.host
-    matches = node.find(device)
-    channels = node.find_channels(device)  # no readings to accept: its node is there again or not
-    if len(matches) + len(channels) != 1:
-        raise DevinjectError(f"{device}: no such device under {node.root}{_candidates(node, device)}"
-                             if not (matches or channels) else
-                             f"{device}: names {len(matches) + len(channels)} devices; give one's key "
-                             "(kind=PCI address, a channel's kind=N)")
-    if channels:
-        key, accepted = channels[0].key, {}
+    from devinject.discovery.resolve import resolve_one
+
+    named = resolve_one(node, device)
+    if named.channels:  # no readings to accept: its node is there again or not
+        key, accepted = named.channels[0].key, {}
     else:
-        (found,) = matches
+        (found,) = named.devices
         key = device_key(found.profile.kind, found.address)
         accepted = {pci.address: aer_totals(host, pci) for pci in found.functions}
     try:
@@ -429,21 +425,3 @@ def request_put_back(root: str, state_dir: str, device: str, profile_dirs: tuple
     except OSError as err:
         raise DevinjectError(f"{state_dir}: cannot record the put-back request: {err.strerror}") from None
     return key, accepted
-
-
-def _candidates(node: Node, device: str) -> str:
-    """`; did you mean ...` (the closest names), or `; devices: ...` (all of them, the first ten)."""
-    import difflib
-
-    from devinject.cdi.identity import device_key
-
-    names = [str(node.names(found)[0]) for found in node.devices()]
-    names += [device_key(found.profile.kind, found.address) for found in node.devices()]
-    names += [channel.key for channel in node.channels()]
-    close = difflib.get_close_matches(device, names, n=3, cutoff=0.6)
-    if close:
-        return f"; did you mean {' or '.join(close)}?"
-    shown = sorted(set(names), key=names.index)
-    if not shown:
-        return "; it has no devices"
-    return f"; devices: {', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''}"

@@ -76,10 +76,10 @@ def record(state_dir: str, event: str, device: str | None = None, **fields: Any)
     return entry
 
 
-def device_history(state_dir: str, device: str | None = None) -> dict[str, list[dict[str, object]]]:
-    """The rings of every device, or of those whose key holds `device`. StateFileError for a ring file that
-    fails."""
+def device_history(state_dir: str, key: str | None = None) -> dict[str, list[dict[str, object]]]:
+    """The rings of every device, or of the device filed under `key` (a name's keys: discovery/resolve.py).
+    StateFileError for a ring file that fails."""
     rings = read_ring(state_dir).rings
-    if device is None:
+    if key is None:
         return rings
-    return {k: v for k, v in rings.items() if k == device or k.endswith("=" + device) or device in k}
+    return {k: v for k, v in rings.items() if k == key}
