@@ -17,7 +17,14 @@ import click
 from devinject import __version__
 from devinject.cdi.cdiversion import DEFAULT_VERSION_CAP, KNOWN_VERSIONS
 from devinject.core.errors import DevinjectError, UsageError
-from devinject.core.paths import DEFAULT_KERNEL_LOG, DEFAULT_STATE_DIR, DYNAMIC_SPEC_DIR, HOOK_SOCKET, STATIC_SPEC_DIR
+from devinject.core.paths import (
+    DEFAULT_KERNEL_LOG,
+    DEFAULT_STATE_DIR,
+    DYNAMIC_SPEC_DIR,
+    HOOK_SOCKET,
+    NFD_FEATURES_DIR,
+    STATIC_SPEC_DIR,
+)
 
 if TYPE_CHECKING:
     from devinject.agent.watch import WatchOptions
@@ -591,7 +598,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
         click.option("--uevents/--no-uevents", default=True, show_default=True, help="Listen for kernel uevents."),
         click.option("--nfd-features-dir", default=None, metavar="DIRECTORY",
                      help="Write the node's labels for Node Feature Discovery there (its features.d, e.g. "
-                          "/etc/kubernetes/node-feature-discovery/features.d), as the devices change."),
+                          f"{NFD_FEATURES_DIR}), as the devices change."),
         bundles_option,
         target_root_option,
         driver_root_option,
@@ -808,7 +815,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
                    "sysfs states) for claims' capacity.requests (docs/sharing.md).")
 @click.option("--nfd-features-dir", default=None, metavar="DIRECTORY",
               help="Write the node's labels for Node Feature Discovery there (its features.d, e.g. "
-                   "/etc/kubernetes/node-feature-discovery/features.d), as the devices change.")
+                   f"{NFD_FEATURES_DIR}), as the devices change.")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
                driver_root: str | None, node_hook: str | None, hook_path: str | None, kinds: tuple[str, ...],
                node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str, registry_dir: str,

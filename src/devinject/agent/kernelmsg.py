@@ -35,7 +35,6 @@ from devinject.discovery.roots import auto_kernel_source, journal_under
 log = logging.getLogger(__name__)
 
 AUTO, KMSG, JOURNAL = "auto", "kmsg", "journal"
-SOURCES = (AUTO, KMSG, JOURNAL)
 KMSG_PATH = "/dev/kmsg"
 JOURNALCTL_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 LOG_READ_MAX = 1 << 20  # bytes of kernel messages read per wake-up; the rest at the next one

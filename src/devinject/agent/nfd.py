@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from devinject.discovery.discover import FoundDevice
     from devinject.discovery.host import Host
 
-FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"
 FEATURE_FILE = "devinject"
 NAMESPACE = "devinject.io"
 _NOT_LABEL = re.compile(r"[^A-Za-z0-9._-]+")

@@ -10,6 +10,7 @@ DEFAULT_STATE_DIR = "/run/devinject"  # the node's state: ledger, health, events
 HOOK_SOCKET = DEFAULT_STATE_DIR + "/hook.sock"  # where `devinject hook-server` listens and the hook looks
 DEFAULT_KERNEL_LOG = "/var/log/kern.log"  # read (under the host root) for the kernel's device errors
 ADMIN_PROFILE_DIR = "/etc/devinject/profiles.d"  # an admin's device profiles, under the host root
+NFD_FEATURES_DIR = "/etc/kubernetes/node-feature-discovery/features.d"  # nfd-worker's local feature files
 # the package's data/profiles beside this package (importlib makes a module's __file__ absolute)
 SHIPPED_PROFILE_DIR = __file__.rsplit("/", 2)[0] + "/data/profiles"
 

@@ -174,8 +174,9 @@ class PluginBookings:
     def beside_dra(self) -> bool:
         """A DRA driver serves this node from the same state dir (its checkpoint is there)."""
         try:
-            return any(n.startswith("dra-") and n.endswith(".checkpoint.json")
-                       for n in os.listdir(self.ledger.state_dir))
+            from devinject.nodestate.claimcheckpoints import PREFIX, SUFFIX
+
+            return any(n.startswith(PREFIX) and n.endswith(SUFFIX) for n in os.listdir(self.ledger.state_dir))
         except OSError:
             return False
 

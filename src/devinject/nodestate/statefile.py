@@ -88,12 +88,6 @@ def need_number(value: object, at: str) -> float:
     return float(value)
 
 
-def need_bool(value: object, at: str) -> bool:
-    if not isinstance(value, bool):
-        raise StateFileError(f"{at}: expected true or false")
-    return value
-
-
 def need_strings(value: object, at: str) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise StateFileError(f"{at}: expected a list of strings")
