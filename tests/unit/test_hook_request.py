@@ -156,3 +156,37 @@ def test_state_on_stdin_has_one_deadline_not_one_per_chunk():
         writer.join()
         os.close(read_end)
         os.close(write_end)
+
+
+def test_the_hooks_own_flags_apply_before_a_bad_config_is_reported(tmp_path):
+    """Was: `hook --log-file X --dry-run` with a config that is not JSON logged its error into the default
+    /var/log/devinject/hook.log (made for it), as if neither flag had been given."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from devinject.hook.main import DEFAULT_LOG
+
+    config = tmp_path / "hook.json"
+    config.write_text("{bad")
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"ociVersion": "1.0.2", "id": "x", "status": "creating", "pid": 1,
+                                 "bundle": str(tmp_path)}))
+    default_log = Path(DEFAULT_LOG)
+    before = default_log.read_bytes() if default_log.exists() else None
+    log = tmp_path / "hook.log"
+
+    def hook(*flags: str) -> subprocess.CompletedProcess[str]:
+        with state.open() as stdin:
+            return subprocess.run([str(Path(sys.executable).parent / "devinject"), "hook", "--config", str(config),
+                                   "--log-file", str(log), "--state-dir", str(tmp_path / "st"), *flags],
+                                  stdin=stdin, capture_output=True, text=True, timeout=60)
+
+    done = hook("--dry-run")
+    assert done.returncode == 1 and done.stderr.startswith(f"devinject: error: {config}:1:2: ")
+    assert not log.exists()  # a dry run changes nothing, its log included
+    done = hook()
+    assert done.returncode == 1 and json.loads(log.read_text())["error"].startswith(f"{config}:1:2: ")
+    assert (default_log.read_bytes() if default_log.exists() else None) == before
+    assert not (tmp_path / "st").exists()

@@ -107,8 +107,10 @@ def _load_config(path: str, opts: HookOptions, *, required: bool) -> None:
             raise HookError(f"{path}: {key}: unknown key or wrong type")
 
 
-def parse_hook_args(args: list[str]) -> HookOptions:
-    opts = HookOptions()
+def parse_hook_args(args: list[str], opts: HookOptions | None = None) -> HookOptions:
+    """The hook's options: the --config file's, then the flags over them. `opts` is filled in place, so that
+    when the config cannot be used the caller still has the flags (where to log, --dry-run) for its error."""
+    opts = opts if opts is not None else HookOptions()
     config, config_required = CONFIG_FILE, False
     spec_dirs: list[str] = []
     profile_dirs: list[str] = []
@@ -155,13 +157,15 @@ def parse_hook_args(args: list[str]) -> HookOptions:
         else:
             raise HookError(f"unknown argument {arg!r}\n{USAGE}")
         i += 1
-    _load_config(config, opts, required=config_required)
-    for key, setting in overrides.items():
-        setattr(opts, key, setting)
-    if spec_dirs:
-        opts.spec_dirs = tuple(spec_dirs)
-    if profile_dirs:
-        opts.profile_dirs = tuple(profile_dirs)
+    try:
+        _load_config(config, opts, required=config_required)
+    finally:  # the flags hold whether or not the config could be read
+        for key, setting in overrides.items():
+            setattr(opts, key, setting)
+        if spec_dirs:
+            opts.spec_dirs = tuple(spec_dirs)
+        if profile_dirs:
+            opts.profile_dirs = tuple(profile_dirs)
     return opts
 
 
@@ -447,11 +451,10 @@ def main(argv: list[str]) -> int:
             opts.log_file = None
             run_cdi_hook(args)
             return 0
-        opts = parse_hook_args(args)
+        parse_hook_args(args, opts)
         record.update(run_hook(opts, started=started))
         if opts.dry_run:  # the one case the hook writes to stdout: an admin asked what it would do
             print(jsonlite.dumps(record, sort_keys=True))
-            opts.log_file = None
         return 0
     except DevinjectError as err:
         record["error"] = err.message
@@ -463,6 +466,6 @@ def main(argv: list[str]) -> int:
         return 2
     finally:
         record["duration_ms"] = round((time.monotonic() - started) * 1000, 2)
-        if (record.get("devices") or record.get("error") or record.get("untrusted")
-                or record.get("released") not in (None, "not allocated")):
-            _log(opts, record)
+        if not opts.dry_run and (record.get("devices") or record.get("error") or record.get("untrusted")
+                                 or record.get("released") not in (None, "not allocated")):
+            _log(opts, record)  # a dry run changes nothing, its log included
