@@ -645,12 +645,39 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
                         uevents=uevents, nfd_features_dir=nfd_features_dir), node
 
 
-def _stop_on_signals() -> threading.Event:
+class _Stop(threading.Event):
+    """An agent's stop: set by SIGTERM (its service manager: a clean stop, exit 0) or SIGINT (Ctrl-C: exit 130,
+    as a shell expects), and said in the agent's log, so that a stop is never silent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signal: int | None = None
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        import signal
+
+        if self.signal is None:
+            logging.getLogger("devinject").info("%s: stopping", signal.Signals(signum).name)
+        self.signal = signum
+        self.set()
+
+    def exit(self) -> None:
+        """Once the agent has stopped: Ctrl-C's status, or return for a clean stop."""
+        import signal
+
+        if self.signal == signal.SIGINT:
+            logging.getLogger("devinject").warning("stopped (SIGINT)")
+            sys.exit(130)
+        if self.signal is not None:
+            logging.getLogger("devinject").info("stopped (%s)", signal.Signals(self.signal).name)
+
+
+def _stop_on_signals() -> _Stop:
     import signal
 
-    stop = threading.Event()
+    stop = _Stop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, stop.on_signal)
     return stop
 
 
@@ -661,7 +688,9 @@ def watch(**options: Any) -> None:
     from devinject.agent.watch import Watcher
 
     opts, node = _watch_options(**options)
-    Watcher(opts, node=node).run(_stop_on_signals())
+    stop = _stop_on_signals()
+    Watcher(opts, node=node).run(stop)
+    stop.exit()
 
 
 class ConfigFileError(UsageError):
@@ -759,7 +788,9 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
     sharing = click.get_current_context().meta.get("devinject.sharing", SharingConfig())
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
                          metrics_address=metrics_address or None, sharing=sharing)
-    DevicePluginAgent(opts, node=node).run(_stop_on_signals())
+    stop = _stop_on_signals()
+    DevicePluginAgent(opts, node=node).run(stop)
+    stop.exit()
 
 
 @cli.command("dra-driver")
@@ -859,7 +890,9 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
                       health=health_mode, watch=watch, fatal_effect=fatal_taint_effect,
                       metrics_address=metrics_address or None, capacity=capacity,
                       nfd_features_dir=nfd_features_dir)
-    DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name, watch=True)).run(_stop_on_signals())
+    stop = _stop_on_signals()
+    DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name, watch=True)).run(stop)
+    stop.exit()
 
 
 def _check_kubeconfig(path: str) -> None:

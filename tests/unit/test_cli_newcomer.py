@@ -7,11 +7,14 @@ says so."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from devinject import cli
@@ -131,3 +134,23 @@ def test_a_profile_yaml_error_is_file_line_col(tmp_path: Path):
 def test_events_on_a_missing_state_dir_says_so(tmp_path: Path):
     done = run("events", "--state-dir", str(tmp_path / "nowhere"))
     assert done.returncode == 0 and "does not exist" in done.stderr
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_watch_says_why_it_stopped(tmp_path, signum, status):
+    """Was: Ctrl-C on `watch` exited 0 without a word."""
+    agent = subprocess.Popen([DEVINJECT, "watch", "--root", str(HOSTS / "gaudi2"), "--no-uevents", "--output-dir",
+                              str(tmp_path / "out"), "--state-dir", str(tmp_path / "state"),
+                              "--hook-path", "/usr/bin/devinject"],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "out").is_dir() or not any((tmp_path / "out").iterdir()):
+            assert agent.poll() is None and time.monotonic() < deadline, "watch never wrote its specs"
+            time.sleep(0.1)
+        agent.send_signal(signum)
+        _, err = agent.communicate(timeout=60)
+    finally:
+        agent.kill()
+    assert agent.returncode == status
+    assert f"devinject: INFO: {signal.Signals(signum).name}: stopping" in err
