@@ -242,21 +242,60 @@ def generate(root: str, output_dir: str | None, output: str | None, fmt: str, st
         note(f"wrote {path} ({spec.kind}, {len(spec.devices)} names)")
 
 
+@cli.group()
+def cdi() -> None:
+    """The CDI names a runtime on this node resolves (from the spec dirs, as the hook reads them)."""
+
+
+@cdi.command("list")
+@click.option("--spec-dir", "spec_dirs", multiple=True, metavar="DIRECTORY",
+              help=f"A CDI spec directory, later ones win (repeatable) [default: {STATIC_SPEC_DIR}, "
+                   f"{DYNAMIC_SPEC_DIR}].")
+@click.option("--json", "as_json", is_flag=True, help="{names: {name: file}, conflicts: {name: why}, problems: [..]}.")
+def cdi_list(spec_dirs: tuple[str, ...], as_json: bool) -> None:
+    """Every device name the spec dirs offer and the file it comes from; a name defined twice at one priority
+    (no runtime resolves it) and a spec file that cannot be read are listed apart, and exit 1."""
+    from devinject.core.paths import DEFAULT_SPEC_DIRS
+    from devinject.hook.registry import Registry
+
+    registry = Registry(spec_dirs or DEFAULT_SPEC_DIRS)
+    offered = registry.offered()
+    if as_json:
+        click.echo(json.dumps({"names": offered, "conflicts": registry.conflicts, "problems": registry.problems},
+                              indent=2))
+    else:
+        width = max((len(n) for n in offered), default=0) + 2
+        for name, path in offered.items():
+            click.echo(f"{name:<{width}}{path}")
+        for name, why in sorted(registry.conflicts.items()):
+            note(f"{name}: unresolvable: {why} (same priority)", error=True)
+        for problem in registry.problems:
+            note(problem, error=True)
+        if not offered and not registry.conflicts and not registry.problems:
+            note(f"no CDI devices in {', '.join(spec_dirs or DEFAULT_SPEC_DIRS)}")
+    if registry.conflicts or registry.problems:
+        sys.exit(1)
+
+
 @cli.command()
 @click.argument("paths", nargs=-1)
 @click.option("--max-version", default=None, metavar="VERSION",
               help="Refuse specs above this CDI version (default: accept every released version, and warn "
                    "about specs that podman 4.x and containerd 1.7 cannot read).")
+@click.option("--node/--portable", "node_local", default=None,
+              help="--node: the specs are this node's, so a hook that cannot run here is an error; --portable: "
+                   "a warning (a spec made for another node). Default: --node for the node's own spec dirs "
+                   "(no PATHS), --portable for PATHS.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the problems as a JSON list of {file, field, message, severity} (no ok lines).")
-def validate(paths: tuple[str, ...], max_version: str | None, as_json: bool) -> None:
+def validate(paths: tuple[str, ...], max_version: str | None, node_local: bool | None, as_json: bool) -> None:
     """Check CDI spec files: PATHS (files or directories), or else the CDI spec directories /etc/cdi and
     /var/run/cdi."""
     from devinject.core.paths import DEFAULT_SPEC_DIRS
     from devinject.specs.validate import check_paths
 
     targets = paths or tuple(d for d in DEFAULT_SPEC_DIRS if Path(d).is_dir())
-    found = check_paths(targets, max_version=max_version)
+    found = check_paths(targets, max_version=max_version, node_local=not paths if node_local is None else node_local)
     if as_json:
         click.echo(json.dumps([p.as_json() for p in found.problems], indent=2))
     else:

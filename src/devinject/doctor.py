@@ -376,6 +376,14 @@ class _Context:
             if had != has:
                 raise _Broken(f"{path}: stale: {device.name}'s nodes are not the ones discovered now "
                               f"({', '.join(sorted(p for p, _, _ in has ^ had))})", generate)
+        from devinject.core.errors import ResolveError
+        from devinject.hook.registry import Registry
+
+        try:  # the hook's own registry: what a runtime resolves (a name defined twice at one priority: none)
+            Registry(tuple(self.options.spec_dirs)).resolve((f"{s.profile.kind}={device.name}",))
+        except (ResolveError, SpecError) as err:
+            raise _Broken(err.message, f"devinject cdi list --spec-dir {last_dir}; remove the other file, then "
+                          "devinject validate") from None
         spec = next(sp for p, sp, _ in self._spec_files() if p == path and sp is not None)
         for hook in (*spec.edits.hooks, *device.edits.hooks):
             if not os.access(hook.path, os.X_OK) and not os.access(self.node.host.real(hook.path), os.X_OK):

@@ -121,6 +121,9 @@ BREAKS: list[tuple[str, Callable[[Live], None], str, str]] = [
                                    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  560.35.03  Tue\n"),
      "libraries are 550.54.14, the running module is 560.35.03", "reboot"),
     ("spec", lambda h: (h.cdi / "nvidia.com-gpu.yaml").unlink(), "names nvidia.com/gpu=0", "devinject generate"),
+    # the hook refuses a name two files of one dir define; the doctor asks the hook's registry (it said "fine")
+    ("spec", lambda h: shutil.copy(h.cdi / "nvidia.com-gpu.yaml", h.cdi / "nvidia.com-gpu-2.yaml"),
+     "unresolvable CDI device nvidia.com/gpu=0: defined in both", "devinject cdi list --spec-dir {cdi}"),
     ("spec", lambda h: os.chmod(h.cdi / "nvidia.com-gpu.yaml", 0o666), "writable by group or others",
      "devinject validate"),
     ("spec", lambda h: h.generate("/nonexistent/devinject"), "hook /nonexistent/devinject cannot run on this node",

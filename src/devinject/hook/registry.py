@@ -188,6 +188,11 @@ class Registry:
             edits = edits.merge(item)
         return Resolved(names, edits, tuple(device_edits))
 
+    def offered(self) -> dict[str, str]:
+        """Every name a runtime reading these dirs resolves -> the spec file it comes from (the later dir's,
+        as CDI reads them); the conflicted names are in `conflicts`, unreadable files in `problems`."""
+        return {name: entry.path for name, entry in sorted(self._index().items())}
+
     @staticmethod
     def _node_paths(entry: _Entry) -> list[str]:
         device = entry.raw["devices"][entry.position]

@@ -160,9 +160,11 @@ def spec_files(paths: Iterable[str]) -> tuple[list[Path], list[Problem]]:
     return files, problems
 
 
-def check_paths(paths: Iterable[str], *, max_version: str | None = None) -> Validation:
+def check_paths(paths: Iterable[str], *, max_version: str | None = None, node_local: bool = False) -> Validation:
     """Validate files and spec dirs; also flags one device defined twice at the same priority (same dir).
-    Compatibility notes are warnings — or, with `max_version`, errors."""
+    Compatibility notes are warnings — or, with `max_version`, errors. A hook that cannot run on this machine
+    is a node-local problem: an error for the node's own specs (`node_local`), a warning for a spec that may be
+    made for another node (the CDI reference calls such a spec valid)."""
     if max_version is not None and max_version not in KNOWN_VERSIONS:
         raise SpecError(f"--max-version: {max_version!r} is not a released CDI version ({', '.join(KNOWN_VERSIONS)})")
     files, problems = spec_files(paths)
@@ -179,7 +181,7 @@ def check_paths(paths: Iterable[str], *, max_version: str | None = None) -> Vali
         if file_problems:
             continue
         spec = spec_from_dict(data)
-        problems += [_problem(name, p) for p in hook_problems(spec)]
+        problems += [_problem(name, p, "error" if node_local else "warning") for p in hook_problems(spec)]
         note = compatibility_warning(spec, max_version)
         if note:
             problems.append(_problem(name, note, "error" if max_version else "warning"))
