@@ -44,6 +44,9 @@ root_option = click.option(
     "--host-root", "--root", "root", default="/", show_default=True, metavar="DIRECTORY",
     help="Read the host under this directory (the host's / mounted in a pod, a driver root, a fixture host).",
 )
+kind_option = click.option(
+    "--kind", "kinds", multiple=True, metavar="KIND",
+    help="Only devices of KIND, e.g. nvidia.com/gpu (repeatable; exit 1 when one has none).")
 driver_root_option = click.option(
     "--driver-root", default=None, type=click.Path(), metavar="DIRECTORY",
     help="Where the driver's files are, as the host names it (a driver installed in a container, e.g. "
@@ -362,6 +365,16 @@ def _missing_kinds(asked: tuple[str, ...], found: set[str]) -> tuple[str, ...]:
     return tuple(kind for kind in dict.fromkeys(asked) if kind not in found)
 
 
+def _check_kinds(node: Node, kinds: tuple[str, ...]) -> None:
+    """`--kind` of a command whose rows are not the devices themselves (who, events, doctor): a kind the node
+    has no device of is one line why, exit 1, as for `list`."""
+    if kinds:
+        found = {d.profile.kind for d in node.devices()} | {c.profile.kind for c in node.channels()}
+        missing = _missing_kinds(kinds, found)
+        if missing:
+            raise DevinjectError(node.why_no_devices(missing))
+
+
 def _graphviz_svg(dot_text: str) -> str:
     """`dot -Tsvg` from the host's Graphviz: clean environment, bounded time."""
     import shutil
@@ -394,8 +407,7 @@ def _sharing_cell(record: Any) -> str:
 @cli.command("list")
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--kind", "kinds", multiple=True, metavar="KIND",
-              help="Only devices of KIND, e.g. nvidia.com/gpu (repeatable; exit 1 when one has none).")
+@kind_option
 @profile_dir_option
 @state_dir_option
 @kernel_log_option
@@ -590,17 +602,22 @@ def install_node_hook(root: str, directory: str, check: bool, force: bool) -> No
 @cli.command()
 @root_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@kind_option
 @profile_dir_option
 @state_dir_option
 @kernel_log_option
 @click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0.1, 60),
               help="Seconds each device's probe may take before it counts as failed.")
-def health(root: str, as_json: bool, profile_dirs: tuple[str, ...], state_dir: str, kernel_log: str,
-           probe_timeout: float) -> None:
+def health(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs: tuple[str, ...], state_dir: str,
+           kernel_log: str, probe_timeout: float) -> None:
     """Every device's verdict, as the node agent published it (else checked once, now); exit 0 only when all
     are healthy."""
     node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
-    verdicts = sorted(node.health(timeout=probe_timeout), key=_device_order)
+    verdicts = sorted((v for v in node.health(timeout=probe_timeout) if not kinds or v.kind in kinds),
+                      key=_device_order)
+    missing = _missing_kinds(kinds, {v.kind for v in verdicts})
+    if missing:
+        raise DevinjectError(node.why_no_devices(missing))
     if as_json:
         click.echo(json.dumps([v.to_json() for v in verdicts], indent=2))
     else:
@@ -957,12 +974,15 @@ def _check_kubeconfig(path: str) -> None:
 @root_option
 @state_dir_option
 @profile_dir_option
+@kind_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def events_command(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, ...],
-                   as_json: bool) -> None:
+                   kinds: tuple[str, ...], as_json: bool) -> None:
     """The last transitions per device (all devices, or DEVICE's: its key, or any name of it on the node
     under --root)."""
-    found = _node(root=root, state_dir=state_dir, profile_dirs=profile_dirs).events(device)
+    node = _node(root=root, state_dir=state_dir, profile_dirs=profile_dirs)
+    _check_kinds(node, kinds)
+    found = [e for e in node.events(device) if not kinds or e.kind in kinds]
     if as_json:
         click.echo(json.dumps([e.to_json() for e in found], indent=2))
         return
@@ -1002,10 +1022,14 @@ def put_back(device: str, root: str, state_dir: str, profile_dirs: tuple[str, ..
 @root_option
 @state_dir_option
 @profile_dir_option
+@kind_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def who(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, ...], as_json: bool) -> None:
+def who(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, ...], kinds: tuple[str, ...],
+        as_json: bool) -> None:
     """Processes holding device nodes open (pid, command, container if known)."""
-    rows = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir).holders(device)
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    _check_kinds(node, kinds)
+    rows = [r for r in node.holders(device) if not kinds or r.kind in kinds]
     if as_json:
         click.echo(json.dumps([r.to_json() for r in rows], indent=2))
         return

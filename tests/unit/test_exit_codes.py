@@ -93,3 +93,19 @@ def test_a_profile_dir_that_is_not_there_is_exit_2_naming_it(tmp_path: Path, com
 def test_an_unknown_device_is_exit_1_with_the_nearest_names(tmp_path: Path, command: str) -> None:
     _one_line(_run(command, tmp_path, "nvidia.com/gpu=42", "--root", HGX, "--state-dir", str(tmp_path / "state")),
               1, f"nvidia.com/gpu=42: no such device under {HGX}; did you mean ")
+
+
+@pytest.mark.parametrize("command", ["generate", "list", "health", "who", "events"])
+def test_a_kind_the_node_lacks_is_exit_1_saying_what_it_has(tmp_path: Path, command: str) -> None:
+    """--kind wherever devices are listed (it was list's and generate's alone)."""
+    extra = ["--hook-path", "/usr/bin/devinject", "--output", "-"] if command == "generate" else \
+        ["--state-dir", str(tmp_path / "state")] if command != "health" else []
+    _one_line(_run(command, tmp_path, "--root", HGX, "--kind", "amd.com/gpu", *extra), 1,
+              f"no amd.com/gpu devices under {HGX}/sys/bus/pci/devices; found instead: nvidia.com/gpu 8")
+
+
+def test_kind_keeps_only_that_kinds_rows(tmp_path: Path) -> None:
+    import json
+
+    rows = json.loads(_run("health", tmp_path, "--root", HGX, "--json", "--kind", "nvidia.com/rdma").stdout)
+    assert len(rows) == 8 and {r["kind"] for r in rows} == {"nvidia.com/rdma"}
