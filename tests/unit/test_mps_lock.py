@@ -16,11 +16,11 @@ from devinject.agent.mps import MpsDaemons
 from devinject.nodestate.ledger import process_start_time
 
 
-def slow_start(self: MpsDaemons, daemon: mps.Daemon, visible: str) -> dict[str, object]:
+def slow_start(self: MpsDaemons, daemon: mps.Daemon, gpu: str, visible: str) -> dict[str, object]:
     """A daemon 'started' in 0.3 s (this process stands in for it, so it is alive): the window in which a
     second writer that read the record before this one saves it would lose this entry."""
     time.sleep(0.3)
-    return {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "visible": visible}
+    return {"pid": os.getpid(), "start_time": process_start_time(os.getpid()), "visible": visible, "control": None}
 
 
 def test_two_agents_starting_daemons_at_once_both_stay_recorded(tmp_path: Path,
@@ -35,7 +35,7 @@ def test_two_agents_starting_daemons_at_once_both_stay_recorded(tmp_path: Path,
     for thread in threads:
         thread.join(timeout=30)
     recorded = json.loads((tmp_path / "state" / "mps" / "daemons.json").read_text())
-    assert sorted(recorded) == ["0000:01:00.0", "0000:02:00.0"]
+    assert sorted(e["gpu"] for e in recorded.values()) == ["0000:01:00.0", "0000:02:00.0"]
     assert MpsDaemons(state).recorded() == {"0000:01:00.0": ["device-plugin:a"], "0000:02:00.0": ["claim-b"]}
 
 
