@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -166,3 +167,32 @@ def test_a_daemon_that_does_not_start_leaves_no_tmpfs(dirs: dict[str, str]) -> N
                                            r"\(0b7f8e7c-5555-4c1b-9a55-00000000000a\): exited at once \(status 7\)"):
         driver.preparer.prepare("default", "a", UID_A)
     assert mounted_under(dirs["state"]) == [] and not Path(dirs["state"], "mps", UID_A).exists()
+
+
+def test_a_daemon_of_the_previous_layout_is_named_and_left_to_its_pods(dirs: dict[str, str],
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """An upgrade: daemons.json in the previous shape (GPU -> holders) and that GPU's daemon running. It is not
+    adopted as a claim's (its pods' specs name its directory), not killed under them, and named in a warning;
+    the record is rewritten in the new shape."""
+    import subprocess
+
+    pipe = Path(dirs["state"], "mps", ADDRESS, "pipe")
+    for directory in (pipe, pipe.parent / "log"):
+        directory.mkdir(parents=True)
+    control = str(Path(dirs["driver"], "usr/bin/nvidia-cuda-mps-control"))
+    old = subprocess.Popen([control, "-f"], env={"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": str(pipe),
+                                                 "CUDA_MPS_LOG_DIRECTORY": str(pipe.parent / "log")})
+    try:
+        deadline = time.monotonic() + 30
+        while not (pipe / "control").exists():
+            assert old.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        record = Path(dirs["state"], "mps", "daemons.json")
+        record.write_text(json.dumps({ADDRESS: {"pid": old.pid, "start_time": 1, "holders": [UID_A]}}))
+        daemons = MpsDaemons(dirs["state"], dirs["driver"])
+        assert daemons.check() == []
+        assert f"MPS daemon pid {old.pid} (pipe {pipe}) is of the previous layout" in caplog.text
+        assert old.poll() is None and json.loads(record.read_text()) == {} and daemons.running() == {}
+    finally:
+        old.kill()
+        old.wait()

@@ -137,6 +137,10 @@ class MpsDaemons:
                 continue
             holder = env.get(HOLDER_ENV.encode(), b"").decode(errors="replace")
             pipe = env.get(b"CUDA_MPS_PIPE_DIRECTORY", b"").decode(errors="replace")
+            if not holder and os.path.dirname(os.path.dirname(pipe)) == self.base:
+                log.warning("MPS daemon pid %d (pipe %s) is of the previous layout, one per GPU: left running for "
+                            "the pods that use it; once they are gone, stop it with `echo quit | "
+                            "CUDA_MPS_PIPE_DIRECTORY=%s nvidia-cuda-mps-control`", pid, pipe, pipe)
             if not holder or pipe != self.daemon(holder).pipe_dir:
                 continue
             start = process_start_time(pid, self.proc)
