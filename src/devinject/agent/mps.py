@@ -60,7 +60,7 @@ MOUNT_OPTIONS = "size=8m,nr_inodes=1024,mode=0755"
 MOUNT_FLAGS = syscalls.MS_NOSUID | syscalls.MS_NODEV | syscalls.MS_NOEXEC
 HOLDER_ENV = "DEVINJECT_MPS_HOLDER"  # in the daemon's environment: a lost record is found again from /proc
 GPU_ENV = "DEVINJECT_MPS_GPU"
-_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")  # no dot: never daemons.json nor the lock
 
 
 class MpsError(DevinjectError):
@@ -77,7 +77,7 @@ class Daemon:
 
 def daemon_name(holder: str) -> str:
     """The directory name of `holder`'s daemon: the holder itself when it is a plain name (a claim's UID),
-    else its plain characters and a digest (a device-plugin holder has `/` and `:`)."""
+    else its plain characters and a digest (a device-plugin holder has `/`, `.` and `:`)."""
     if not holder:
         raise MpsError("an MPS daemon needs a holder")
     if _PLAIN.fullmatch(holder):
