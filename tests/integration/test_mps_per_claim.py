@@ -196,3 +196,14 @@ def test_a_daemon_of_the_previous_layout_is_named_and_left_to_its_pods(dirs: dic
     finally:
         old.kill()
         old.wait()
+
+
+def test_a_removed_control_socket_is_a_daemon_not_serving(dirs: dict[str, str]) -> None:
+    driver = packed(dirs)
+    driver.preparer.prepare("default", "a", UID_A)
+    before = record(dirs, UID_A)
+    Path(pipe_of(dirs, UID_A), "control").unlink()  # nothing there: a client would fall back to the bare GPU
+    Path(dirs["state"], "mps", "daemons.json").write_text("{")  # and the record lost: found with no socket
+    assert MpsDaemons(dirs["state"], dirs["driver"]).running() == {}
+    driver.preparer.rebook()
+    assert record(dirs, UID_A)["pid"] != before["pid"] and Path(pipe_of(dirs, UID_A), "control").exists()

@@ -173,8 +173,8 @@ class MpsDaemons:
     def _hijacked(self, entry: dict[str, object]) -> bool:
         """The daemon's `control` socket is not the one it made: replaced (a pod wrote its pipe directory)
         or gone. Its clients would talk to whatever is there now."""
-        daemon = self.daemon(str(entry.get("holder")))
-        return _identity(os.path.join(daemon.pipe_dir, "control")) != entry.get("control")
+        now = _identity(os.path.join(self.daemon(str(entry.get("holder"))).pipe_dir, "control"))
+        return now is None or now != entry.get("control")
 
     def _serving(self, entry: dict[str, object]) -> bool:
         return self._alive(entry) and not self._hijacked(entry)
