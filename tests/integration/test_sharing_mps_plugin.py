@@ -7,6 +7,7 @@ dead daemon started again, and the ledger counting the GPU's MPS clients."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +136,32 @@ def test_a_dra_driver_on_the_node_leaves_the_plugins_daemons_alone(tmp_path: Pat
     finally:
         kill_stand_ins(dirs["driver"])
         unmount_under(dirs["state"])
+
+
+def recorded_pids(record: Path) -> dict[str, int] | None:
+    try:
+        return {name: entry["pid"] for name, entry in json.loads(record.read_text()).items()}
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return None
+
+
+def test_a_restarted_plugin_with_a_corrupt_record_adopts_every_daemon(  # type: ignore[no-untyped-def]
+        mps_node, tmp_path: Path, plugin_dir: Path) -> None:
+    """The plugin stops (its daemons run on: the pods are their clients), daemons.json is corrupt, and a new
+    plugin starts: each replica's daemon is found again from /proc and adopted, none started twice."""
+    from tests.integration.test_device_plugin import start_agent
+
+    kubelet, running = mps_node
+    assert kubelet.wait_for(lambda: len(daemons(running).running().get("0000:18:00.0", [])) == REPLICAS, timeout=60)
+    pids = {name: entry["pid"] for name, entry in daemons(running)._load().items()}
+    running.stop.set()
+    running.thread.join(timeout=10)
+    record = Path(running.agent.opts.watch.state_dir, "mps", "daemons.json")
+    record.write_text('{"broken": ')
+    again = start_agent(running.root, plugin_dir, tmp_path, sharing=running.agent.opts.sharing)
+    try:
+        assert kubelet.wait_for(lambda: recorded_pids(record) == pids, timeout=60)  # rewritten, the same pids
+        assert sum(len(h) for h in daemons(again).running().values()) == len(pids)
+    finally:
+        again.stop.set()
+        again.thread.join(timeout=10)
