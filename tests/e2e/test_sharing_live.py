@@ -149,7 +149,7 @@ def mps_plugin(kubelet: Path) -> Iterator[Path]:
     stand-in nvidia-cuda-mps-control (no GPU here: tests/integration/test_dra_sharing.py's, `-f` serves
     until `quit`). The daemons it leaves running when it stops (as a real node keeps its clients') are
     killed at the end."""
-    from tests.integration.test_dra_sharing import STAND_IN, kill_stand_ins
+    from tests.integration.test_dra_sharing import STAND_IN, kill_stand_ins, unmount_under
 
     work = Path(tempfile.mkdtemp(prefix="dp-mps-", dir="/tmp"))
     builder = LibBuilder()
@@ -179,13 +179,15 @@ def mps_plugin(kubelet: Path) -> Iterator[Path]:
         terminate(process)
         log.close()
         kill_stand_ins(str(work / "host"))
+        unmount_under(str(work / "state"))  # each daemon's tmpfs
         shutil.rmtree(work, ignore_errors=True)
 
 
 def test_mps_clients_get_their_gpus_daemon(kubelet: Path, mps_plugin: Path) -> None:
     """Two pods of one MPS replica each: each reaches one GPU, with CUDA_MPS_PIPE_DIRECTORY and
-    CUDA_MPS_LOG_DIRECTORY set and its GPU's own daemon's pipe directory mounted there (the stand-in's
-    `visible` file names the GPU it serves: the GPU's UUID), and its thread share; one daemon per GPU runs."""
+    CUDA_MPS_LOG_DIRECTORY set and its replica's own daemon's pipe directory mounted there (the stand-in's
+    `visible` file names the GPU it serves: the GPU's UUID), and its thread share; one daemon per replica
+    runs."""
     from devinject.agent.mps import MpsDaemons
 
     script = ("ls /dev | grep -E '^nvidia[0-9]+$'; env | grep '^CUDA_MPS' | sort; "
@@ -197,7 +199,8 @@ def test_mps_clients_get_their_gpus_daemon(kubelet: Path, mps_plugin: Path) -> N
         for name in names:
             _until(lambda n=name: "finished" in pod_log(n), 180, f"pod {name}'s output")  # type: ignore[misc]
         daemons = MpsDaemons(str(mps_plugin / "state"), str(mps_plugin / "host")).running()
-        assert len(daemons) == 8 and all(h == [f"device-plugin:{SHARED}"] for h in daemons.values()), daemons
+        assert len(daemons) == 8 and all(h == [f"device-plugin:{SHARED}:{gpu}::{k}" for k in range(2)]
+                                         for gpu, h in daemons.items()), daemons
         for name in names:
             log = pod_log(name)
             assert len(_gpu_nodes(name)) == 1, log

@@ -1,10 +1,12 @@
 """Sharing through a DRA claim on the fake HGX host, over the driver's real socket: a claim's GpuConfig chooses
 TimeSlicing or MPS (a claim without config stays exclusive; a bad field is the claim's error and leaves
-nothing), and MPS runs one control daemon per GPU through the driver root's `nvidia-cuda-mps-control` (here a
+nothing), and MPS runs one control daemon per claim through the driver root's `nvidia-cuda-mps-control` (here a
 stand-in script that behaves as the real one does to the driver: `-f` serves until `quit` arrives on its
 stdin): started on the first claim, stopped on the last, started again after a crash, adopted by a restarted
 driver, nothing left behind; the claim's CDI device carries CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY,
-the limits and the daemon's directories."""
+the limits and the daemon's directories. Each claim has its own daemon on its own tmpfs: two claims on one GPU
+never share a pipe directory, a replaced `control` socket is found and its daemon started again, and a pod
+filling its pipe directory fills its own tmpfs, not the state dir."""
 
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ def driver(dirs: dict[str, str], api: FakeApi) -> Iterator[DraDriver]:
     yield d
     d.servers.stop()
     kill_stand_ins(dirs["driver"])
+    unmount_under(dirs["state"])
 
 
 def kill_stand_ins(driver_root: str) -> None:
@@ -98,12 +101,22 @@ def kill_stand_ins(driver_root: str) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
-def daemon_pid(dirs: dict[str, str], gpu: str) -> int | None:
+def unmount_under(directory: str) -> None:
+    """No daemon's tmpfs outlives its test (a failing test may leave one mounted)."""
+    from devinject.hook import syscalls
+
+    for point in sorted(mounted_under(directory), reverse=True):
+        with contextlib.suppress(OSError):
+            syscalls.umount(point)
+
+
+def daemon_pid(dirs: dict[str, str], holder: str) -> int | None:
+    """The pid of `holder`'s (a claim's UID) daemon, as recorded."""
     try:
         data = json.loads(Path(dirs["state"], "mps", "daemons.json").read_text())
     except FileNotFoundError:
         return None
-    return data[gpu]["pid"] if gpu in data else None
+    return next((e["pid"] for e in data.values() if e["holder"] == holder), None)
 
 
 def alive(pid: int | None) -> bool:
@@ -113,6 +126,13 @@ def alive(pid: int | None) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def mounted_under(directory: str) -> list[str]:
+    """The mount points under `directory` (a daemon's tmpfs left behind would be one)."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        points = [line.split()[4] for line in handle]
+    return [p for p in points if p.startswith(directory.rstrip("/") + "/")]
 
 
 def claim_spec(dirs: dict[str, str], uid: str) -> dict[str, object]:
@@ -131,7 +151,7 @@ def test_a_claim_without_config_stays_exclusive_and_time_slicing_is_recorded(dri
     assert checkpoint["uid-sliced"]["sharing"] == {"gpus": {"strategy": "TimeSlicing", "interval": "Short"}}
     env = claim_spec(dirs, "uid-sliced")["devices"][0]["containerEdits"].get("env", [])  # type: ignore[index]
     assert not [e for e in env if e.startswith("CUDA_MPS")]  # no daemon for time-slicing
-    assert daemon_pid(dirs, OTHER_GPU) is None
+    assert daemon_pid(dirs, "uid-sliced") is None
     unprepare(driver, ("plain", "uid-plain"), ("sliced", "uid-sliced"))
     assert cdi_files(dirs) == []
 
@@ -141,9 +161,9 @@ def test_mps_starts_a_daemon_on_the_first_claim_and_gives_the_container_its_pipe
     api.add("mps", "uid-mps", [(GPU_POOL, "gpu-0000-18-00-0")], config=gpu_config(**MPS))
     answer = prepare(driver, ("mps", "uid-mps"))
     assert answer.claims["uid-mps"].error == ""
-    pid = daemon_pid(dirs, GPU)
+    pid = daemon_pid(dirs, "uid-mps")
     assert alive(pid)
-    top = Path(dirs["state"], "mps", GPU)
+    top = Path(dirs["state"], "mps", "uid-mps")  # the claim's own daemon, on its own tmpfs
     assert (top / "pipe" / "control").exists() and (top / "log" / "control.log").read_text() == "started\n"
     assert (top / "pipe" / "visible").read_text().startswith("GPU-5b3c0a1e")  # the GPU, as the daemon names it
     assert all(os.stat(top / d).st_uid == 0 and os.stat(top / d).st_mode & 0o022 == 0 for d in ("pipe", "log"))
@@ -155,9 +175,11 @@ def test_mps_starts_a_daemon_on_the_first_claim_and_gives_the_container_its_pipe
     options = {m["containerPath"]: m["options"] for m in edits["mounts"]}
     assert "ro" in options["/var/log/nvidia-mps"] and "rw" not in options["/var/log/nvidia-mps"]  # the daemon's
     assert {"nosuid", "nodev", "noexec"} <= set(options["/tmp/nvidia-mps"])
-    # the last claim gone: the daemon quit, its directories with it
+    assert os.stat(top).st_dev != os.stat(dirs["state"]).st_dev  # a filesystem apart from the state dir
+    # the claim gone: its daemon quit, its tmpfs with it
     assert unprepare(driver, ("mps", "uid-mps")).claims["uid-mps"].error == ""
-    assert not alive(pid) and not top.exists() and daemon_pid(dirs, GPU) is None
+    assert not alive(pid) and not top.exists() and daemon_pid(dirs, "uid-mps") is None
+    assert not mounted_under(dirs["state"])
     assert cdi_files(dirs) == []
 
 
@@ -165,7 +187,7 @@ def test_a_crashed_daemon_starts_again_and_a_restarted_driver_adopts_it(driver: 
                                                                         dirs: dict[str, str]) -> None:
     api.add("mps", "uid-mps", [(GPU_POOL, "gpu-0000-18-00-0")], config=gpu_config(**MPS))
     prepare(driver, ("mps", "uid-mps"))
-    first = daemon_pid(dirs, GPU)
+    first = daemon_pid(dirs, "uid-mps")
     assert first is not None
     os.kill(first, signal.SIGKILL)
     deadline = time.monotonic() + 5
@@ -176,14 +198,14 @@ def test_a_crashed_daemon_starts_again_and_a_restarted_driver_adopts_it(driver: 
         except ChildProcessError:
             pass
     driver.refresh()  # the driver's round
-    second = daemon_pid(dirs, GPU)
+    second = daemon_pid(dirs, "uid-mps")
     assert second != first and alive(second)
     driver.servers.stop()
     again = started(dirs, api)  # a restart: the running daemon is kept, not a second one started
     try:
-        assert daemon_pid(dirs, GPU) == second and alive(second)
+        assert daemon_pid(dirs, "uid-mps") == second and alive(second)
         assert unprepare(again, ("mps", "uid-mps")).claims["uid-mps"].error == ""
-        assert not alive(second) and not Path(dirs["state"], "mps", GPU).exists()
+        assert not alive(second) and not Path(dirs["state"], "mps", "uid-mps").exists()
     finally:
         again.servers.stop()
 
@@ -209,7 +231,8 @@ def test_a_sharing_claim_that_cannot_be_prepared_leaves_nothing(driver: DraDrive
     assert expected in answer.error and "claim default/bad" in answer.error and not answer.devices
     assert cdi_files(dirs) == [] and driver.preparer.prepared() == {}
     assert "dra-claim" not in json.dumps(Ledger(dirs["state"]).snapshot())
-    assert daemon_pid(dirs, GPU) is None and not Path(dirs["state"], "mps", GPU).exists()
+    assert daemon_pid(dirs, "uid-bad") is None and not Path(dirs["state"], "mps", "uid-bad").exists()
+    assert not mounted_under(dirs["state"])
 
 
 def test_a_broken_daemon_record_finds_the_running_daemon_again(driver: DraDriver, api: FakeApi,
@@ -218,22 +241,25 @@ def test_a_broken_daemon_record_finds_the_running_daemon_again(driver: DraDriver
     second daemon over its pipe), serving the checkpoint's claim again; unprepared, it stops."""
     api.add("mps", "uid-mps", [(GPU_POOL, "gpu-0000-18-00-0")], config=gpu_config(**MPS))
     prepare(driver, ("mps", "uid-mps"))
-    pid = daemon_pid(dirs, GPU)
+    pid = daemon_pid(dirs, "uid-mps")
     record = Path(dirs["state"], "mps", "daemons.json")
-    record.write_text('{"0000:18:00.0": {"pid": "x"')
+    control = os.stat(Path(dirs["state"], "mps", "uid-mps", "pipe", "control")).st_ino
+    record.write_text('{"uid-mps": {"pid": "x"')
     driver.refresh()
-    assert daemon_pid(dirs, GPU) == pid and alive(pid)
-    assert json.loads(record.read_text())[GPU]["holders"] == ["uid-mps"]
-    assert json.loads(record.read_text())[GPU]["visible"].startswith("GPU-")
+    assert daemon_pid(dirs, "uid-mps") == pid and alive(pid)
+    entry = json.loads(record.read_text())["uid-mps"]
+    assert entry["holder"] == "uid-mps" and entry["gpu"] == GPU and entry["visible"].startswith("GPU-")
+    assert entry["control"][1] == control  # its socket, as the daemon made it
     assert unprepare(driver, ("mps", "uid-mps")).claims["uid-mps"].error == ""
-    assert not alive(pid) and not Path(dirs["state"], "mps", GPU).exists()
+    assert not alive(pid) and not Path(dirs["state"], "mps", "uid-mps").exists()
 
 
 def test_a_daemon_no_prepared_claim_needs_is_stopped(driver: DraDriver, api: FakeApi, dirs: dict[str, str]) -> None:
     """A crash between the steps (the daemon started, the checkpoint lost): the driver's round stops it."""
     api.add("mps", "uid-mps", [(GPU_POOL, "gpu-0000-18-00-0")], config=gpu_config(**MPS))
     prepare(driver, ("mps", "uid-mps"))
-    pid = daemon_pid(dirs, GPU)
+    pid = daemon_pid(dirs, "uid-mps")
     Path(driver.preparer.checkpoint.path).write_text('{"version": 1, "claims": {}}')
     driver.refresh()
-    assert not alive(pid) and daemon_pid(dirs, GPU) is None and not Path(dirs["state"], "mps", GPU).exists()
+    assert not alive(pid) and daemon_pid(dirs, "uid-mps") is None
+    assert not Path(dirs["state"], "mps", "uid-mps").exists() and not mounted_under(dirs["state"])

@@ -106,3 +106,53 @@ def test_what_nvidia_smi_says_is_read_only_up_to_a_bound(tmp_path: Path) -> None
     with pytest.raises(TimesliceError, match=r"failed \(status 4\): x+$") as refused:
         apply_timeslice(str(tmp_path), "0000:18:00.0", "GPU-1", "Long")
     assert len(str(refused.value)) < 600
+
+
+# --- nvidia-smi runs as root: resolved inside the driver root and root's alone (agent/rootprogram.py) ---------
+MARKING = """#!/bin/sh
+: > "$(dirname "$0")/ran"
+"""
+
+
+@pytest.mark.parametrize("interval", ["Default", "Long"])
+def test_an_nvidia_smi_another_user_could_change_is_refused_and_never_run(tmp_path: Path, interval: str) -> None:
+    """A uid-1000-owned, world-writable nvidia-smi under the driver root: refused in one line, not run as
+    root (before: run after an executable check)."""
+    _, root = driver_with(tmp_path, interval, MARKING)
+    program = root / "usr/bin/nvidia-smi"
+    os.chown(program, 1000, 1000)
+    program.chmod(0o777)
+    with pytest.raises(TimesliceError) as caught:
+        apply_timeslice(str(root), "0000:18:00.0", "GPU-1", interval)
+    assert caught.value.message == (f"0000:18:00.0: interval {interval}: {program}: owned by uid 1000, not root; "
+                                    "refused (it would run as root)")
+    assert not (root / "usr/bin/ran").exists()
+
+
+def test_an_nvidia_smi_in_a_directory_others_could_change_is_refused(tmp_path: Path) -> None:
+    _, root = driver_with(tmp_path, "Long", MARKING)
+    (root / "usr/bin").chmod(0o777)
+    with pytest.raises(TimesliceError, match=r"usr/bin: directory writable by group or others; .* refused"):
+        apply_timeslice(str(root), "0000:18:00.0", "GPU-1", "Long")
+    assert not (root / "usr/bin/ran").exists()
+
+
+def test_an_absolute_link_resolves_inside_the_driver_root(tmp_path: Path) -> None:
+    """Debian's /usr/bin/nvidia-smi -> /etc/alternatives/nvidia-smi: the driver root's alternative runs,
+    never the agent's own /etc/alternatives (here: none, so the unresolved link would fail)."""
+    from devinject.agent.rootprogram import UntrustedProgramError, root_program
+
+    _, root = driver_with(tmp_path, "Long", None)
+    (root / "etc/alternatives").mkdir(parents=True)
+    (root / "etc/alternatives/nvidia-smi").write_text(MARKING)
+    (root / "etc/alternatives/nvidia-smi").chmod(0o755)
+    (root / "usr/bin/nvidia-smi").symlink_to("/etc/alternatives/nvidia-smi")
+    assert root_program(str(root), "/usr/bin/nvidia-smi") == str(root / "etc/alternatives/nvidia-smi")
+    assert apply_timeslice(str(root), "0000:18:00.0", "GPU-1", "Long")
+    assert (root / "etc/alternatives/ran").exists()
+    (root / "usr/bin/nvidia-smi").unlink()
+    (root / "usr/bin/nvidia-smi").symlink_to("../../../../../../../etc/passwd")  # `..` stops at the root
+    assert root_program(str(root), "/usr/bin/nvidia-smi") is None
+    (root / "etc/passwd").write_text("x")
+    with pytest.raises(UntrustedProgramError, match=r"not an executable file; not run"):
+        root_program(str(root), "/usr/bin/nvidia-smi")

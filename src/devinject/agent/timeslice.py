@@ -12,9 +12,10 @@ import signal
 import subprocess
 import threading
 
+from devinject.agent.rootprogram import UntrustedProgramError, root_program
 from devinject.core.errors import DevinjectError
 
-NVIDIA_SMI = "usr/bin/nvidia-smi"  # under the driver root
+NVIDIA_SMI = "/usr/bin/nvidia-smi"  # inside the driver root
 TIMESLICES = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
 TIMEOUT = 10.0  # seconds per nvidia-smi call
 MAX_ANSWER = 400  # characters of its output kept for the error
@@ -31,11 +32,15 @@ def apply_timeslice(driver_root: str, gpu: str, uuid: str, interval: str, timeou
     either). TimesliceError when it cannot be applied."""
     if interval not in TIMESLICES:
         raise TimesliceError(f"{gpu}: time slice interval {interval!r}: expected one of {', '.join(TIMESLICES)}")
-    program = os.path.join(driver_root, NVIDIA_SMI)
-    if not os.access(program, os.X_OK):
+    try:  # it runs as root: resolved inside the driver root, and only root's (agent/rootprogram.py)
+        program = root_program(driver_root, NVIDIA_SMI)
+    except UntrustedProgramError as err:
+        raise TimesliceError(f"{gpu}: interval {interval}: {err.message}") from None
+    if program is None:
         if interval == "Default":
             return False
-        raise TimesliceError(f"{gpu}: interval {interval}: {program} is not there; the node cannot set a time slice")
+        raise TimesliceError(f"{gpu}: interval {interval}: {os.path.join(driver_root, NVIDIA_SMI)} is not there; "
+                             "the node cannot set a time slice")
     if not uuid:
         raise TimesliceError(f"{gpu}: interval {interval}: the GPU's UUID is not known; nvidia-smi names it by it")
     for args in (["-i", uuid, "-c", "DEFAULT"],

@@ -44,13 +44,13 @@ from devinject.deviceplugin.allocation import PluginDevice
 from devinject.deviceplugin.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
 from devinject.deviceplugin.metrics import Metrics, serve
 from devinject.deviceplugin.service import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
-from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replicated
+from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replica_id, replicated
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.discovery.topology import Place, place_of
-from devinject.nodestate.ledger import PLUGIN_PREFIX
+from devinject.nodestate.ledger import PLUGIN_PREFIX, plugin_booking_id
 from devinject.nodestate.profilefacts import write_time_slicing
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class DevicePluginAgent:
         self.sliced_written: dict[str, int] | None = None  # the time-sliced kinds last recorded for the ledger
         gen = opts.watch.generate
         self.mps = MpsDaemons(opts.watch.state_dir, os.path.join(gen.root, (gen.driver_root or "/").lstrip("/")))
-        self.mps_gpus: set[str] = set()  # the GPUs whose MPS daemon serves this plugin's clients now
+        self.mps_replicas: dict[str, str] = {}  # replica -> the holder of its MPS daemon, running now
 
     # --- from the health loop --------------------------------------------------------------------------
     def _published(self, watcher: Round) -> None:
@@ -266,12 +266,14 @@ class DevicePluginAgent:
         return by_kind
 
     def _mps_round(self, watcher: Round) -> None:
-        """One MPS control daemon per whole GPU of a resource shared through MPS (agent/mps.py: the driver
-        root's nvidia-cuda-mps-control, its own root-owned pipe and log directories), held by the resource
-        (`device-plugin:<resource>`) while the plugin serves it, started again when it died; a GPU no longer
-        shared so is released (the last holder stops its daemon). Left running when the plugin stops, as
-        its clients are the pods' processes (a restarted plugin adopts it from daemons.json)."""
-        wanted: dict[str, tuple[str, str]] = {}  # GPU -> (holder, what CUDA_VISIBLE_DEVICES names it by)
+        """One MPS control daemon per replica of a whole GPU of a resource shared through MPS (agent/mps.py:
+        the driver root's nvidia-cuda-mps-control, on a tmpfs of its own), held as
+        `device-plugin:<resource>:<replica>`: the kubelet hands a replica to one container at a time, so two
+        pods never share a daemon, a pipe directory or a server. Started while the plugin serves the resource,
+        started again when it died or its socket was replaced; a replica no longer served is released (its
+        daemon stops). Left running when the plugin stops, as its clients are the pods' processes (a
+        restarted plugin adopts it from daemons.json)."""
+        wanted: dict[str, tuple[str, str, str]] = {}  # holder -> (replica, GPU, what CUDA_VISIBLE_DEVICES names it)
         for found in watcher.found:
             kind = found.profile.kind
             entry = self.opts.time_sliced(kind)
@@ -282,26 +284,31 @@ class DevicePluginAgent:
                 self._say_once(logging.WARNING, "%s %s: split into MIG instances; MPS serves whole GPUs only, "
                                "so none of it is offered", kind, found.address)
                 continue
-            wanted[found.address] = (f"{PLUGIN_PREFIX}{self.opts.resource_of(kind)}", found.uuid or str(found.index))
+            for k in range(entry.replicas):
+                replica = replica_id(found.address, k)
+                wanted[plugin_booking_id(self.opts.resource_of(kind), replica)] = (  # as its booking
+                    replica, found.address, found.uuid or str(found.index))
         try:
             for gpu, holders in self.mps.recorded().items():
                 for holder in holders:
-                    if holder.startswith(PLUGIN_PREFIX) and wanted.get(gpu, ("",))[0] != holder:
+                    if holder.startswith(PLUGIN_PREFIX) and wanted.get(holder, ("", ""))[1] != gpu:
                         self.mps.release(gpu, holder)
-            for gpu, (holder, visible) in sorted(wanted.items()):
-                if holder not in self.mps.recorded().get(gpu, []):
+            recorded = {h for holders in self.mps.recorded().values() for h in holders}
+            for holder, (replica, gpu, visible) in sorted(wanted.items()):
+                if holder not in recorded:
                     self.mps.acquire(gpu, holder, visible)
-                    log.info("%s: MPS control daemon of %s runs (%s)", holder.removeprefix(PLUGIN_PREFIX), gpu,
-                             self.mps.daemon(gpu).pipe_dir)
+                    log.info("%s: MPS control daemon of %s runs (%s)", holder.removeprefix(PLUGIN_PREFIX), replica,
+                             self.mps.daemon(holder).pipe_dir)
             self.mps.check()
         except MpsError as err:
             self._say_once(logging.ERROR, "MPS: %s", err.message)
-        running = self.mps.running()
-        self.mps_gpus = {gpu for gpu in wanted if gpu in running}
+        running = {h for holders in self.mps.running().values() for h in holders}
+        self.mps_replicas = {replica: holder for holder, (replica, _, _) in wanted.items() if holder in running}
 
-    def mps_daemon(self, gpu: str) -> Daemon | None:
-        """The running MPS daemon serving `gpu` for this plugin, None when there is none."""
-        return self.mps.daemon(gpu) if gpu in self.mps_gpus else None
+    def mps_daemon(self, replica: str) -> Daemon | None:
+        """The running MPS daemon serving the replica `replica` for this plugin, None when there is none."""
+        holder = self.mps_replicas.get(replica)
+        return self.mps.daemon(holder) if holder is not None else None
 
     def _say_time_slicing(self, by_kind: dict[str, dict[str, PluginDevice]]) -> None:
         """The kinds this plugin time-slices, in the state dir for the ledger (and the hook): a time-sliced
@@ -360,7 +367,7 @@ class DevicePluginAgent:
                 self.follow_ledger_once()
             except Exception:  # the loop must outlive any one failure
                 log.exception("device plugin bookings")
-            if self.mps_gpus:  # a dead MPS daemon is started again within a poll, not at the next spec write
+            if self.mps_replicas:  # a dead MPS daemon is started again within a poll, not at the next spec write
                 try:
                     self.mps.check()
                 except MpsError as err:

@@ -67,16 +67,16 @@ def device_message(device: PluginDevice) -> api.Device:
 
 def mps_client(daemon_of: Callable[[str], Daemon | None], devices: dict[str, PluginDevice], ids: list[str],
                envs: dict[str, str], mounts: list[tuple[str, str, bool]]) -> None:
-    """What an MPS client needs in Allocate's answer: its GPU's daemon's pipe and log directories mounted where
-    CUDA looks (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY) and its share of the GPU's threads
-    (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: 100 / replicas, as NVIDIA's daemon's default). AllocationError when the
-    GPU's daemon is not running (a client without one would fall back to the GPU unshared)."""
+    """What an MPS client needs in Allocate's answer: its replica's own daemon's pipe and log directories
+    mounted where CUDA looks (CUDA_MPS_PIPE_DIRECTORY, CUDA_MPS_LOG_DIRECTORY) and its share of the GPU's
+    threads (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: 100 / replicas, as NVIDIA's daemon's default). AllocationError
+    when that daemon is not running (a client without one would fall back to the GPU unshared)."""
     for device_id in ids:
         device = devices.get(device_id)
-        gpu = device.parent or device.id if device is not None else ""
-        daemon = daemon_of(gpu) if gpu else None
+        daemon = daemon_of(device_id) if device is not None else None
         if device is None or daemon is None:
-            raise AllocationError(f"{device_id}: the MPS control daemon of its GPU is not running; not allocated")
+            raise AllocationError(f"{device_id}: the MPS control daemon of this replica is not running; not "
+                                  "allocated")
         envs.update({"CUDA_MPS_PIPE_DIRECTORY": PIPE_IN_CONTAINER, "CUDA_MPS_LOG_DIRECTORY": LOG_IN_CONTAINER,
                      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, 100 // max(1, device.replicas)))})
         # the log directory read-only: the root daemon writes there, and no pod may plant a link for it
@@ -93,7 +93,7 @@ class DevicePluginService(api_grpc.DevicePluginServicer):
                  fail_requests_greater_than_one: bool = False,
                  mps: Callable[[str], Daemon | None] | None = None) -> None:
         self.fail_requests_greater_than_one = fail_requests_greater_than_one  # time-sliced replicas: one each
-        self.mps = mps  # a resource shared through MPS: GPU -> its running daemon (None: not running)
+        self.mps = mps  # a resource shared through MPS: replica -> its running daemon (None: not running)
         self.state = state
         self.grant_dir = grant_dir  # the state dir grants are written in (nodestate/grants.py); None: none
         self.book = book  # the ledger's booking of what Allocate hands out (AllocationError: refused)

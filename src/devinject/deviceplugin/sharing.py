@@ -3,8 +3,8 @@
 resource is offered as `replicas` devices with IDs `<device ID>::<k>` (k = 0 .. replicas-1: stable across
 restarts, and they name the device they share), under the resource's own name or a new one (`rename`, or
 `<resource>.shared` by `renameByDefault`) so that pods choose. An MPS resource is replicated the same way, over
-whole GPUs only, each GPU's clients served by its own MPS control daemon (agent/mps.py; the plugin runs one per
-GPU while it serves the resource) and given one replica each (NVIDIA's MPS implies
+whole GPUs only, each replica's client served by the replica's own MPS control daemon (agent/mps.py; the plugin
+runs one per replica while it serves the resource) and given one replica each (NVIDIA's MPS implies
 failRequestsGreaterThanOne). Plain data and pure functions; the differences from NVIDIA's plugin are in
 docs/sharing.md."""
 
@@ -98,7 +98,7 @@ def parse_sharing(value: object, source: str) -> SharingConfig:
                        ("renameByDefault", "failRequestsGreaterThanOne", "resources"))
     rename_by_default = _bool(source, f"{field}.renameByDefault", slicing.get("renameByDefault", False))
     fail_more = _bool(source, f"{field}.failRequestsGreaterThanOne", slicing.get("failRequestsGreaterThanOne", False))
-    fail_more = fail_more or mps  # an MPS client is one process on one GPU's daemon: one replica a request
+    fail_more = fail_more or mps  # an MPS client is one process on one replica's daemon: one replica a request
     listed = slicing.get("resources", [])
     if not isinstance(listed, list):
         raise SharingConfigError(f"{source}: {field}.resources: expected a list, got {listed!r}")

@@ -340,7 +340,7 @@ class Preparer:
             amounts = self._consumed(namespace, name, results, shares, offers)
             labels = [o.name if share is None else f"{o.name}-{share}" for o, (share, _) in zip(offers, shares,
                                                                                                  strict=True)]
-            mps_gpus = self._mps_gpus(namespace, name, results, offers, sharing)
+            mps_gpus = self._mps_gpus(namespace, name, uid, results, offers, sharing)
             _same_sharing(namespace, name, claims, offers, shares, set(mps_gpus))
             extra = {gpu: mps_env(sharing[request], daemon.pipe_dir, daemon.log_dir)
                      for gpu, (request, daemon) in mps_gpus.items()}
@@ -457,10 +457,10 @@ class Preparer:
             if apply_timeslice(self.driver_root, offer.device.address, offer.device.uuid or "", settings.interval):
                 log.info("claim %s/%s: %s time slice %s", namespace, name, offer.device.address, settings.interval)
 
-    def _mps_gpus(self, namespace: str, name: str, results: list[tuple[str, str, str]], offers: list[Offer],
-                  sharing: dict[str, GpuSharing]) -> dict[str, tuple[str, Daemon]]:
-        """GPU address -> (its request, its daemon's directories) for the claim's MPS requests: whole GPUs,
-        one per claim (a CUDA client has one CUDA_MPS_PIPE_DIRECTORY, and each GPU its own daemon)."""
+    def _mps_gpus(self, namespace: str, name: str, uid: str, results: list[tuple[str, str, str]],
+                  offers: list[Offer], sharing: dict[str, GpuSharing]) -> dict[str, tuple[str, Daemon]]:
+        """GPU address -> (its request, the claim's own daemon's directories) for the claim's MPS requests:
+        whole GPUs, one per claim (a CUDA client has one CUDA_MPS_PIPE_DIRECTORY, and a claim one daemon)."""
         out: dict[str, tuple[str, Daemon]] = {}
         for (request, _, _), offer in zip(results, offers, strict=True):
             settings = sharing.get(request)
@@ -469,14 +469,14 @@ class Preparer:
             if offer.found is None or offer.partition is not None:
                 raise PrepareError(f"claim {namespace}/{name}: request {request}: MPS is for whole GPUs, not "
                                    f"{offer.name}")
-            out[offer.device.address] = (request, self.mps.daemon(offer.device.address))
+            out[offer.device.address] = (request, self.mps.daemon(uid))
             limits = settings.mps.per_device_limit_mb if settings.mps else {}
             if any(key != "0" for key in limits):
                 raise PrepareError(f"claim {namespace}/{name}: request {request}: defaultPerDevicePinnedMemoryLimit: "
                                    "the claim's one MPS GPU is device 0")
         if len(out) > 1:
             raise PrepareError(f"claim {namespace}/{name}: MPS on {len(out)} GPUs in one claim: one GPU per MPS "
-                               "claim (each GPU has its own daemon, a container one CUDA_MPS_PIPE_DIRECTORY)")
+                               "claim (a claim has one daemon, a container one CUDA_MPS_PIPE_DIRECTORY)")
         return out
 
     def _spec(self, node: Node, uid: str, offers: list[Offer], extra: dict[str, ContainerEdits] | None = None,
@@ -540,7 +540,7 @@ class Preparer:
             mps = (entry or {}).get("mps")  # GPU -> what its daemon names it by
             for gpu in mps if isinstance(mps, dict) else ():
                 try:
-                    self.mps.release(str(gpu), uid)  # the last claim on its GPU stops the daemon
+                    self.mps.release(str(gpu), uid)  # the claim's own daemon stops
                 except MpsError as err:
                     raise PrepareError(f"claim {uid}: {err.message}") from None
             try:

@@ -17,6 +17,10 @@ MAX_HOPS = 40
 _O_PATH = getattr(os, "O_PATH", 0o10000000)
 
 
+class MissingPathError(UnsafePathError):
+    """A component of the path is not there (rather than leading out of the root)."""
+
+
 class Created:
     """What a walk created, so a failed hook can remove it again (deepest first)."""
 
@@ -131,7 +135,7 @@ class Root:
                     fd = os.open(part, _O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=stack[-1])
                 except FileNotFoundError:
                     if not create:
-                        raise UnsafePathError(f"{path}: {part} does not exist in the container") from None
+                        raise MissingPathError(f"{path}: {part} does not exist in the container") from None
                     try:
                         os.mkdir(part, 0o755, dir_fd=stack[-1])
                     except FileExistsError:
