@@ -15,7 +15,7 @@ pytestmark = pytest.mark.live
 
 LINK_OVER_MOUNT = r"""
 import json, os, sys
-from devinject.hook import syscalls
+from devinject.linux import syscalls
 from devinject.hook.executor import Executor
 from devinject.hook.plan import Plan, Symlink
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.live
 # chosen by the test: right after the mount is attached.
 RACE = r"""
 import ctypes, os, sys
-from devinject.hook import syscalls
+from devinject.linux import syscalls
 from devinject.hook.executor import Executor
 from devinject.hook.plan import BindMount, Plan
 
@@ -102,7 +102,7 @@ def test_the_old_bind_then_remount_sequence_is_what_the_race_defeats(tmp_path: P
 
 SHARED = r"""
 import os, sys
-from devinject.hook import syscalls
+from devinject.linux import syscalls
 from devinject.hook.executor import Executor
 from devinject.hook.plan import BindMount, Plan
 
@@ -192,7 +192,7 @@ def test_statx_and_fdinfo_name_the_same_mount() -> None:
 SHARED_FLAGS = r"""
 import os, sys
 from devinject.linux.mountinfo import parse_mountinfo
-from devinject.hook import syscalls
+from devinject.linux import syscalls
 
 volume = sys.argv[1]
 syscalls.mount(volume, volume, syscalls.MS_BIND)

@@ -22,7 +22,7 @@ import pytest
 from devinject.agent.mps import MpsDaemons
 from devinject.dra.capacity import CapacitySharing
 from devinject.dra.driver import DraDriver
-from devinject.hook import syscalls
+from devinject.linux import syscalls
 from tests.e2e.conftest import container_name, make_rootfs
 from tests.integration.test_dra_driver import DRIVER, FakeApi, make_driver
 from tests.integration.test_dra_sharing import STAND_IN, kill_stand_ins, unmount_under

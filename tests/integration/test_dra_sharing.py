@@ -103,7 +103,7 @@ def kill_stand_ins(driver_root: str) -> None:
 
 def unmount_under(directory: str) -> None:
     """No daemon's tmpfs outlives its test (a failing test may leave one mounted)."""
-    from devinject.hook import syscalls
+    from devinject.linux import syscalls
 
     for point in sorted(mounted_under(directory), reverse=True):
         with contextlib.suppress(OSError):

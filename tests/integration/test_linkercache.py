@@ -16,7 +16,6 @@ from devinject.hook import linkercache
 from devinject.hook.executor import Executor
 from devinject.hook.linkercache import SonameMemo, libraries_in
 from devinject.hook.plan import Plan
-from devinject.hook.safepath import Root
 from devinject.linux.elfinfo import read_shared_object
 from devinject.linux.ldcache import (
     ARCH_X86_64,
@@ -27,6 +26,7 @@ from devinject.linux.ldcache import (
     merge_entries,
     parse_ldcache,
 )
+from devinject.linux.safepath import Root
 from tests.e2e.conftest import require
 
 # Names that exercise every rule of _dl_cache_libcmp: numeric runs, digits against letters, prefixes, case.

@@ -22,7 +22,7 @@ LIBDIR = "/usr/lib/x86_64-linux-gnu"
 CDI_HOOK_MODULES = {
     "devinject.linux",
     "devinject", "devinject.entry", "devinject.hook", "devinject.hook.main", "devinject.hook.fastjson",
-    "devinject.hook.plan", "devinject.hook.executor", "devinject.hook.safepath", "devinject.hook.linkercache",
+    "devinject.hook.plan", "devinject.hook.executor", "devinject.linux.safepath", "devinject.hook.linkercache",
     "devinject.hook.state", "devinject.core", "devinject.core.jsonlite", "devinject.core.errors",
     "devinject.core.paths", "devinject.core.records", "devinject.core.atomicfile",
     "devinject.linux.ldcache", "devinject.linux.elfinfo", "devinject.core.deadline",

@@ -3,7 +3,7 @@ import os
 import pytest
 
 from devinject.core.errors import UnsafePathError
-from devinject.hook.safepath import Root
+from devinject.linux.safepath import Root
 
 
 @pytest.fixture

@@ -39,8 +39,7 @@ from dataclasses import dataclass
 from devinject.agent.rootprogram import UntrustedProgramError, root_program
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
-from devinject.hook import syscalls
-from devinject.linux import libc
+from devinject.linux import libc, syscalls
 from devinject.linux.filelock import exclusive
 from devinject.linux.trusteddir import make_dirs, trusted_dir
 from devinject.nodestate.ledger import process_start_time

@@ -12,7 +12,7 @@ import stat
 
 from devinject.cdi.spec import trust_problem
 from devinject.core.errors import DevinjectError, UnsafePathError
-from devinject.hook.safepath import MissingPathError, Root
+from devinject.linux.safepath import MissingPathError, Root
 
 
 class UntrustedProgramError(DevinjectError):

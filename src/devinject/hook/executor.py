@@ -16,7 +16,7 @@ from devinject.core import atomicfile
 from devinject.core.errors import HookError, UnsafePathError
 from devinject.hook import linkercache
 from devinject.hook.plan import BindMount, ForwardCompat, MakeNode, Plan, Symlink, newer_than
-from devinject.hook.safepath import _O_PATH, Created, Root
+from devinject.linux.safepath import _O_PATH, Created, Root
 
 TYPE_CHECKING = False  # `typing` and `collections` cost the hook milliseconds: type checkers only
 if TYPE_CHECKING:
@@ -27,18 +27,18 @@ else:
 
 
 class _Syscalls:
-    """hook/syscalls.py (the C library: mount, open_tree...), imported when a node or a mount first needs it:
+    """linux/syscalls.py (the C library: mount, open_tree...), imported when a node or a mount first needs it:
     a cdi-hook makes only links and the linker cache, and its start does not pay for the C library."""
 
     def __getattr__(self, name: str) -> object:
-        from devinject.hook import syscalls as module
+        from devinject.linux import syscalls as module
 
         globals()["syscalls"] = module
         return getattr(module, name)
 
 
 if TYPE_CHECKING:
-    from devinject.hook import syscalls
+    from devinject.linux import syscalls
 else:
     syscalls = _Syscalls()
 

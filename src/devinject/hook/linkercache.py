@@ -19,9 +19,9 @@ import stat
 from devinject.core import jsonlite
 from devinject.core.atomicfile import replace_at
 from devinject.core.errors import HookError, LdCacheError, UnsafePathError
-from devinject.hook.safepath import _O_PATH, Created, Root
 from devinject.linux.elfinfo import SharedObject, read_shared_object
 from devinject.linux.ldcache import MAX_CACHE_BYTES, LdCacheEntry, build_ldcache, merge_entries, parse_ldcache
+from devinject.linux.safepath import _O_PATH, Created, Root
 
 CACHE_PATH = "/etc/ld.so.cache"
 MAX_FOLDER_ENTRIES = 8192

@@ -12,7 +12,7 @@ import os
 from devinject.core import jsonlite
 from devinject.core.deadline import TooLarge, read_to_eof
 from devinject.core.errors import DevinjectError, HookError
-from devinject.hook import syscalls
+from devinject.linux import syscalls
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:

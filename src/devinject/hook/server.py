@@ -404,7 +404,7 @@ def _run_cdi_hook_in(place: list[int], args: list[str], pid: int) -> int:  # pra
     so it never goes back to the host's namespace."""
     from devinject.core.errors import HookError
     from devinject.hook import main as hook
-    from devinject.hook import syscalls
+    from devinject.linux import syscalls
 
     mnt, root, cwd = place
     try:
