@@ -13,7 +13,7 @@ Where the change goes, per runtime:
 - containerd 1.6 and older, runc: no CDI; the OCI hook applies the specs there (`devinject install-hook`).
 - CRI-O: `<config dir>/crio.conf.d/99-devinject.conf`, `[crio.runtime] cdi_spec_dirs` (CRI-O applies CDI
   whenever the spec dirs hold specs).
-- docker ≥ 25: `daemon.json` `features.cdi` and `cdi-spec-dirs`, other keys kept.
+- docker ≥ 25: `daemon.json`, only what its version needs (runtimes/docker.py), with a record of the change.
 - podman: `<config dir>/containers.conf.d/99-devinject.conf`, `[engine] cdi_spec_dirs`.
 
 Every file is parsed before anything is written (a malformed one is one line naming it), the edited text is
@@ -411,29 +411,9 @@ def _containerd(path: str, dirs: list[str], version: str | None, revert: bool) -
 
 
 def _docker(path: str, dirs: list[str], version: str | None, revert: bool) -> Plan:
-    known = version or binary_version("dockerd")
-    if known is not None and _major_minor(known) < (25, 0):
-        raise ConfigError(f"docker {known} applies no CDI (features.cdi came in 25): {NO_CDI_FIX}")
-    text = read_text(path)
-    data = parse_json(text, path) if text is not None else {}
-    features = data.get("features", {})
-    if not isinstance(features, dict):
-        raise ConfigError(f"{path}: features: expected an object; nothing written")
-    out = dict(data)
-    if revert:
-        features = {k: v for k, v in features.items() if k != "cdi"}
-        if features:
-            out["features"] = features
-        else:
-            out.pop("features", None)
-        if out.get("cdi-spec-dirs") == dirs:
-            out.pop("cdi-spec-dirs")
-    else:
-        out["features"] = {**features, "cdi": True}
-        out["cdi-spec-dirs"] = dirs
-    if out == data:
-        return _plan("docker", [], "")
-    return _plan("docker", [Change(path, text, json.dumps(out, indent=2) + "\n")], "systemctl restart docker")
+    from devinject.runtimes import docker
+
+    return docker.configure(path, dirs, version=version, revert=revert)
 
 
 def apply(plan: Plan) -> list[str]:
