@@ -349,3 +349,15 @@ def test_doctor_reads_the_daemon_json_dockerd_is_started_with(tmp_path: Path):
     _unit(tmp_path, "[Service]\nExecStart=/usr/bin/dockerd --config-file /srv/docker.json\n")
     found = _status(tmp_path, "27.0")
     assert found.applies and found.spec_dirs == ("/srv/cdi",) and str(other) in found.detail
+
+
+def test_a_stock_docker_node_without_daemon_json_is_found(tmp_path: Path):
+    from devinject.runtimes.status import detect, runtime_status
+
+    assert detect(str(tmp_path)) == []
+    dockerd = tmp_path / "usr/bin/dockerd"
+    dockerd.parent.mkdir(parents=True)
+    dockerd.write_text("")
+    assert detect(str(tmp_path)) == ["docker"]
+    found = runtime_status(str(tmp_path), version="29.7.2")
+    assert found.runtime == "docker" and found.applies and found.spec_dirs == tuple(DEFAULTS)

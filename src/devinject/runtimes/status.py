@@ -55,10 +55,12 @@ def _toml_files(root: str, main: str, drop_in_dir: str, suffix: str) -> dict[str
 
 
 def detect(root: str) -> list[str]:
-    """The runtimes whose configuration (or, for podman, binary) is on the node, containerd first."""
+    """The runtimes whose configuration (or, for podman and docker, binary) is on the node, containerd first."""
     found = [name for name, path in DEFAULT_CONFIG.items() if os.path.exists(_in(root, path))]
     if "podman" not in found and os.path.exists(_in(root, "/usr/bin/podman")):
         found.append("podman")
+    if "docker" not in found and any(os.path.exists(_in(root, p)) for p in ("/usr/bin/dockerd", "/usr/sbin/dockerd")):
+        found.append("docker")  # docker 28.2+ needs no daemon.json: a stock node has none
     return found
 
 
