@@ -361,3 +361,23 @@ def test_a_stock_docker_node_without_daemon_json_is_found(tmp_path: Path):
     assert detect(str(tmp_path)) == ["docker"]
     found = runtime_status(str(tmp_path), version="29.7.2")
     assert found.runtime == "docker" and found.applies and found.spec_dirs == tuple(DEFAULTS)
+
+
+def test_a_record_others_could_write_is_not_trusted(tmp_path: Path):
+    """The attack: a record writable by others, rewritten to carry a `before` of the attacker's (a runtime of
+    theirs as docker's default, run as root), with the SHA of the file as it is so revert would restore it."""
+    config = tmp_path / "daemon.json"
+    configure(config, "--runtime-version", "27.0")
+    record = tmp_path / "daemon.json.devinject"
+    forged = json.loads(record.read_text())
+    forged["before"] = {"text": '{"default-runtime": "evil", "runtimes": {"evil": {"path": "/tmp/evil"}}}'}
+    record.write_text(json.dumps(forged))
+    record.chmod(0o666)
+    before = files(tmp_path)
+    code, out = configure(config, "--revert")
+    assert code == 1 and "writable by others" in out and len(out.splitlines()) == 1
+    assert files(tmp_path) == before
+    record.unlink()
+    record.symlink_to(tmp_path / "elsewhere")
+    code, out = configure(config, "--revert")
+    assert code == 1 and "not a plain file" in out

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shlex
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,6 +296,23 @@ def record_path(config: str) -> str:
     return config + RECORD_SUFFIX
 
 
+def read_record(path: str) -> str | None:
+    """The record's text, from a plain file that only root (or this user) can have written: its `before` is
+    written back into daemon.json by --revert, and daemon.json is root's code (its runtimes run as root)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}; nothing written") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: the record of devinject's change is not a plain file; nothing written")
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+        raise ConfigError(f"{path}: the record of devinject's change is writable by others (owner uid {st.st_uid}, "
+                          f"mode {stat.S_IMODE(st.st_mode):o}): not trusted; nothing written")
+    return read_bytes_text(path)
+
+
 def parse_record(text: str, path: str, config: str) -> Record:
     """The record, or one line naming it (a record that cannot be read is never guessed at)."""
     corrupt = (f"{path}: corrupt record of devinject's change to {config} ({{why}}); nothing written: check "
@@ -426,7 +444,7 @@ def configure(path: str, spec_dirs: list[str], *, version: str | None, revert: b
     """plan_configure / plan_revert for the daemon.json at `path`, the dockerd reading it found under `root`,
     its version asked (bounded) only on the machine's own root when not given."""
     text = read_bytes_text(path)
-    record_text = read_bytes_text(record_path(path))
+    record_text = read_record(record_path(path))
     if revert:
         return plan_revert(path, text, record_text)
     daemon = find_daemon(root, path)
