@@ -381,3 +381,14 @@ def test_a_record_others_could_write_is_not_trusted(tmp_path: Path):
     record.symlink_to(tmp_path / "elsewhere")
     code, out = configure(config, "--revert")
     assert code == 1 and "not a plain file" in out
+
+
+def test_doctor_on_an_empty_spec_dir_list_names_the_admins_fix(tmp_path: Path):
+    config = _daemon_json(tmp_path, '{"cdi-spec-dirs": []}')
+    found = _status(tmp_path, "29.0")
+    assert not found.applies and "from no spec dir" in found.detail
+    assert found.fix and found.fix.startswith(f"put the spec dirs into cdi-spec-dirs in {config}")
+    code, out = configure(config, "--runtime-version", "29.0")  # configure does not override the admin
+    assert code == 1 and "cdi-spec-dirs is empty" in out
+    config.write_text('{"cdi-spec-dirs": ["/etc/cdi"]}')  # the fix, applied
+    assert _status(tmp_path, "29.0").applies

@@ -64,7 +64,9 @@ class DaemonFlags:
 
 def parse_flags(args: list[str], source: str) -> DaemonFlags:
     """dockerd's flags as pflag reads them (`--name value` or `--name=value`); anything else is skipped."""
-    config_file, spec_dirs, features = DEFAULT_CONFIG, list[str](), dict[str, bool]()
+    config_file = DEFAULT_CONFIG
+    spec_dirs: list[str] = []
+    features: dict[str, bool] = {}
     saw_dirs = saw_features = False
     i = 0
     while i < len(args):
@@ -481,11 +483,12 @@ def status(path: str, text: str | None, *, version: str | None, daemon: Daemon, 
                             f"correct {path} (dockerd --validate --config-file {path} says what it refuses)")
     read = path if text is not None else f"{path} absent"
     flag_features, flag_dirs = daemon.features, daemon.spec_dirs
-    clashes = [k for k, f in (("features", flag_features), ("cdi-spec-dirs", flag_dirs)) if f and k in data]
+    clashes = [(k, f[1]) for k, f in (("features", flag_features), ("cdi-spec-dirs", flag_dirs)) if f and k in data]
     if clashes:
-        return DockerStatus(False, f"{path}: {', '.join(clashes)} set both here and on dockerd's command line "
-                            f"({daemon.sources[0].source}): dockerd refuses to start",
-                            f"remove {', '.join(clashes)} from {path} or the flag, then systemctl restart docker")
+        keys = ", ".join(k for k, _ in clashes)
+        return DockerStatus(False, f"{path}: {keys} set both here and on dockerd's command line "
+                            f"({'; '.join(dict.fromkeys(w for _, w in clashes))}): dockerd refuses to start",
+                            f"remove {keys} from {path} or the flag, then systemctl restart docker")
     cdi = flag_features[0].get("cdi") if flag_features is not None else data.get("features", {}).get("cdi")
     source = f"--feature on dockerd's command line ({flag_features[1]})" if flag_features else read
     if cdi is False:
@@ -510,8 +513,10 @@ def status(path: str, text: str | None, *, version: str | None, daemon: Daemon, 
                    + " --spec-dir {spec_dir}, then systemctl restart docker")
     on = "features.cdi" if cdi else "on by default since 28.2"
     if not dirs:
+        # configure leaves an admin's empty list alone (CDI off on purpose): the fix is the admin's
         return DockerStatus(False, f"{named} applies CDI ({on}) from no spec dir ({where} is empty)",
-                            dir_fix.replace("{spec_dir}", DOCKER_SPEC_DIRS[0]))
+                            f"put the spec dirs into cdi-spec-dirs in {path} (or remove it for "
+                            f"{', '.join(DOCKER_SPEC_DIRS)}), then systemctl restart docker")
     return DockerStatus(True, f"{named} applies CDI ({on}) from {', '.join(dirs)} ({where})", spec_dirs=dirs,
                         spec_dir_fix=dir_fix)
 
