@@ -197,6 +197,23 @@ def test_a_spec_dir_flag_on_dockerd_is_never_clashed_with_and_doctors_fix_works(
         daemon.restart()
 
 
+def test_a_daemon_json_the_running_dockerd_would_refuse_is_refused_in_its_words(node):
+    """An unknown key (an admin's typo): dockerd refuses to start on it, and devinject, which keeps no list of
+    dockerd's keys, asks the running dockerd itself (--validate with its own flags)."""
+    daemon, cdi, _ = node
+    before = daemon.config.read_bytes()
+    try:
+        daemon.config.write_text(json.dumps({**json.loads(before), "log-drivr": "journald"}))
+        typo = daemon.config.read_bytes()
+        done = configure(daemon, "--spec-dir", str(cdi))
+        out = done.stderr + done.stdout
+        assert done.returncode == 1 and len(out.splitlines()) == 1, out
+        assert f"{daemon.config}: dockerd refuses it" in out and "log-drivr" in out
+        assert daemon.config.read_bytes() == typo and not Path(f"{daemon.config}.devinject").exists()
+    finally:
+        daemon.config.write_bytes(before)
+
+
 ADMIN_FILES = {
     "absent": None,
     "bom-crlf": '\ufeff{\r\n  "debug": true\r\n}\r\n',

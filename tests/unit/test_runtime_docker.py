@@ -31,10 +31,17 @@ def files(directory: Path) -> dict[str, bytes]:
 # ---- dockerd's command line and unit -----------------------------------------------------------------------
 
 def test_flags_are_read_as_pflag_reads_them():
-    flags = parse_flags(["-H", "fd://", "--cdi-spec-dir", "/a", "--cdi-spec-dir=/b,/c", "--config-file=/x.json",
-                         "--feature", "cdi=false", "--feature=containerd-snapshotter"], "here")
-    assert flags == DaemonFlags("here", "/x.json", ("/a", "/b", "/c"), {"cdi": False, "containerd-snapshotter": True})
-    assert parse_flags(["--debug"], "here") == DaemonFlags("here")
+    flags = parse_flags(["dockerd", "-H", "fd://", "--cdi-spec-dir", "/a", "--cdi-spec-dir=/b,/c",
+                         "--config-file=/x.json", "--feature", "cdi=false", "--feature=containerd-snapshotter"], "here")
+    assert flags.config_file == "/x.json" and flags.spec_dirs == ("/a", "/b", "/c")
+    assert flags.features == {"cdi": False, "containerd-snapshotter": True}
+    assert parse_flags(["dockerd", "--debug"], "here") == DaemonFlags("here", args=("dockerd", "--debug"))
+
+
+def test_the_validate_command_line_drops_the_daemons_own_config_file():
+    args = ("/usr/bin/dockerd", "-H", "fd://", "--config-file", "/etc/docker/daemon.json", "--config-file=/x",
+            "--validate", "--debug")
+    assert docker.without_config_file(args) == ["/usr/bin/dockerd", "-H", "fd://", "--debug"]
 
 
 def test_exec_start_is_the_last_after_drop_ins_and_resets():

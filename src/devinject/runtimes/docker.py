@@ -30,6 +30,8 @@ import os
 import re
 import shlex
 import stat
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,15 +62,17 @@ class DaemonFlags:
     config_file: str = DEFAULT_CONFIG
     spec_dirs: tuple[str, ...] | None = None  # --cdi-spec-dir, None when not given
     features: dict[str, bool] | None = None  # --feature, None when not given
+    args: tuple[str, ...] = ()  # the whole command line, for asking that dockerd to --validate a file
 
 
 def parse_flags(args: list[str], source: str) -> DaemonFlags:
-    """dockerd's flags as pflag reads them (`--name value` or `--name=value`); anything else is skipped."""
+    """dockerd's flags (`args`: its whole command line) as pflag reads them (`--name value` or `--name=value`);
+    anything else is skipped."""
     config_file = DEFAULT_CONFIG
     spec_dirs: list[str] = []
     features: dict[str, bool] = {}
     saw_dirs = saw_features = False
-    i = 0
+    i = 1
     while i < len(args):
         arg = args[i]
         i += 1
@@ -93,7 +97,7 @@ def parse_flags(args: list[str], source: str) -> DaemonFlags:
                 key, has, flag = part.partition("=")
                 features[key.strip()] = flag.strip().lower() in ("1", "t", "true") if has else True
     return DaemonFlags(source, config_file, tuple(spec_dirs) if saw_dirs else None,
-                       features if saw_features else None)
+                       features if saw_features else None, tuple(args))
 
 
 def exec_start(unit_texts: list[str]) -> list[str] | None:
@@ -134,7 +138,7 @@ def running_daemons(root: str) -> list[tuple[int, DaemonFlags]]:
         except OSError:
             continue  # gone meanwhile
         if args and os.path.basename(args[0]) == "dockerd":
-            found.append((int(os.path.basename(os.path.dirname(cmdline))), parse_flags(args[1:], cmdline)))
+            found.append((int(os.path.basename(os.path.dirname(cmdline))), parse_flags(args, cmdline)))
     return found
 
 
@@ -158,7 +162,7 @@ def unit_daemon(root: str) -> DaemonFlags | None:
     words = exec_start(texts)
     if not words or os.path.basename(words[0]) != "dockerd":
         return None
-    return parse_flags(words[1:], " + ".join(files))
+    return parse_flags(words, " + ".join(files))
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,6 +446,47 @@ def plan_revert(path: str, text: str | None, record_text: str | None) -> Plan:
     return Plan("docker", (*changes, drop_record), (RESTART,) if changes else ())
 
 
+def without_config_file(args: tuple[str, ...]) -> list[str]:
+    """A dockerd command line without its --config-file (and any --validate)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--config-file":
+            skip = True
+        elif not arg.startswith("--config-file=") and arg != "--validate":
+            out.append(arg)
+    return out
+
+
+def dockerd_refuses(root: str, daemon: Daemon, text: str, *, timeout: float = 15.0) -> str | None:
+    """What the node's own dockerd says of `text` as its daemon.json (`dockerd --validate`, with the flags it
+    runs with, bounded); None when it takes it, or when there is no dockerd here to ask (a root other than /,
+    none running and no unit's binary) or it does not answer in time."""
+    if root != "/":
+        return None
+    if daemon.pid is not None and daemon.running is not None:
+        binary, args = f"/proc/{daemon.pid}/exe", daemon.running.args
+    elif daemon.unit is not None and daemon.unit.args and os.path.isabs(daemon.unit.args[0]):
+        binary, args = daemon.unit.args[0], daemon.unit.args
+    else:
+        return None
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", suffix=".json", prefix="devinject-daemon-") as handle:
+        handle.write(text)
+        handle.flush()
+        try:
+            done = subprocess.run([binary, *without_config_file(args)[1:], "--validate", "--config-file",
+                                   handle.name], capture_output=True, text=True, errors="replace", timeout=timeout,
+                                  check=False, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+    if done.returncode == 0:
+        return None
+    lines = (done.stderr or done.stdout)[-4096:].strip().splitlines()
+    return (lines[-1] if lines else f"exit status {done.returncode}").replace(handle.name, "the file")[:500]
+
+
 def configure(path: str, spec_dirs: list[str], *, version: str | None, revert: bool, root: str = "/") -> Plan:
     """plan_configure / plan_revert for the daemon.json at `path`, the dockerd reading it found under `root`,
     its version asked (bounded) only on the machine's own root when not given."""
@@ -450,8 +495,13 @@ def configure(path: str, spec_dirs: list[str], *, version: str | None, revert: b
     if revert:
         return plan_revert(path, text, record_text)
     daemon = find_daemon(root, path)
-    return plan_configure(path, text, record_text, version=version or daemon_version(root, daemon), daemon=daemon,
+    plan = plan_configure(path, text, record_text, version=version or daemon_version(root, daemon), daemon=daemon,
                           spec_dirs=spec_dirs)
+    new = next((c.new for c in plan.changes if c.path == path), None)
+    refused = dockerd_refuses(root, daemon, new) if new is not None else None
+    if refused is not None:  # dockerd's own word on the file it would start with (unknown keys: no list here)
+        raise ConfigError(f"{path}: dockerd refuses it with devinject's change: {refused}; nothing written")
+    return plan
 
 
 # ---- what doctor reads ---------------------------------------------------------------------------------------
