@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,3 +244,36 @@ def test_what_configure_writes_dockerd_accepts_and_revert_is_exact(node, tmp_pat
     subprocess.run([DEVINJECT, "runtime", "configure", "--runtime", "docker", "--config", str(config), "--revert"],
                    check=True, capture_output=True, timeout=60)
     assert (config.read_bytes() if config.exists() else None) == (text.encode() if text is not None else None)
+
+
+def test_a_process_of_another_user_named_dockerd_is_not_asked_anything(tmp_path: Path):
+    """The attack: an unprivileged user starts a process whose argv[0] is `dockerd` and whose --config-file is the
+    one being configured (its binary: python, its `-c` code writing a marker only when run as root). devinject,
+    as root, must neither take its flags nor run its binary (to ask a version, or to --validate)."""
+    require(os.geteuid() == 0 and shutil.which("setpriv") is not None, "needs root and setpriv")
+    require(os.access("/usr/bin/python3", os.X_OK), "needs /usr/bin/python3 (the stand-in's binary)")
+    workdir = Path(tempfile.mkdtemp(prefix="dkr-evil-", dir="/tmp"))
+    workdir.chmod(0o755)
+    config = workdir / "daemon.json"
+    config.write_text("{}")
+    marker = workdir / "ran-as-root"
+    code = (f"import os, sys, time\nif os.getuid() == 0: open({str(marker)!r}, 'w').write('x'); sys.exit(0)\n"
+            "time.sleep(60)\n")
+    fake = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", "-c",
+                             'exec -a dockerd "$0" -c "$1" --config-file "$2"',
+                             "/usr/bin/python3", code, str(config)])
+    try:
+        for _ in range(200):  # its command line in place
+            if Path(f"/proc/{fake.pid}/cmdline").read_bytes().startswith(b"dockerd\0"):
+                break
+            time.sleep(0.05)
+        assert Path(f"/proc/{fake.pid}/cmdline").read_bytes().startswith(b"dockerd\0")
+        for args in ((), ("--runtime-version", "27.0")):
+            subprocess.run([DEVINJECT, "runtime", "configure", "--runtime", "docker", "--config", str(config), *args],
+                           capture_output=True, text=True, timeout=60)
+        assert not marker.exists()  # its binary never ran as root
+        assert docker.find_daemon("/", str(config)).pid is None  # nor are its flags taken as dockerd's
+    finally:
+        fake.kill()
+        fake.wait()
+        shutil.rmtree(workdir, ignore_errors=True)

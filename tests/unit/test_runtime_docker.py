@@ -399,3 +399,11 @@ def test_doctor_on_an_empty_spec_dir_list_names_the_admins_fix(tmp_path: Path):
     assert code == 1 and "cdi-spec-dirs is empty" in out
     config.write_text('{"cdi-spec-dirs": ["/etc/cdi"]}')  # the fix, applied
     assert _status(tmp_path, "29.0").applies
+
+
+def test_a_unit_others_can_write_is_not_read(tmp_path: Path):
+    config = tmp_path / "etc/docker/daemon.json"
+    _unit(tmp_path, "[Service]\nExecStart=/usr/bin/dockerd --cdi-spec-dir /elsewhere\n")
+    assert docker.find_daemon(str(tmp_path), str(config)).spec_dirs is not None
+    (tmp_path / "lib/systemd/system/docker.service").chmod(0o666)
+    assert docker.find_daemon(str(tmp_path), str(config)).spec_dirs is None

@@ -128,10 +128,23 @@ def _same(root: str, daemon_path: str, path: str) -> bool:
     return os.path.realpath(_in(root, daemon_path)) == os.path.realpath(path)
 
 
+def _roots(path: str) -> bool:
+    """`path` (a /proc/PID dir: the process's user; a unit file) is root's (or this user's, who runs devinject)
+    and only theirs to change."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022
+
+
 def running_daemons(root: str) -> list[tuple[int, DaemonFlags]]:
-    """Each dockerd under `root`'s /proc with its flags (its pid for asking its binary's version)."""
+    """Each dockerd running as root under `root`'s /proc with its flags (its pid for asking its binary). Any user
+    can name a process dockerd: its flags are not dockerd's, and its binary must never be run as root."""
     found = []
     for cmdline in sorted(glob.glob(os.path.join(_in(root, "/proc"), "[0-9]*", "cmdline"))):
+        if not _roots(os.path.dirname(cmdline)):
+            continue
         try:
             with open(cmdline, "rb") as handle:
                 args = [a.decode("utf-8", "replace") for a in handle.read(65536).split(b"\0") if a]
@@ -145,12 +158,13 @@ def running_daemons(root: str) -> list[tuple[int, DaemonFlags]]:
 def unit_daemon(root: str) -> DaemonFlags | None:
     """dockerd's flags as its systemd unit (docker.service and its drop-ins) under `root` starts it."""
     unit = next((p for d in UNIT_DIRS if os.path.isfile(p := os.path.join(_in(root, d), UNIT))), None)
-    if unit is None:
+    if unit is None or not _roots(unit):  # a unit root does not own names no binary devinject may run
         return None
     drop_ins: dict[str, str] = {}
     for directory in UNIT_DIRS:
         for path in glob.glob(os.path.join(_in(root, directory), UNIT + ".d", "*.conf")):
-            drop_ins.setdefault(os.path.basename(path), path)
+            if _roots(path):
+                drop_ins.setdefault(os.path.basename(path), path)
     files = [unit, *(drop_ins[name] for name in sorted(drop_ins))]
     texts = []
     for path in files:
