@@ -277,3 +277,34 @@ def test_a_process_of_another_user_named_dockerd_is_not_asked_anything(tmp_path:
         fake.kill()
         fake.wait()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_containers_process_named_dockerd_is_not_asked_anything(tmp_path: Path):
+    """The attack from an image: a container's root process named `dockerd` (docker-in-docker), whose default
+    --config-file is the host's path too. Its binary is the image's: devinject must not run it on the host (the
+    stand-in writes a marker when it is run with --version or --validate)."""
+    require(os.geteuid() == 0 and shutil.which("unshare") is not None, "needs root and unshare")
+    require(os.access("/usr/bin/python3", os.X_OK), "needs /usr/bin/python3 (the stand-in's binary)")
+    config = tmp_path / "daemon.json"
+    config.write_text("{}")
+    marker = tmp_path / "ran-on-the-host"
+    code = (f"import sys, time\nif '--version' in sys.argv or '--validate' in sys.argv: "
+            f"open({str(marker)!r}, 'w').write('x'); sys.exit(0)\ntime.sleep(60)\n")
+    fake = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "bash", "-c",
+                             'exec -a dockerd "$0" -c "$1" --config-file "$2"', "/usr/bin/python3", code, str(config)])
+    try:
+        children = Path(f"/proc/{fake.pid}/task/{fake.pid}/children")
+        for _ in range(200):  # the container's process, its command line in place
+            pids = children.read_text().split()
+            if pids and Path(f"/proc/{pids[0]}/cmdline").read_bytes().startswith(b"dockerd\0"):
+                break
+            time.sleep(0.05)
+        assert Path(f"/proc/{pids[0]}/cmdline").read_bytes().startswith(b"dockerd\0")
+        for args in ((), ("--runtime-version", "27.0")):
+            subprocess.run([DEVINJECT, "runtime", "configure", "--runtime", "docker", "--config", str(config), *args],
+                           capture_output=True, text=True, timeout=60)
+        assert not marker.exists()
+        assert docker.find_daemon("/", str(config)).pid is None
+    finally:
+        fake.kill()
+        fake.wait()
