@@ -407,3 +407,22 @@ def test_a_unit_others_can_write_is_not_read(tmp_path: Path):
     assert docker.find_daemon(str(tmp_path), str(config)).spec_dirs is not None
     (tmp_path / "lib/systemd/system/docker.service").chmod(0o666)
     assert docker.find_daemon(str(tmp_path), str(config)).spec_dirs is None
+
+
+def test_a_linked_daemon_json_is_changed_in_its_target(tmp_path: Path):
+    managed = tmp_path / "managed"
+    managed.mkdir()
+    target = managed / "daemon.json"
+    target.write_text('{"debug": true}')
+    link = tmp_path / "daemon.json"
+    link.symlink_to(target)
+    code, out = configure(link, "--runtime-version", "27.0")
+    assert code == 0, out
+    assert link.is_symlink() and json.loads(target.read_text()) == {"debug": True, "features": {"cdi": True}}
+    assert (managed / "daemon.json.devinject").exists()
+    code, _ = configure(link, "--revert")
+    assert code == 0 and link.is_symlink() and target.read_text() == '{"debug": true}'
+    assert files(managed) == {"daemon.json": b'{"debug": true}'}
+    target.chmod(0o666)  # a target others can write is not root's code
+    code, out = configure(link, "--runtime-version", "27.0")
+    assert code == 1 and "not a plain file of root's" in out and target.read_text() == '{"debug": true}'

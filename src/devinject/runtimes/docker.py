@@ -511,9 +511,29 @@ def dockerd_refuses(root: str, daemon: Daemon, text: str, *, timeout: float = 15
     return (lines[-1] if lines else f"exit status {done.returncode}").replace(handle.name, "the file")[:500]
 
 
+def write_target(path: str) -> str:
+    """Where a change to `path` is written: the file itself, or, for a link, its target when that is a plain file
+    root owns that others cannot write (daemon.json is root's code); anything else is one line naming it."""
+    if not os.path.islink(path):
+        return path
+    target = os.path.realpath(path)
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: a link to {target}, which is not there; nothing written") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: a link to {target}: {err.strerror}; nothing written") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+        raise ConfigError(f"{path}: a link to {target}, which is not a plain file of root's that only root can "
+                          "write; nothing written")
+    return target
+
+
 def configure(path: str, spec_dirs: list[str], *, version: str | None, revert: bool, root: str = "/") -> Plan:
     """plan_configure / plan_revert for the daemon.json at `path`, the dockerd reading it found under `root`,
-    its version asked (bounded) only on the machine's own root when not given."""
+    its version asked (bounded) only on the machine's own root when not given. A daemon.json that is a link
+    (config management's) is changed in its target, the record beside the target."""
+    path = write_target(path)
     text = read_bytes_text(path)
     record_text = read_record(record_path(path))
     if revert:
