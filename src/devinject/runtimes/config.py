@@ -22,19 +22,24 @@ parsed again and must differ from the old only in the keys devinject owns, and e
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import json
 import os
 import re
-import shutil
-import subprocess
 import tomllib
-from dataclasses import dataclass
 from typing import Any
 
 from devinject.core.errors import ConfigError
 from devinject.core.paths import DEFAULT_SPEC_DIRS
+
+# the plan's types and the version helpers live in plan.py (docker.py shares them); named here as before
+from devinject.runtimes.plan import NO_CDI_FIX as NO_CDI_FIX
+from devinject.runtimes.plan import Change as Change
+from devinject.runtimes.plan import Plan as Plan
+from devinject.runtimes.plan import binary_version as binary_version
+from devinject.runtimes.plan import major_minor
+
+_major_minor = major_minor
 
 RUNTIMES = ("containerd", "crio", "docker", "podman", "runc")
 CONFIGURABLE = ("containerd", "crio", "docker", "podman")
@@ -48,31 +53,6 @@ DROP_IN = "99-devinject"
 MARK = "# devinject runtime configure"
 CRI_17 = "io.containerd.grpc.v1.cri"
 CRI_2 = "io.containerd.cri.v1.runtime"
-NO_CDI_FIX = ("install devinject's OCI hook instead (devinject install-hook; runc: install-hook --runc-snippet), "
-              "or, on Kubernetes, let the device plugin's Allocate answer deliver the devices")
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One file's change: `new` None removes it."""
-
-    path: str
-    old: str | None
-    new: str | None
-
-    def diff(self) -> str:
-        old = (self.old or "").splitlines(keepends=True)
-        new = (self.new or "").splitlines(keepends=True)
-        lines = difflib.unified_diff(old, new, self.path if self.old is not None else "/dev/null",
-                                     self.path if self.new is not None else "/dev/null")
-        return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    runtime: str
-    changes: tuple[Change, ...]
-    notes: tuple[str, ...] = ()  # what the admin does next (restart the runtime)
 
 
 # ---- reading ----------------------------------------------------------------------------------------------
@@ -111,28 +91,6 @@ def _table(data: dict[str, Any], *keys: str) -> dict[str, Any]:
         value = data.get(key)
         data = value if isinstance(value, dict) else {}
     return data
-
-
-def binary_version(name: str, *, timeout: float = 5.0) -> str | None:
-    """`NAME --version`'s first `vX.Y` (or `X.Y`), from the binary on a fixed PATH, bounded; None when it is
-    not installed or does not answer."""
-    binary = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin")
-    if binary is None:
-        return None
-    try:
-        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=timeout,
-                              env={"PATH": "/usr/bin:/bin"}, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(r"\bv?(\d+\.\d+(?:\.\d+)?)", done.stdout[:4096])
-    return found.group(1) if found else None
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    parts = re.findall(r"\d+", version)
-    if not parts:
-        raise ConfigError(f"--runtime-version {version!r}: expected a version such as 1.7 or 2.0")
-    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
 
 
 def containerd_config(main: str) -> tuple[dict[str, Any], list[str]]:

@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from devinject.core.errors import ConfigError
-from devinject.runtimes.config import NO_CDI_FIX, Change, Plan, _major_minor, binary_version
+from devinject.core.paths import DEFAULT_SPEC_DIRS
+from devinject.runtimes.plan import NO_CDI_FIX, Change, Plan, binary_version
+from devinject.runtimes.plan import major_minor as _major_minor
 
 DEFAULT_CONFIG = "/etc/docker/daemon.json"
-DOCKER_SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")  # what dockerd reads without cdi-spec-dirs
+DOCKER_SPEC_DIRS = DEFAULT_SPEC_DIRS  # what dockerd reads without cdi-spec-dirs: CDI's own defaults
 CDI_FEATURE = (25, 0)  # features.cdi came in 25
 CDI_BY_DEFAULT = (28, 2)  # moby 4cecce03f6: CDI on unless features.cdi is false
 RECORD_SUFFIX = ".devinject"
