@@ -198,6 +198,26 @@ def test_a_spec_dir_flag_on_dockerd_is_never_clashed_with_and_doctors_fix_works(
         daemon.restart()
 
 
+def test_an_admins_cdi_false_is_named_by_doctor_and_its_fix_starts_dockerd_with_cdi(node):
+    daemon = node[0]
+    before = daemon.config.read_bytes()
+    try:
+        daemon.config.write_text(json.dumps({**json.loads(before), "features": {"cdi": False}}))
+        daemon.restart()
+        assert daemon.spec_dirs() == []  # dockerd 29.7.2 with CDI off reads no spec dir
+        done = configure(daemon)
+        assert done.returncode == 1 and "features.cdi is false" in done.stderr  # configure leaves it be
+        status = docker.node_status("/", version=None, hook_installed=False, config=str(daemon.config))
+        assert not status.applies and status.fix and status.fix.startswith("set features.cdi to true in")
+        daemon.config.write_text(json.dumps({**json.loads(before), "features": {"cdi": True}}))  # the fix
+        daemon.restart()
+        assert daemon.spec_dirs() == ["/etc/cdi", "/var/run/cdi"]
+        assert docker.node_status("/", version=None, hook_installed=False, config=str(daemon.config)).applies
+    finally:
+        daemon.config.write_bytes(before)
+        daemon.restart()
+
+
 def test_a_daemon_json_the_running_dockerd_would_refuse_is_refused_in_its_words(node):
     """An unknown key (an admin's typo): dockerd refuses to start on it, and devinject, which keeps no list of
     dockerd's keys, asks the running dockerd itself (--validate with its own flags)."""

@@ -170,7 +170,7 @@ def running_daemons(root: str) -> list[tuple[int, DaemonFlags]]:
 def unit_daemon(root: str) -> DaemonFlags | None:
     """dockerd's flags as its systemd unit (docker.service and its drop-ins) under `root` starts it."""
     unit = next((p for d in UNIT_DIRS if os.path.isfile(p := os.path.join(_in(root, d), UNIT))), None)
-    if unit is None or not _roots(unit):  # a unit root does not own names no binary devinject may run
+    if unit is None or not _roots(unit):  # a unit others could write names no binary devinject may run
         return None
     drop_ins: dict[str, str] = {}
     for directory in UNIT_DIRS:
