@@ -426,3 +426,43 @@ def test_a_linked_daemon_json_is_changed_in_its_target(tmp_path: Path):
     target.chmod(0o666)  # a target others can write is not root's code
     code, out = configure(link, "--runtime-version", "27.0")
     assert code == 1 and "not a plain file of root's" in out and target.read_text() == '{"debug": true}'
+
+
+@pytest.mark.parametrize(("flag", "version", "fix"), [
+    ("--feature cdi=false", "29.0", "remove --feature cdi=false from dockerd's command line"),
+    ("--feature containerd-snapshotter=true", "27.0", "add --feature cdi=true to dockerd's command line"),
+])
+def test_doctor_reads_features_from_the_command_line_and_its_fix_works(tmp_path: Path, flag: str, version: str,
+                                                                        fix: str):
+    _unit(tmp_path, f"[Service]\nExecStart=/usr/bin/dockerd {flag}\n")
+    found = _status(tmp_path, version)
+    assert not found.applies and found.fix and found.fix.startswith(fix), found
+    _unit(tmp_path, "[Service]\nExecStart=/usr/bin/dockerd --feature cdi=true\n")  # the fix, applied
+    assert _status(tmp_path, version).applies
+
+
+def test_an_admins_explicit_default_dirs_stay_after_revert(tmp_path: Path):
+    config = tmp_path / "daemon.json"
+    config.write_text('{"cdi-spec-dirs": ["/etc/cdi", "/var/run/cdi"]}')
+    configure(config, "--runtime-version", "29.0", "--spec-dir", "/opt/x")
+    config.write_text(json.dumps({**json.loads(config.read_text()), "debug": True}))  # an edit: key by key
+    configure(config, "--revert")
+    assert json.loads(config.read_text()) == {"cdi-spec-dirs": DEFAULTS, "debug": True}
+
+
+def test_an_edit_between_two_configures_survives_revert(tmp_path: Path):
+    config = tmp_path / "daemon.json"
+    config.write_text("{}")
+    configure(config, "--runtime-version", "27.0")
+    config.write_text(json.dumps({**json.loads(config.read_text()), "debug": True}))
+    configure(config, "--runtime-version", "27.0", "--spec-dir", "/opt/x")
+    configure(config, "--revert")
+    assert json.loads(config.read_text()) == {"debug": True}  # not the first `{}`: the admin's edit stays
+
+
+def test_revert_after_the_file_was_removed_drops_only_the_record(tmp_path: Path):
+    config = tmp_path / "daemon.json"
+    configure(config, "--runtime-version", "27.0")
+    config.unlink()
+    code, _ = configure(config, "--revert")
+    assert code == 0 and not list(tmp_path.iterdir())

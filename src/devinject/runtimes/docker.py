@@ -450,8 +450,6 @@ def plan_revert(path: str, text: str | None, record_text: str | None) -> Plan:
     drop_record = Change(record_file, record_text, None)
     if text is not None and record.before_known and _sha(text) == record.written:
         return Plan("docker", (Change(path, text, record.before), drop_record), (RESTART,))
-    if text is None:  # removed since: nothing of devinject's is left in it
-        return Plan("docker", (drop_record,))
     data = parse_daemon_json(text, path)
     out = dict(data)
     dirs = data.get("cdi-spec-dirs")
