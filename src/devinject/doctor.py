@@ -401,8 +401,9 @@ class _Context:
             raise _Broken(status.detail, status.fix)
         if spec_dir is not None and status.spec_dirs is not None and not any(
                 os.path.realpath(spec_dir) == os.path.realpath(d) for d in status.spec_dirs):
-            raise _Broken(f"{status.detail}, but reads {', '.join(status.spec_dirs)}, not {spec_dir}",
-                          f"devinject runtime configure --runtime {status.runtime} --spec-dir {spec_dir}")
+            fix = (status.spec_dir_fix.replace("{spec_dir}", spec_dir) if status.spec_dir_fix else
+                   f"devinject runtime configure --runtime {status.runtime} --spec-dir {spec_dir}")
+            raise _Broken(f"{status.detail}, but reads {', '.join(status.spec_dirs)}, not {spec_dir}", fix)
         if status.warning:
             return f"{status.detail}; warning: {status.warning}", status.warning_fix
         return status.detail, None

@@ -113,8 +113,7 @@ def test_docker_keeps_other_keys_and_reverts(tmp_path: Path):
     config.write_text(json.dumps({"log-driver": "journald", "features": {"buildkit": True}}))
     code, _ = configure("--runtime", "docker", "--config", str(config), "--runtime-version", "27.5")
     assert code == 0
-    assert json.loads(config.read_text()) == {"log-driver": "journald", "features": {"buildkit": True, "cdi": True},
-                                              "cdi-spec-dirs": ["/etc/cdi", "/var/run/cdi"]}
+    assert json.loads(config.read_text()) == {"log-driver": "journald", "features": {"buildkit": True, "cdi": True}}
     code, out = configure("--runtime", "docker", "--config", str(config), "--runtime-version", "27.5")
     assert "already configured" in out
     configure("--runtime", "docker", "--config", str(config), "--runtime-version", "27.5", "--revert")

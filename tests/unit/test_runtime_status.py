@@ -66,7 +66,7 @@ def test_podman_before_5_5_ignores_cdi_spec_dirs(tmp_path: Path):
 def test_docker_needs_features_cdi(tmp_path: Path):
     _write(tmp_path, "/etc/docker/daemon.json", '{"log-driver": "journald"}')
     status = runtime_status(str(tmp_path), "docker")
-    assert not status.applies and "features.cdi is not on" in status.detail
+    assert not status.applies and "features.cdi is not set" in status.detail
     _write(tmp_path, "/etc/docker/daemon.json", '{"features": {"cdi": true}}')
     assert runtime_status(str(tmp_path), "docker").applies
 

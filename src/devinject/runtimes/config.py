@@ -13,7 +13,7 @@ Where the change goes, per runtime:
 - containerd 1.6 and older, runc: no CDI; the OCI hook applies the specs there (`devinject install-hook`).
 - CRI-O: `<config dir>/crio.conf.d/99-devinject.conf`, `[crio.runtime] cdi_spec_dirs` (CRI-O applies CDI
   whenever the spec dirs hold specs).
-- docker ≥ 25: `daemon.json` `features.cdi` and `cdi-spec-dirs`, other keys kept.
+- docker ≥ 25: `daemon.json`, only what its version needs (runtimes/docker.py), with a record of the change.
 - podman: `<config dir>/containers.conf.d/99-devinject.conf`, `[engine] cdi_spec_dirs`.
 
 Every file is parsed before anything is written (a malformed one is one line naming it), the edited text is
@@ -22,19 +22,24 @@ parsed again and must differ from the old only in the keys devinject owns, and e
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import json
 import os
 import re
-import shutil
-import subprocess
 import tomllib
-from dataclasses import dataclass
 from typing import Any
 
 from devinject.core.errors import ConfigError
 from devinject.core.paths import DEFAULT_SPEC_DIRS
+
+# the plan's types and the version helpers live in plan.py (docker.py shares them); named here as before
+from devinject.runtimes.plan import NO_CDI_FIX as NO_CDI_FIX
+from devinject.runtimes.plan import Change as Change
+from devinject.runtimes.plan import Plan as Plan
+from devinject.runtimes.plan import binary_version as binary_version
+from devinject.runtimes.plan import major_minor
+
+_major_minor = major_minor
 
 RUNTIMES = ("containerd", "crio", "docker", "podman", "runc")
 CONFIGURABLE = ("containerd", "crio", "docker", "podman")
@@ -48,31 +53,6 @@ DROP_IN = "99-devinject"
 MARK = "# devinject runtime configure"
 CRI_17 = "io.containerd.grpc.v1.cri"
 CRI_2 = "io.containerd.cri.v1.runtime"
-NO_CDI_FIX = ("install devinject's OCI hook instead (devinject install-hook; runc: install-hook --runc-snippet), "
-              "or, on Kubernetes, let the device plugin's Allocate answer deliver the devices")
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One file's change: `new` None removes it."""
-
-    path: str
-    old: str | None
-    new: str | None
-
-    def diff(self) -> str:
-        old = (self.old or "").splitlines(keepends=True)
-        new = (self.new or "").splitlines(keepends=True)
-        lines = difflib.unified_diff(old, new, self.path if self.old is not None else "/dev/null",
-                                     self.path if self.new is not None else "/dev/null")
-        return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    runtime: str
-    changes: tuple[Change, ...]
-    notes: tuple[str, ...] = ()  # what the admin does next (restart the runtime)
 
 
 # ---- reading ----------------------------------------------------------------------------------------------
@@ -111,28 +91,6 @@ def _table(data: dict[str, Any], *keys: str) -> dict[str, Any]:
         value = data.get(key)
         data = value if isinstance(value, dict) else {}
     return data
-
-
-def binary_version(name: str, *, timeout: float = 5.0) -> str | None:
-    """`NAME --version`'s first `vX.Y` (or `X.Y`), from the binary on a fixed PATH, bounded; None when it is
-    not installed or does not answer."""
-    binary = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin")
-    if binary is None:
-        return None
-    try:
-        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=timeout,
-                              env={"PATH": "/usr/bin:/bin"}, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(r"\bv?(\d+\.\d+(?:\.\d+)?)", done.stdout[:4096])
-    return found.group(1) if found else None
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    parts = re.findall(r"\d+", version)
-    if not parts:
-        raise ConfigError(f"--runtime-version {version!r}: expected a version such as 1.7 or 2.0")
-    return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
 
 
 def containerd_config(main: str) -> tuple[dict[str, Any], list[str]]:
@@ -411,29 +369,9 @@ def _containerd(path: str, dirs: list[str], version: str | None, revert: bool) -
 
 
 def _docker(path: str, dirs: list[str], version: str | None, revert: bool) -> Plan:
-    known = version or binary_version("dockerd")
-    if known is not None and _major_minor(known) < (25, 0):
-        raise ConfigError(f"docker {known} applies no CDI (features.cdi came in 25): {NO_CDI_FIX}")
-    text = read_text(path)
-    data = parse_json(text, path) if text is not None else {}
-    features = data.get("features", {})
-    if not isinstance(features, dict):
-        raise ConfigError(f"{path}: features: expected an object; nothing written")
-    out = dict(data)
-    if revert:
-        features = {k: v for k, v in features.items() if k != "cdi"}
-        if features:
-            out["features"] = features
-        else:
-            out.pop("features", None)
-        if out.get("cdi-spec-dirs") == dirs:
-            out.pop("cdi-spec-dirs")
-    else:
-        out["features"] = {**features, "cdi": True}
-        out["cdi-spec-dirs"] = dirs
-    if out == data:
-        return _plan("docker", [], "")
-    return _plan("docker", [Change(path, text, json.dumps(out, indent=2) + "\n")], "systemctl restart docker")
+    from devinject.runtimes import docker
+
+    return docker.configure(path, dirs, version=version, revert=revert)
 
 
 def apply(plan: Plan) -> list[str]:

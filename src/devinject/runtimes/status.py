@@ -18,7 +18,6 @@ from devinject.runtimes.config import (
     binary_version,
     containerd_config,
     containerd_cri,
-    parse_json,
     parse_toml,
     read_text,
 )
@@ -36,6 +35,7 @@ class RuntimeStatus:
     spec_dirs: tuple[str, ...] | None = None  # None: the runtime reads no spec dirs (the hook does)
     warning: str | None = None
     warning_fix: str | None = None
+    spec_dir_fix: str | None = None  # the fix for a spec dir not among spec_dirs ({spec_dir} in it); None: configure
 
 
 def _in(root: str, path: str) -> str:
@@ -55,10 +55,12 @@ def _toml_files(root: str, main: str, drop_in_dir: str, suffix: str) -> dict[str
 
 
 def detect(root: str) -> list[str]:
-    """The runtimes whose configuration (or, for podman, binary) is on the node, containerd first."""
+    """The runtimes whose configuration (or, for podman and docker, binary) is on the node, containerd first."""
     found = [name for name, path in DEFAULT_CONFIG.items() if os.path.exists(_in(root, path))]
     if "podman" not in found and os.path.exists(_in(root, "/usr/bin/podman")):
         found.append("podman")
+    if "docker" not in found and any(os.path.exists(_in(root, p)) for p in ("/usr/bin/dockerd", "/usr/sbin/dockerd")):
+        found.append("docker")  # docker 28.2+ needs no daemon.json: a stock node has none
     return found
 
 
@@ -87,7 +89,6 @@ def _status(root: str, name: str, hooks_dir: str, version: str | None = None) ->
                              "devinject install-hook --runc-snippet (into each bundle's config.json)")
     if name == "containerd":
         return _containerd(root)
-    config = _in(root, DEFAULT_CONFIG[name])
     if name == "crio":
         data = _toml_files(root, DEFAULT_CONFIG["crio"], "/etc/crio/crio.conf.d", ".conf")
         dirs = data.get("crio", {}).get("runtime", {}).get("cdi_spec_dirs") or list(DEFAULT_SPEC_DIRS)
@@ -95,14 +96,13 @@ def _status(root: str, name: str, hooks_dir: str, version: str | None = None) ->
     if name == "podman":
         return _podman(root, version if version is not None else
                        (binary_version("podman") if root == "/" else None))
-    text = read_text(config)
-    data = parse_json(text, config) if text is not None else {}
-    features = data.get("features") if isinstance(data.get("features"), dict) else {}
-    if features.get("cdi") is not True:  # type: ignore[union-attr]
-        return RuntimeStatus("docker", _hook_installed(root, hooks_dir),
-                             f"{config}: features.cdi is not on", "devinject runtime configure --runtime docker")
-    dirs = data.get("cdi-spec-dirs") or list(DEFAULT_SPEC_DIRS)
-    return RuntimeStatus("docker", True, f"docker applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
+    if name == "docker":
+        from devinject.runtimes import docker
+
+        found = docker.node_status(root, version=version, hook_installed=_hook_installed(root, hooks_dir))
+        return RuntimeStatus("docker", found.applies, found.detail, found.fix, found.spec_dirs,
+                             spec_dir_fix=found.spec_dir_fix)
+    raise ValueError(f"unknown runtime {name}")
 
 
 PODMAN_READS_SPEC_DIRS = (5, 5)  # before it, podman reads CDI's default dirs whatever containers.conf says
