@@ -40,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.bench_hook import compile_bytecode  # noqa: E402
-from tests.e2e.conftest import make_rootfs  # noqa: E402
+from tests.e2e.conftest import make_rootfs, oci_edits  # noqa: E402
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100  # noqa: E402
 
 from devinject.cdi.model import ContainerEdits, Hook  # noqa: E402
@@ -50,22 +50,6 @@ from devinject.install.nodehook import install_node_hook  # noqa: E402
 
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 DEVICE = "0"
-
-
-def oci_edits(edits: ContainerEdits) -> dict[str, object]:
-    """The CDI edits as a runtime writes them into config.json (mounts, nodes and their cgroup rules, hooks)."""
-    mounts = [{"destination": m.container_path, "type": "bind", "source": m.host_path,
-               "options": list(m.options) or ["ro", "nosuid", "nodev", "bind"]} for m in edits.mounts]
-    devices, rules = [], []
-    for node in edits.device_nodes:
-        st = os.stat(node.host_path or node.path)
-        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-        devices.append({"path": node.path, "type": "c", "major": major, "minor": minor, "fileMode": 0o666,
-                        "uid": 0, "gid": 0})
-        rules.append({"allow": True, "type": "c", "major": major, "minor": minor, "access": "rwm"})
-    hooks = [{"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout or 10}
-             for h in edits.hooks]
-    return {"mounts": mounts, "devices": devices, "rules": rules, "hooks": hooks}
 
 
 def split_hook(hook: Hook, path: str) -> tuple[Hook, ...]:
