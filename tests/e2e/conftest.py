@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from devinject.cdi.model import ContainerEdits
 from devinject.install.hooksd import hook_command, runc_hooks
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_workstation
 
@@ -78,6 +79,22 @@ def make_rootfs(path: Path) -> Path:
     for directory in ("proc", "sys", "dev", "tmp", "etc"):
         (path / directory).mkdir(exist_ok=True)
     return path
+
+
+def oci_edits(edits: ContainerEdits) -> dict[str, object]:
+    """The CDI edits as a runtime writes them into config.json (mounts, nodes and their cgroup rules, hooks)."""
+    mounts = [{"destination": m.container_path, "type": "bind", "source": m.host_path,
+               "options": list(m.options) or ["ro", "nosuid", "nodev", "bind"]} for m in edits.mounts]
+    devices, rules = [], []
+    for node in edits.device_nodes:
+        st = os.stat(node.host_path or node.path)
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        devices.append({"path": node.path, "type": "c", "major": major, "minor": minor, "fileMode": 0o666,
+                        "uid": 0, "gid": 0})
+        rules.append({"allow": True, "type": "c", "major": major, "minor": minor, "access": "rwm"})
+    hooks = [{"path": h.path, "args": list(h.args), "env": list(h.env), "timeout": h.timeout or 10}
+             for h in edits.hooks]
+    return {"mounts": mounts, "devices": devices, "rules": rules, "hooks": hooks}
 
 
 class Bundle:

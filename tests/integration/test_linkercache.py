@@ -74,6 +74,45 @@ def test_entries_and_order_match_the_real_ldconfig(tmp_path: Path, libraries: Pa
     assert len(ours) == len(SONAMES)
 
 
+def _linker_names(folder: Path, libraries: Path) -> None:
+    """Every shape of link a driver install or the spec's create-symlinks leaves beside the libraries: the
+    unversioned `.so` through the SONAME link (libx.so -> libx.so.1 -> file) and straight to the file, one
+    that names another library (listed as that SONAME), a dangling one, one to a non-library, a loop, one
+    that leaves the folder, and names no prefix of their SONAME."""
+    shutil.copytree(libraries, folder, symlinks=True)
+    (folder / "libx.so").unlink()  # SONAMES' own unversioned library becomes the link a -dev package adds
+    (folder / "libx.so").symlink_to("libx.so.10")
+    (folder / "liba9.so").symlink_to("liba9.so.1.0.0")
+    (folder / "libFoo.so").symlink_to("libFoo.so.1")
+    (folder / "libGL.so").symlink_to("libz.so.1")  # not a prefix of libz.so.1: listed as libz.so.1
+    (folder / "libcompat.so.1").symlink_to("libz.so.1.0.0")
+    (folder / "libgone.so").symlink_to("libgone.so.1")
+    (folder / "libtext.so").symlink_to("notes.so.txt")
+    (folder / "notes.so.txt").write_text("not a library\n")
+    (folder / "libloop.so").symlink_to("libloop.so.1")
+    (folder / "libloop.so.1").symlink_to("libloop.so")
+    (folder / "libxa.so").symlink_to("../../../opt/elsewhere/libxa.so.0.0")
+    (folder.parent.parent.parent / "opt" / "elsewhere").mkdir(parents=True)
+    shutil.copy(libraries / "libxa.so.0.0.0", folder.parent.parent.parent / "opt" / "elsewhere" / "libxa.so.0.0")
+
+
+def test_unversioned_links_are_listed_as_the_real_ldconfig_lists_them(tmp_path: Path, libraries: Path) -> None:
+    """`dlopen("libcuda.so")` finds the library through the cache only when the cache lists that name, as
+    ldconfig (and NVIDIA's update-ldcache, which runs it) does; each link shape against the real ldconfig."""
+    require(shutil.which("ldconfig") is not None, "ldconfig not installed")
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    _linker_names(rootfs / "opt" / "vendor" / "lib", libraries)
+    subprocess.run(["ldconfig", "-r", str(rootfs), "-X", "-C", "/etc/ld.so.cache", "/opt/vendor/lib"], check=True,
+                   env={"PATH": "/usr/sbin:/sbin:/usr/bin:/bin"}, capture_output=True)
+    theirs = [e for e in parse_ldcache((rootfs / "etc/ld.so.cache").read_bytes())
+              if e.path.startswith("/opt/vendor/lib/")]
+    with Root(str(rootfs)) as root:
+        ours = merge_entries([], libraries_in(root, "/opt/vendor/lib", []))
+    assert [(e.soname, e.path, e.flags) for e in ours] == [(e.soname, e.path, e.flags) for e in theirs]
+    assert {"libx.so", "liba9.so", "libFoo.so", "libxa.so"} <= {e.soname for e in ours}
+
+
 def test_real_glibc_loader_finds_every_library_through_the_written_cache(tmp_path: Path, libraries: Path) -> None:
     """ld.so binary-searches the cache: a wrong order loses libraries. A program linked against all of
     them runs in a chroot whose only way to find them is the cache devinject wrote."""

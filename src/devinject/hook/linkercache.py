@@ -131,14 +131,32 @@ def _already_cached(name: str, folder: str, paths: set[str], sonames: set[str]) 
     return any(".".join(parts[:k]) in sonames for k in range(2, len(parts)))
 
 
-def _names_a_sibling(dir_fd: int, name: str, present: set[str]) -> bool:
-    """`name` is a link to another library name in the same folder (each library is read once, under the
-    name that is a file, not again through every link to it)."""
+def _sibling_named(dir_fd: int, name: str, present: set[str]) -> str | None:
+    """The other library name in the same folder that the link `name` names, if it names one (each library
+    is read once, under the name that is a file, not again through every link to it)."""
     try:
         target = os.readlink(name, dir_fd=dir_fd)
     except OSError:
-        return False
-    return "/" not in target and target != name and ".so" in target and target in present
+        return None
+    return target if "/" not in target and target != name and ".so" in target and target in present else None
+
+
+def _is_linker_name(name: str, soname: str) -> bool:
+    """`name` is a link ldconfig lists under its own name: the unversioned `.so` that `dlopen("libcuda.so")`
+    and `ld -lcuda` ask for, a prefix of the SONAME it leads to (glibc's ldconfig, search_dir: a link that
+    names neither its SONAME nor such a prefix is listed as its SONAME)."""
+    return name != soname and name.endswith(".so") and soname.startswith(name)
+
+
+def _through_siblings(name: str, siblings: dict[str, str], read: dict[str, SharedObject | None]) \
+        -> tuple[bool, SharedObject | None]:
+    """What the chain of sibling links from `name` ends at, when that file was read in this folder:
+    (True, the library or None); (False, None) when it was not (a loop, or a file not read here)."""
+    for _ in range(len(siblings) + 1):
+        name = siblings.get(name, name)
+        if name not in siblings:
+            break
+    return (True, read[name]) if name in read else (False, None)
 
 
 def _read_library(fd: int, memo: SonameMemo | None, folder_dev: int) -> SharedObject | None:
@@ -206,14 +224,28 @@ def libraries_in(root: Root, folder: str, existing: list[LdCacheEntry],
         sonames = {e.soname for e in existing if posixpath.dirname(e.path) == folder}
         folder_dev = os.fstat(dir_fd).st_dev if memo is not None else -1
         found: list[LdCacheEntry] = []
+        read: dict[str, SharedObject | None] = {}
+        siblings: dict[str, str] = {}  # link -> the library name it names in this folder
         for name in names:
             if ".so" not in name or _already_cached(name, folder, paths, sonames):
                 continue
-            if links[name] and _names_a_sibling(dir_fd, name, present):
-                continue  # libcuda.so -> libcuda.so.1: the library it names is read under that name
-            library = _library(root, folder, dir_fd, name, links[name], memo, folder_dev)
-            if library is not None and library.soname in present:
+            sibling = _sibling_named(dir_fd, name, present) if links[name] else None
+            if sibling is not None:
+                siblings[name] = sibling  # libcuda.so.1 -> libcuda.so.550.54.14: read under that name
+                continue
+            library = read[name] = _library(root, folder, dir_fd, name, links[name], memo, folder_dev)
+            if library is not None and links[name] and _is_linker_name(name, library.soname):
+                found.append(LdCacheEntry(name, f"{folder}/{name}", library.flags, 0))
+            elif library is not None and library.soname in present:
                 found.append(LdCacheEntry(library.soname, f"{folder}/{library.soname}", library.flags, 0))
+        for name in siblings:  # libcuda.so -> libcuda.so.1 -> ...: listed as libcuda.so, as ldconfig lists it
+            if not name.endswith(".so"):
+                continue  # a link to another name is listed as the SONAME the file at its end has
+            known, library = _through_siblings(name, siblings, read)
+            if not known:
+                library = _library(root, folder, dir_fd, name, True, memo, folder_dev)
+            if library is not None and _is_linker_name(name, library.soname):
+                found.append(LdCacheEntry(name, f"{folder}/{name}", library.flags, 0))
         return list(dict.fromkeys(found))
     finally:
         os.close(dir_fd)
