@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from devinject.core.asciitext import is_digits
 from devinject.core.errors import DevinjectError
 
 REQUEST_TIMEOUT = 10.0  # wall-clock seconds per attempt, connect to last byte
@@ -397,7 +398,7 @@ class ResourceApi:
 
     def _read(self, response: http.client.HTTPResponse, what: str) -> bytes:
         length = response.getheader("Content-Length")
-        if length and length.isdigit() and int(length) > self.max_answer:
+        if length and is_digits(length) and int(length) > self.max_answer:
             raise ApiError(f"{what}: an answer of {int(length)} bytes, more than {self.max_answer}: refused",
                            reason=f"answer larger than {self.max_answer} bytes")
         chunks: list[bytes] = []
@@ -405,7 +406,7 @@ class ResourceApi:
         while True:
             chunk = response.read(65536)
             if not chunk:
-                if length and length.isdigit() and size < int(length):  # http.client says nothing of it
+                if length and is_digits(length) and size < int(length):  # http.client says nothing of it
                     raise http.client.IncompleteRead(b"", int(length) - size)
                 return b"".join(chunks)
             size += len(chunk)
