@@ -230,8 +230,9 @@ def test_install_hook_writes_the_servers_unit_for_this_installation_on_the_hooks
     assert hook["args"][-3:] == ["hook", "--server", str(socket)]
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert "cannot create unit dir" in one_error_line(run("install-hook", "--runc-snippet", "--server-unit",
-                                                          "--unit-dir", str(blocked / "units")))
+    refused = one_error_line(run("install-hook", "--runc-snippet", "--server-unit", "--unit-dir",
+                                 str(blocked / "units")))
+    assert "file: is not a directory, above the directory of the systemd unit" in refused
 
 
 def test_device_plugin_config_file_gives_defaults_flags_win_and_unknown_names_fail(tmp_path):

@@ -177,3 +177,64 @@ def test_trusted_dir_checks_the_path_above_it(top: Path) -> None:
     assert caught.value.message == (f"{top}/open: is writable by group or others (mode 0777), above the state "
                                     f"directory {top}/open/state; refused (devinject keeps root's files there)")
     assert not (top / "open" / "state").exists()
+
+
+# --- every root writer goes through it: what the runtimes and the hook run as root -------------------------
+
+DEVINJECT = str(Path(sys.executable).parent / "devinject")
+
+
+def under_umask_0(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sh", "-c", 'umask 0; exec "$0" "$@"', DEVINJECT, *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_install_hook_under_umask_0_writes_what_the_runtime_runs_as_roots_alone(top: Path) -> None:
+    """hooks.d and the hook server's unit: the runtime and systemd run what they name as root."""
+    done = under_umask_0("install-hook", "--hooks-dir", str(top / "hooks.d"), "--executable", DEVINJECT,
+                         "--server-unit", "--unit-dir", str(top / "etc" / "systemd"))
+    assert done.returncode == 0, done.stderr
+    assert as_user(str(top / "hooks.d" / "10-devinject.json")) == 3  # the hook runs as root at every start
+    assert [mode(top / p) for p in ("hooks.d", "hooks.d/10-devinject.json", "etc", "etc/systemd",
+                                    "etc/systemd/devinject-hook-server.service")] == [0o755, 0o644, 0o755, 0o755,
+                                                                                       0o644]
+    (top / "hooks.d").chmod(0o777)  # as an older devinject under umask 0 left it
+    done = under_umask_0("install-hook", "--hooks-dir", str(top / "hooks.d"), "--executable", DEVINJECT)
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        f"devinject: error: {top}/hooks.d: the directory of the hooks.d file is writable by group or others "
+        "(mode 0777); refused (devinject keeps root's files there)"]
+
+
+def test_generate_refuses_a_spec_dir_under_a_directory_others_can_write(top: Path) -> None:
+    """Specs are code the runtime runs as root: a user who can rename the spec dir's parent can swap the dir."""
+    from tests.conftest import HOSTS
+
+    (top / "open").mkdir()
+    (top / "open").chmod(0o777)
+    out = top / "open" / "cdi"
+    done = under_umask_0("generate", "--root", str(HOSTS / "hgx-h100"), "--output-dir", str(out))
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        f"devinject: error: {top}/open: is writable by group or others (mode 0777), above the spec directory "
+        f"{out}; refused (devinject keeps root's files there)"]
+    assert list((top / "open").iterdir()) == []
+
+
+def test_a_dra_claims_spec_is_not_written_where_others_could_swap_it(top: Path) -> None:
+    """The claim's CDI spec names the nodes and mounts containerd gives the pod: its directory is root's alone."""
+    from devinject.dra.claims import PrepareError
+    from tests.integration.test_dra_driver import GPU_POOL, FakeApi, make_driver
+
+    (top / "state").mkdir()
+    (top / "open").mkdir()
+    (top / "open").chmod(0o777)
+    dirs = {"plugins": str(top / "plugins"), "registry": str(top / "registry"), "state": str(top / "state"),
+            "cdi": str(top / "open" / "cdi")}
+    api = FakeApi()
+    uid = "0b7f8e7c-8888-4c1b-9a55-000000000001"
+    api.add("a", uid, [(GPU_POOL, "gpu-0000-18-00-0")])
+    with pytest.raises(PrepareError) as caught:
+        make_driver(dirs, api).preparer.prepare("default", "a", uid)
+    assert caught.value.message == (f"{top}/open: is writable by group or others (mode 0777), above the directory "
+                                    f"of the claim's CDI spec {top}/open/cdi; refused (devinject keeps root's files "
+                                    "there)")
+    assert list((top / "open").iterdir()) == []

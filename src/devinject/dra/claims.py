@@ -32,6 +32,7 @@ from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
 from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
+from devinject.linux.trusteddir import write_file
 from devinject.nodestate.claimcheckpoints import (
     NODE_PID,
     DraCheckpoint,
@@ -349,11 +350,7 @@ class Preparer:
             from devinject.specs.validate import validate_spec
 
             validate_spec(spec, source=path)
-            try:
-                os.makedirs(self.cdi_dir, mode=0o755, exist_ok=True)
-                replace_file(path, text.encode(), 0o644, sync=True)
-            except OSError as err:
-                raise PrepareError(f"{path}: cannot write the claim's CDI spec: {err.strerror}") from None
+            write_file(path, text.encode(), 0o644, what="claim's CDI spec", error=PrepareError, sync=True)
             admin = admin_access(claim, self.driver)
             booked = tuple(Claim(f"{o.kind}={o.name}", (), ()) if (o.pool, o.name) in admin else _ledger_claim(o, e)
                            for o, e in zip(offers, edits, strict=True))
