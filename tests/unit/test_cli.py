@@ -146,7 +146,7 @@ def test_hook_server_refuses_an_unsafe_or_impossible_socket_in_one_line(tmp_path
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # others could replace the socket
-    assert "must be owned by this user and not writable by others" in one_error_line(
+    assert "the hook server's directory is writable by group or others (mode 0777); refused" in one_error_line(
         run("hook-server", "--socket", str(shared / "hook.sock")))
     (tmp_path / "file").write_text("")
     assert "exists and is not a socket" in one_error_line(run("hook-server", "--socket", str(tmp_path / "file")))

@@ -238,3 +238,23 @@ def test_a_dra_claims_spec_is_not_written_where_others_could_swap_it(top: Path) 
                                     f"of the claim's CDI spec {top}/open/cdi; refused (devinject keeps root's files "
                                     "there)")
     assert list((top / "open").iterdir()) == []
+
+
+def test_the_hook_servers_socket_is_not_made_under_a_directory_others_can_write(top: Path) -> None:
+    """Whoever can rename a directory above the socket's can put a server of their own where the hook looks."""
+    from tests.e2e.conftest import terminate
+
+    (top / "open").mkdir()
+    (top / "open").chmod(0o777)
+    server = subprocess.Popen([DEVINJECT, "hook-server", "--socket", str(top / "open" / "run" / "hook.sock")],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        _, errors = server.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the hook server started under a directory anyone can write")
+    finally:
+        terminate(server, timeout=10)  # never left running
+    assert server.returncode != 0 and errors.strip().splitlines() == [
+        f"devinject: error: {top}/open: is writable by group or others (mode 0777), above the hook server's "
+        f"directory {top}/open/run; refused (devinject keeps root's files there)"]
+    assert list((top / "open").iterdir()) == []
