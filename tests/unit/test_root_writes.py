@@ -258,3 +258,16 @@ def test_the_hook_servers_socket_is_not_made_under_a_directory_others_can_write(
         f"devinject: error: {top}/open: is writable by group or others (mode 0777), above the hook server's "
         f"directory {top}/open/run; refused (devinject keeps root's files there)"]
     assert list((top / "open").iterdir()) == []
+
+
+def test_nfds_feature_file_is_not_written_where_others_could_swap_it(top: Path) -> None:
+    from devinject.agent.nfd import write_features
+
+    features = top / "features.d"
+    features.mkdir()
+    features.chmod(0o777)
+    with pytest.raises(OSError) as caught:
+        write_features(str(features), ["devinject.io/nvidia-com-gpu.count=8"])
+    assert caught.value.strerror == (f"{features}: the directory of the NFD feature file is writable by group or "
+                                     "others (mode 0777); refused (devinject keeps root's files there)")
+    assert list(features.iterdir()) == []
