@@ -95,6 +95,26 @@ def test_any_error_in_one_claims_prepare_or_unprepare_is_that_claims(served: tup
     assert "Traceback" in caplog.text or any(r.exc_info for r in caplog.records)
 
 
+def test_a_claim_that_fails_unexpectedly_after_its_booking_leaves_nothing(served: tuple[DraDriver, FakeApi],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug after the booking (here in the time slice's step) left the GPU booked and its spec written for a
+    claim the kubelet was told failed: no other claim could have the GPU until a restart."""
+    driver, api = served
+    api.add("bad", UID_BAD, [(GPU_POOL, "gpu-0000-18-00-0")])
+
+    def broken(*args: object) -> None:
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(driver.preparer, "_timeslices", broken)
+    answer = prepare(driver, ("bad", UID_BAD)).claims[UID_BAD]
+    assert answer.error.startswith("internal error in devinject's prepare: IndexError") and not answer.devices
+    assert UID_BAD not in json.dumps(Ledger(driver.opts.state_dir).snapshot())
+    assert not os.path.exists(driver.preparer.spec_path(UID_BAD))
+    monkeypatch.undo()
+    api.add("next", UID_GOOD, [(GPU_POOL, "gpu-0000-18-00-0")])  # the same GPU: free again
+    assert prepare(driver, ("next", UID_GOOD)).claims[UID_GOOD].error == ""
+
+
 # --- consumable capacity: amounts below the published minimum ---------------------------------------------
 
 

@@ -383,11 +383,13 @@ class Preparer:
                     self.mps.acquire(gpu, uid, visible[gpu])
                     started.append(gpu)
                 self._timeslices(namespace, name, results, offers, sharing)
-            except (MpsError, TimesliceError, PrepareError) as err:
+            except Exception as err:  # whatever failed (a bug too), nothing of the claim is left booked
                 for gpu in started:
                     self.mps.release(gpu, uid)
                 self.ledger.release(self.booking(uid))
                 _remove(path)
+                if not isinstance(err, MpsError | TimesliceError | PrepareError):
+                    raise  # the kubelet plugin answers it as this claim's internal error
                 raise PrepareError(err.message if isinstance(err, PrepareError)
                                    else f"claim {namespace}/{name}: {err.message}") from None
             # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base
