@@ -7,7 +7,8 @@ a directory others can write (or that is a link, or someone else's), or one unde
 refused with one line naming it: the hook reads the ledger, health verdicts and cached facts from there as
 root, and a runtime's drop-in there is code it runs as root. A sticky directory others can write (/tmp) is
 passed through as the kernel would let it be: only its entries owned by root or this user. `write_file` and
-`remove_file` are the one way a config, spec or state file is written. Lean: the hook uses it.
+`remove_file` write root's files anywhere (a runtime's config, a hooks.d file, a unit, a claim's spec); in a
+directory `trusted_dir` checked (the state dir) its owner writes through core/atomicfile. Lean: the hook uses it.
 """
 
 from __future__ import annotations
