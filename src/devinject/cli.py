@@ -524,7 +524,6 @@ _lean_command("cdi-hook", "The specs' hooks: symlinks and the linker cache.",
 def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bool, poststop: bool,
                  server_socket: str | None, runc_snippet: bool, server_unit: bool, unit_dir: str | None) -> None:
     """Install the OCI hook for CRI-O and podman (hooks.d 1.0.0)."""
-    from devinject.cdi.spec import write_atomic
     from devinject.hook.client import DEFAULT_SOCKET, server_answers
     from devinject.install.hooksd import (
         DEFAULT_HOOKS_DIR,
@@ -538,6 +537,7 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
         runc_hooks,
     )
     from devinject.install.hooksd import server_unit as render_server_unit
+    from devinject.linux.trusteddir import write_file
 
     command = hook_command(executable and os.path.abspath(executable))
     if not os.access(command[0], os.X_OK):
@@ -551,23 +551,15 @@ def install_hook(hooks_dir: str | None, executable: str | None, env_requests: bo
             # a typo'd path no runtime reads: only its last component is made, as `mkdir` would
             raise UsageError(f"--hooks-dir {hooks_dir}: no such directory as {directory.absolute().parent} (the "
                              "runtime reads hooks from a directory it is configured with: create that one first)")
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DevinjectError(f"{directory}: cannot create hooks dir: {err.strerror}") from None
-        target = directory / HOOK_FILE
-        write_atomic(target, render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop,
-                                                  server=server)))
+        target = directory / HOOK_FILE  # what the runtime runs as root: written as trusteddir writes root's files
+        write_file(str(target), render(hooks_d_entry(command, env_requests=env_requests, poststop=poststop,
+                                                     server=server)).encode(), what="hooks.d file", sync=True)
         note(f"wrote {target}")
     for line in pod_annotation_passthrough():
         note(f"warning: {line}")
     if server_unit:
         unit = Path(unit_dir or DEFAULT_UNIT_DIR) / SERVER_UNIT
-        try:
-            unit.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise DevinjectError(f"{unit.parent}: cannot create unit dir: {err.strerror}") from None
-        write_atomic(unit, render_server_unit(command, server))
+        write_file(str(unit), render_server_unit(command, server).encode(), what="systemd unit", sync=True)
         note(f"wrote {unit}; start it: systemctl daemon-reload && systemctl enable --now {SERVER_UNIT}")
     elif not server_answers(server):  # the hook still works: in-process, ~4 ms slower on each container start
         note(f"note: no hook server answers at {server}: each container start will load the hook itself; "
@@ -1054,12 +1046,14 @@ def who(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, 
 @profile_dir_option
 def create_dev_char_links(root: str, dry_run: bool, profile_dirs: tuple[str, ...]) -> None:
     """Create /dev/char/MAJ:MIN links for discovered nodes that udev did not make (systemd reload caveat)."""
+    from devinject.linux.trusteddir import trusted_dir
+
     for link, target in _node(root=root, profile_dirs=profile_dirs).dev_char_links():
         if dry_run:
             click.echo(f"{link} -> {target}")
             continue
+        trusted_dir(os.path.dirname(link), what="/dev/char directory")  # 0755 whatever the umask, or refused
         try:
-            os.makedirs(os.path.dirname(link), exist_ok=True)
             os.symlink(target, link)
         except FileExistsError:
             continue

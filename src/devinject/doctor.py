@@ -19,9 +19,11 @@ The links, in order (each one needs the ones before it):
   missing, what the driver's /metrics count of publishes the API server refused.
 
 Every check but `slice` reads files under the node's root; `slice` makes one list call of the node's slices
-(dra/kubeapi.py: a deadline, a bounded answer) and one bounded GET of the driver's /metrics, both shared by
-every device. A link after a broken one is reported as not checked (`ok` null). A module of the top
-(docs/architecture.md): it reads every layer's answers.
+(dra/kubeapi.py: a deadline, a bounded answer) and one bounded GET of the driver's /metrics, both shared by every
+device; each answer from a server has one wall-clock deadline from connect to its last byte
+(core/deadline.SocketDeadline), which a server dripping its status line, headers or chunk sizes cannot stretch. A
+link after a broken one is reported as not checked (`ok` null). A module of the top (docs/architecture.md): it reads
+every layer's answers.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from devinject.cdi.identity import device_key
+from devinject.core.asciitext import is_digits
+from devinject.core.deadline import SocketDeadline
 from devinject.core.errors import DevinjectError, SpecError
 from devinject.core.paths import DEFAULT_SPEC_DIRS
 
@@ -224,7 +228,7 @@ class _Context:
         self._health: dict[str, Any] | None = None
         self._inventory: dict[str, Any] | None = None
         self._slices: list[dict[str, Any]] | _Broken | None = None
-        self._publish_errors: dict[str, float] | None = None
+        self._publish_errors: dict[str, float] | str | None = None  # str: why /metrics gave no answer
 
     def walk(self, subject: _Subject) -> Diagnosis:
         links = [("pci", self.pci), ("driver", self.driver), ("nodes", self.nodes), ("libraries", self.libraries),
@@ -493,8 +497,13 @@ class _Context:
         nothing answers there)."""
         if self._publish_errors is None:
             address = self.options.metrics_address
-            self._publish_errors = publish_errors(address) if address else {}
+            try:
+                self._publish_errors = publish_errors(address) if address else {}
+            except MetricsUnanswered as err:
+                self._publish_errors = err.message
         counts = self._publish_errors
+        if isinstance(counts, str):
+            return f"; the driver's /metrics ({self.options.metrics_address}): {counts}"
         if not counts:
             return ""
         said = ", ".join(f"{reason} {count:g}" for reason, count in sorted(counts.items()))
@@ -615,39 +624,41 @@ METRICS_MAX = 1 << 20  # bytes of it read at most
 _PUBLISH_ERRORS = re.compile(r'^devinject_dra_slice_publish_errors_total\{reason="([a-z0-9-]+)"\} ([0-9.e+]+)$')
 
 
+class MetricsUnanswered(DevinjectError):
+    """The driver's /metrics gave no whole answer within its deadline: one line saying so."""
+
+
 def publish_errors(address: str, timeout: float = METRICS_TIMEOUT, limit: int = METRICS_MAX) -> dict[str, float]:
     """The DRA driver's count of failed publishes by reason (`api-422`, `unreachable`: dra/metrics.py), the
-    nonzero ones, from its /metrics at HOST:PORT; {} when nothing answers there within `timeout` seconds."""
+    nonzero ones, from its /metrics at HOST:PORT; {} when nothing listens there or it answers no 200. One
+    deadline of `timeout` seconds from connect to the last byte: MetricsUnanswered when it passes first
+    (whatever came before it is not counted: a server dripping bytes could otherwise hold doctor, or fake the
+    counts, as long as it likes; port 9401 is anyone's while the driver is down)."""
     import http.client
-    import time
 
     host, _, port = address.rpartition(":")
-    if not port.isdigit():
+    if not is_digits(port):
         return {}
-    end = time.monotonic() + timeout
+    deadline = SocketDeadline(timeout)
     connection = http.client.HTTPConnection(host.strip("[]") or "127.0.0.1", int(port), timeout=timeout)
     try:
+        connection.connect()
+        if connection.sock is not None:
+            deadline.arm(connection.sock)
         connection.request("GET", "/metrics")
-        sock = connection.sock  # the answer's reads go through it even once the connection lets it go
         response = connection.getresponse()
-        if response.status != 200:
-            return {}
-        chunks, size = [], 0
-        while (left := end - time.monotonic()) > 0 and size <= limit:
-            if sock is not None:
-                sock.settimeout(left)  # one deadline for the whole answer, not one per read
-            chunk = response.read1(65536)  # what one receive brings: the deadline is checked between them
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        text = b"".join(chunks)[:limit].decode("utf-8", "replace")
+        data = response.read(limit + 1) if response.status == 200 else b""  # bounded: what lies past it is cut
     except (OSError, ValueError, http.client.HTTPException):
-        return {}
+        if deadline.passed():
+            raise MetricsUnanswered(f"no whole answer within {timeout:g}s; not counted") from None
+        return {}  # nothing listens there (the driver is not running), or no HTTP
     finally:
+        deadline.disarm()
         connection.close()
+    if deadline.expired:  # the watchdog shut the socket: what was read is cut short
+        raise MetricsUnanswered(f"no whole answer within {timeout:g}s; not counted")
     counts = {}
-    for line in text.splitlines():
+    for line in data[:limit].decode("utf-8", "replace").splitlines():
         match = _PUBLISH_ERRORS.match(line)
         if match and float(match[2]) > 0:
             counts[match[1]] = float(match[2])

@@ -161,7 +161,7 @@ def test_hook_server_refuses_an_unsafe_or_impossible_socket_in_one_line(tmp_path
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)  # others could replace the socket
-    assert "must be owned by this user and not writable by others" in one_error_line(
+    assert "the hook server's directory is writable by group or others (mode 0777); refused" in one_error_line(
         run("hook-server", "--socket", str(shared / "hook.sock")))
     (tmp_path / "file").write_text("")
     assert "exists and is not a socket" in one_error_line(run("hook-server", "--socket", str(tmp_path / "file")))
@@ -245,8 +245,9 @@ def test_install_hook_writes_the_servers_unit_for_this_installation_on_the_hooks
     assert hook["args"][-3:] == ["hook", "--server", str(socket)]
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert "cannot create unit dir" in one_error_line(run("install-hook", "--runc-snippet", "--server-unit",
-                                                          "--unit-dir", str(blocked / "units")))
+    refused = one_error_line(run("install-hook", "--runc-snippet", "--server-unit", "--unit-dir",
+                                 str(blocked / "units")))
+    assert "file: is not a directory, above the directory of the systemd unit" in refused
 
 
 def test_device_plugin_config_file_gives_defaults_flags_win_and_unknown_names_fail(tmp_path):

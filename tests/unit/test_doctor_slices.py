@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from click.testing import CliRunner
 
 from devinject.api import Node
 from devinject.cli import cli
-from devinject.doctor import LINKS, DoctorOptions, check_link, publish_errors, slice_api
+from devinject.doctor import LINKS, DoctorOptions, MetricsUnanswered, check_link, publish_errors, slice_api
 from devinject.dra.kubeapi import ResourceApi, credentials
 from devinject.dra.slices import offers, resource_slices
 from devinject.nodestate.ledger import Claim, Ledger
@@ -268,34 +269,78 @@ def test_the_command_takes_the_kubeconfig_and_refuses_one_that_is_not(root: Path
     assert os.path.exists(config)
 
 
-def test_a_metrics_answer_that_trickles_is_cut_at_one_deadline_and_a_bad_address_is_no_answer() -> None:
-    """/metrics sending a line every 0.3 s: each read met its own timeout, so the answer could hold doctor
-    far past `timeout`; now one deadline covers the whole answer. A port that is no number reads as no answer
-    (it raised ValueError before the try)."""
-    import threading
+@contextmanager
+def trickler(head: bytes, drip: bytes, rest: bytes, every: float = 1.5) -> Iterator[str]:
+    """A server on loopback that sends `head` at once, then `drip` a byte every `every` seconds, then `rest`;
+    its address. Each byte comes well within a 2 s timeout per read: only one deadline for the whole answer
+    stops it. It stops when the client goes."""
     import time
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
-    port = server.getsockname()[1]
 
-    def trickle() -> None:
-        peer, _ = server.accept()
+    def serve() -> None:
+        try:
+            peer, _ = server.accept()
+        except OSError:
+            return
         with peer:
-            peer.recv(4096)
-            peer.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")
-            for _ in range(30):
-                try:
-                    peer.sendall(b"# HELP filler a line\n")
-                except OSError:
-                    return
-                time.sleep(0.3)
+            try:
+                peer.recv(4096)
+                peer.sendall(head)
+                for byte in drip:
+                    time.sleep(every)
+                    peer.sendall(bytes([byte]))
+                peer.sendall(rest)
+            except OSError:
+                return
 
-    thread = threading.Thread(target=trickle, daemon=True)
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    started = time.monotonic()
-    assert publish_errors(f"127.0.0.1:{port}", timeout=1.0) == {}
-    assert time.monotonic() - started < 2.5
-    server.close()
-    assert publish_errors("127.0.0.1:metrics") == {}
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()
+        thread.join(timeout=10)
+
+
+FAKE = b'devinject_dra_slice_publish_errors_total{reason="api-422"} 99\n'  # the counts a squatter would fake
+DRIPPED = {  # where in the answer the bytes drip: the status line, a header, a chunk's size line
+    "status line": (b"HTTP/1.1 2", b"00 ", b"OK\r\nContent-Length: %d\r\n\r\n%s" % (len(FAKE), FAKE)),
+    "headers": (b"HTTP/1.1 200 OK\r\nContent-Le", b"ngt", b"h: %d\r\n\r\n%s" % (len(FAKE), FAKE)),
+    "chunk size": (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"000",
+                   b"%x\r\n%s\r\n0\r\n\r\n" % (len(FAKE), FAKE)),
+}
+
+
+@pytest.mark.parametrize("where", list(DRIPPED))
+def test_a_metrics_answer_dripped_a_byte_every_1_5s_is_given_up_at_one_deadline(where: str) -> None:
+    """Port 9401 is anyone's while the driver is down (which is when doctor runs): a server dripping a byte
+    every 1.5 s in the status line, the headers or a chunk's size held doctor for as long as it liked (each
+    read had its own 2 s), then had its fake counts believed. Now one 2 s deadline covers connect to last
+    byte, and what came before it is not counted."""
+    with (trickler(*DRIPPED[where]) as address,
+          pytest.raises(MetricsUnanswered, match=r"^no whole answer within 2s; not counted$")):
+        publish_errors(address)
+
+
+def test_doctor_says_in_one_line_that_the_metrics_gave_no_answer(root: Path, tmp_path: Path, fake_api_server: int,
+                                                                  fake_api_ca: Path) -> None:
+    register_dra(root)
+    answer([])
+    with trickler(*DRIPPED["headers"]) as address:
+        check = link(root, api(tmp_path, fake_api_server, fake_api_ca), metrics=address)
+    assert check.ok is False and "\n" not in check.detail and "api-422" not in check.detail
+    assert check.detail.endswith(f"; the driver's /metrics ({address}): no whole answer within 2s; not counted")
+
+
+def test_a_metrics_body_that_trickles_is_cut_at_one_deadline_and_a_bad_address_is_no_answer() -> None:
+    """/metrics sending a line every 0.3 s: each read met its own timeout, so the answer could hold doctor
+    far past `timeout`; one deadline covers the whole answer, and a cut one is no answer. A port that is no
+    number (or no ASCII number) reads as no answer (it raised ValueError before the try)."""
+    body = b"# HELP filler a line\n" * 30
+    with (trickler(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n", body, b"", every=0.01) as address,
+          pytest.raises(MetricsUnanswered)):
+        publish_errors(address, timeout=1.0)
+    assert publish_errors("127.0.0.1:metrics") == {} and publish_errors("127.0.0.1:9²01") == {}

@@ -34,6 +34,7 @@ from devinject.agent.health import PutBack
 from devinject.core import atomicfile, jsonlite
 from devinject.core.errors import DevinjectError
 from devinject.linux import filelock
+from devinject.linux.trusteddir import make_dirs
 from devinject.nodestate import healthverdicts
 from devinject.nodestate.healthverdicts import DeviceVerdict
 from devinject.nodestate.statefile import StateFileError, UnreadableStateFile
@@ -189,7 +190,7 @@ def load_state(state_dir: str) -> HealthState | None:
 def save_state(state_dir: str, data: bytes) -> None:
     """Replace the state file with `data` (mode 0600, fsynced: a verdict survives a crash). OSError is the
     caller's."""
-    os.makedirs(state_dir, mode=0o755, exist_ok=True)
+    make_dirs(state_dir)  # 0755 whatever the umask (the agent checked it at its start: linux/trusteddir)
     atomicfile.replace(os.path.join(state_dir, STATE_FILE), data, 0o600, sync=True)
 
 
@@ -200,7 +201,7 @@ def take_loop_lock(state_dir: str) -> int | None:
     put-back requests). The kernel drops the lock when its holder dies: no stale lock outlives a crash."""
     import fcntl
 
-    os.makedirs(state_dir, mode=0o755, exist_ok=True)
+    make_dirs(state_dir)
     fd = os.open(os.path.join(state_dir, LOOP_LOCK), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

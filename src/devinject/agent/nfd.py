@@ -69,10 +69,13 @@ def features(host: Host, found: list[FoundDevice], *, out: frozenset[str] = froz
 
 def write_features(directory: str, lines: list[str]) -> bool:
     """Write the feature file into `directory` atomically (a dot-file renamed into place), only when it
-    changed; True when written."""
+    changed; True when written. As root writes (linux/trusteddir.write_file): a directory someone but root
+    could change, or one above it, is refused (OSError, its strerror the one line)."""
+    import errno
     import os
 
-    from devinject.core.atomicfile import replace
+    from devinject.core.errors import DevinjectError
+    from devinject.linux.trusteddir import write_file
 
     path = os.path.join(directory, FEATURE_FILE)
     text = "\n".join(lines) + "\n"
@@ -82,5 +85,8 @@ def write_features(directory: str, lines: list[str]) -> bool:
                 return False
     except (OSError, UnicodeDecodeError):
         pass
-    replace(path, text.encode(), 0o644, sync=True)
+    try:
+        write_file(path, text.encode(), 0o644, what="NFD feature file", sync=True)
+    except DevinjectError as err:  # the callers log and go on: an OSError to them
+        raise OSError(errno.EPERM, err.message) from None
     return True

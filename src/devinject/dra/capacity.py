@@ -21,15 +21,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from devinject.core.asciitext import is_digits
 from devinject.core.errors import DevinjectError
 
 MEMORY, SHARES = "memory", "shares"
 MAX_SHARES = 1024
 MIB = 2**20
-_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_QUANTITY = re.compile(r"([0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")  # fullmatch: no "4Gi\n"
 _UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 AUTO = "auto"
+MINIMUM = {MEMORY: MIB, SHARES: 1}  # each capacity's validRange.min as capacity_json publishes it
 
 
 class CapacityError(DevinjectError):
@@ -50,7 +52,7 @@ def quantity(text: object, where: str) -> int:
     """A whole Kubernetes quantity (`80Gi`, `4`, `1073741824`) as an integer; CapacityError otherwise."""
     if isinstance(text, bool) or not isinstance(text, int | str) or len(str(text)) > 32:
         raise CapacityError(f"{where}: expected a quantity such as 20Gi, got {str(text)[:40]!r}")
-    match = _QUANTITY.match(str(text))
+    match = _QUANTITY.fullmatch(str(text))
     if match is None:
         raise CapacityError(f"{where}: expected a quantity such as 20Gi, got {str(text)[:40]!r}")
     return int(match.group(1)) * _UNITS[match.group(2)]
@@ -69,7 +71,7 @@ def parse_capacity_sharing(text: str, where: str = "--consumable-capacity") -> C
     if SHARES not in fields:
         raise CapacityError(f"{where}: shares=N is required (how many claims one GPU serves at most)")
     shares = fields[SHARES]
-    if not shares.isdigit() or not 1 <= int(shares) <= MAX_SHARES:
+    if not is_digits(shares) or not 1 <= int(shares) <= MAX_SHARES:
         raise CapacityError(f"{where}: shares: expected a whole number from 1 to {MAX_SHARES}, got {shares!r}")
     memory = fields.get(MEMORY)
     if memory == AUTO:
@@ -106,14 +108,16 @@ def capacity_json(capacity: dict[str, int]) -> dict[str, object]:
     for index, (name, value) in enumerate(capacity.items()):
         if name == MEMORY:
             total = binary_quantity(value)
-            policy: dict[str, object] = {"default": total if index == 0 else "1Mi",
-                                         "validRange": {"min": "1Mi", "step": "1Mi"}}
+            least = binary_quantity(MINIMUM[MEMORY])
+            policy: dict[str, object] = {"default": total if index == 0 else least,
+                                         "validRange": {"min": least, "step": least}}
         else:
             total = str(value)
-            valid: dict[str, str] = {"min": "1", "max": total}
+            least = str(MINIMUM[SHARES])
+            valid: dict[str, str] = {"min": least, "max": total}
             if value > 1:  # the API wants min + step within the capacity
-                valid["step"] = "1"
-            policy = {"default": total if index == 0 else "1", "validRange": valid}
+                valid["step"] = least
+            policy = {"default": total if index == 0 else least, "validRange": valid}
         out[name] = {"value": total, "requestPolicy": policy}
     return out
 
@@ -121,7 +125,8 @@ def capacity_json(capacity: dict[str, int]) -> dict[str, object]:
 def consumed(result: dict[str, object], capacity: dict[str, int], where: str) -> dict[str, int]:
     """A result's `consumedCapacity` in whole units, every capacity of the device named (one the scheduler
     left out consumes its default, as the policy says). A name the device does not publish, an amount beyond
-    the capacity, or a malformed one: CapacityError."""
+    the capacity, below its published minimum (0 included: ten claims of 0 fit on a full GPU), or a
+    malformed one: CapacityError."""
     said = result.get("consumedCapacity")
     if said is None:
         said = {}
@@ -135,8 +140,12 @@ def consumed(result: dict[str, object], capacity: dict[str, int], where: str) ->
         out[name] = quantity(value, f"{where}.consumedCapacity.{name}")
     for index, name in enumerate(capacity):
         if name not in out:
-            out[name] = capacity[name] if index == 0 else (MIB if name == MEMORY else 1)
+            out[name] = capacity[name] if index == 0 else MINIMUM.get(name, 1)
     for name, amount in out.items():
+        least = MINIMUM.get(name, 1)
+        if amount < least:
+            raise CapacityError(f"{where}.consumedCapacity.{name}: {amount} is less than the device's minimum "
+                                f"{least} (its requestPolicy's validRange)")
         if amount > capacity[name]:
             raise CapacityError(f"{where}.consumedCapacity.{name}: {amount} is more than the device's "
                                 f"{capacity[name]}")

@@ -32,6 +32,7 @@ from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
 from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
+from devinject.linux.trusteddir import write_file
 from devinject.nodestate.claimcheckpoints import (
     NODE_PID,
     DraCheckpoint,
@@ -349,11 +350,7 @@ class Preparer:
             from devinject.specs.validate import validate_spec
 
             validate_spec(spec, source=path)
-            try:
-                os.makedirs(self.cdi_dir, mode=0o755, exist_ok=True)
-                replace_file(path, text.encode(), 0o644, sync=True)
-            except OSError as err:
-                raise PrepareError(f"{path}: cannot write the claim's CDI spec: {err.strerror}") from None
+            write_file(path, text.encode(), 0o644, what="claim's CDI spec", error=PrepareError, sync=True)
             admin = admin_access(claim, self.driver)
             booked = tuple(Claim(f"{o.kind}={o.name}", (), ()) if (o.pool, o.name) in admin else _ledger_claim(o, e)
                            for o, e in zip(offers, edits, strict=True))
@@ -386,11 +383,13 @@ class Preparer:
                     self.mps.acquire(gpu, uid, visible[gpu])
                     started.append(gpu)
                 self._timeslices(namespace, name, results, offers, sharing)
-            except (MpsError, TimesliceError, PrepareError) as err:
+            except Exception as err:  # whatever failed (a bug too), nothing of the claim is left booked
                 for gpu in started:
                     self.mps.release(gpu, uid)
                 self.ledger.release(self.booking(uid))
                 _remove(path)
+                if not isinstance(err, MpsError | TimesliceError | PrepareError):
+                    raise  # the kubelet plugin answers it as this claim's internal error
                 raise PrepareError(err.message if isinstance(err, PrepareError)
                                    else f"claim {namespace}/{name}: {err.message}") from None
             # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base

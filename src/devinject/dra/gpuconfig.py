@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from devinject.core.asciitext import is_digits
 from devinject.core.errors import DevinjectError
 
 API_VERSION = "v1alpha1"
@@ -26,7 +27,7 @@ TIME_SLICING, MPS = "TimeSlicing", "MPS"
 INTERVALS = ("Default", "Short", "Medium", "Long")
 NVIDIA_GROUP = "resource.nvidia.com"
 MAX_DEVICE_LIMITS = 64  # more keys than devices on any node: refused, not iterated
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")  # fullmatch: no "4Gi\n"
 _UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
@@ -88,7 +89,7 @@ def megabytes(where: str, name: str, value: object) -> int:
     """A Kubernetes quantity (10Gi, 512Mi, 4G, 1073741824) in whole MiB, at least 1 (as NVIDIA's driver)."""
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise GpuConfigError(f"{where}: {name}: expected a quantity such as 4Gi, got {_shown(value)}")
-    match = _QUANTITY.match(str(value)) if len(str(value)) <= 32 else None
+    match = _QUANTITY.fullmatch(str(value)) if len(str(value)) <= 32 else None
     if match is None:
         raise GpuConfigError(f"{where}: {name}: expected a quantity such as 4Gi, got {_shown(value)}")
     number, unit = match.groups()
@@ -147,7 +148,7 @@ def parse_gpu_config(parameters: object, where: str, group: str) -> GpuSharing:
         raise GpuConfigError(f"{where}: {at}.defaultPerDevicePinnedMemoryLimit: expected an object of device "
                              f"index to quantity (at most {MAX_DEVICE_LIMITS})")
     for key, value in listed.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) <= 3):
+        if not (isinstance(key, str) and is_digits(key) and len(key) <= 3):
             raise GpuConfigError(f"{where}: {at}.defaultPerDevicePinnedMemoryLimit.{_shown(key)}: expected a "
                                  "device index in the claim (0, 1, ...)")
         per_device[str(int(key))] = megabytes(where, f"{at}.defaultPerDevicePinnedMemoryLimit.{key}", value)

@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from devinject.core.asciitext import is_digits
+from devinject.core.deadline import SocketDeadline
 from devinject.core.errors import DevinjectError
 
 REQUEST_TIMEOUT = 10.0  # wall-clock seconds per attempt, connect to last byte
@@ -241,53 +243,8 @@ def credentials(kubeconfig: str | None, environ: dict[str, str] | os._Environ[st
     return _from_kubeconfig([default])
 
 
-class _Deadline:
-    """One wall-clock deadline for an attempt: when it passes, the socket is shut down (through a duplicate of
-    its descriptor, so the TLS layer is left alone), which ends any read or write blocked on it."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.at = seconds, time.monotonic() + seconds
-        self.expired = False
-        self._socket: socket.socket | None = None
-        self._timer: threading.Timer | None = None
-
-    def left(self) -> float:
-        left = self.at - time.monotonic()
-        if left <= 0:
-            self.expired = True
-            raise TimeoutError("deadline passed")
-        return left
-
-    def arm(self, sock: socket.socket) -> None:
-        # a duplicate of the descriptor (an SSLSocket has no dup(): a kept connection is armed again)
-        self._socket = socket.socket(sock.family, sock.type, sock.proto, os.dup(sock.fileno()))
-        self._timer = threading.Timer(self.left(), self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        self.expired = True
-        if self._socket is not None:
-            try:
-                self._socket.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.disarm()
-
-    def disarm(self) -> None:
-        """The watchdog stopped and its duplicate descriptor closed (it may be armed again)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
-
-
 class _Connection(http.client.HTTPSConnection):
-    def __init__(self, host: str, port: int, tls: ssl.SSLContext, deadline: _Deadline,
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext, deadline: SocketDeadline,
                  idle: float | None = None) -> None:
         super().__init__(host, port, timeout=deadline.left(), context=tls)
         self.tls, self.deadline, self.idle = tls, deadline, idle
@@ -300,7 +257,7 @@ class _Connection(http.client.HTTPSConnection):
         if self.idle is not None:
             self.sock.settimeout(self.idle)
 
-    def rearm(self, deadline: _Deadline) -> None:
+    def rearm(self, deadline: SocketDeadline) -> None:
         """A kept connection, for another attempt's deadline."""
         self.deadline = deadline
         self.sock.settimeout(deadline.left())
@@ -365,7 +322,7 @@ class ResourceApi:
             headers["Content-Type"] = "application/json"
         return headers
 
-    def _open(self, method: str, url: str, data: bytes | None, deadline: _Deadline,
+    def _open(self, method: str, url: str, data: bytes | None, deadline: SocketDeadline,
               idle: float | None = None) -> tuple[_Connection, http.client.HTTPResponse]:
         connection = _Connection(self.creds.host, self.creds.port, self.creds.context, deadline, idle)
         try:
@@ -375,7 +332,7 @@ class ResourceApi:
             connection.close()
             raise
 
-    def _reused(self, method: str, url: str, deadline: _Deadline) \
+    def _reused(self, method: str, url: str, deadline: SocketDeadline) \
             -> tuple[_Connection, http.client.HTTPResponse] | None:
         """A GET's answer over a kept connection; None when none is kept or the one taken was closed by the
         server meanwhile (before the deadline: nothing answered, the caller opens a new connection)."""
@@ -397,7 +354,7 @@ class ResourceApi:
 
     def _read(self, response: http.client.HTTPResponse, what: str) -> bytes:
         length = response.getheader("Content-Length")
-        if length and length.isdigit() and int(length) > self.max_answer:
+        if length and is_digits(length) and int(length) > self.max_answer:
             raise ApiError(f"{what}: an answer of {int(length)} bytes, more than {self.max_answer}: refused",
                            reason=f"answer larger than {self.max_answer} bytes")
         chunks: list[bytes] = []
@@ -405,7 +362,7 @@ class ResourceApi:
         while True:
             chunk = response.read(65536)
             if not chunk:
-                if length and length.isdigit() and size < int(length):  # http.client says nothing of it
+                if length and is_digits(length) and size < int(length):  # http.client says nothing of it
                     raise http.client.IncompleteRead(b"", int(length) - size)
                 return b"".join(chunks)
             size += len(chunk)
@@ -416,7 +373,7 @@ class ResourceApi:
 
     def _attempt(self, method: str, path: str, url: str, data: bytes | None, timeout: float) -> dict[str, Any]:
         what = f"{method} {path}"
-        deadline = _Deadline(timeout)
+        deadline = SocketDeadline(timeout)
         connection = None
         keep = False
         try:
@@ -487,7 +444,7 @@ class ResourceApi:
         query = {**query, "watch": "true", "allowWatchBookmarks": "true", "timeoutSeconds": str(seconds)}
         url = self.creds.prefix + path + "?" + urllib.parse.urlencode(query)
         what = f"WATCH {path}"
-        deadline = _Deadline(seconds + 30)
+        deadline = SocketDeadline(seconds + 30)
         connection = None
         try:
             try:

@@ -40,6 +40,20 @@ DIR_MODE = 0o750
 MIN_TIME_LEFT = 1.0  # seconds of the kubelet's deadline a claim needs to be attempted
 
 
+def claim_error(err: Exception, doing: str, claim: Any) -> str:
+    """The one line a claim's entry answers with. A DevinjectError is a claim's expected failure; any other
+    is a bug (a hostile input no parser caught): its traceback logged, the claim still answered, and every
+    other claim of the call still prepared and answered (the kubelet otherwise gets UNKNOWN for all of them,
+    and a claim prepared on the node is never told to the kubelet)."""
+    if isinstance(err, DevinjectError):
+        return err.message
+    log.error("claim %s/%s (%s): %s failed unexpectedly", claim.namespace, claim.name, claim.uid, doing,
+              exc_info=err)
+    said = " ".join(str(err).split())[:200]
+    return (f"internal error in devinject's {doing}: {type(err).__name__}{': ' + said if said else ''} (a bug: "
+            "the driver's log has its traceback)")
+
+
 class DraService(dra_grpc.DRAPluginServicer):
     """Each claim is prepared on its own: one failing claim is an error in its entry, never the whole call's."""
 
@@ -68,10 +82,11 @@ class DraService(dra_grpc.DRAPluginServicer):
                     if device.share_id is not None:  # the kubelet keys a shared device's allocation by it
                         answer.share_id = device.share_id
                     entry.devices.append(answer)
-            except DevinjectError as err:
-                log.warning("claim %s/%s (%s): not prepared: %s", claim.namespace, claim.name, claim.uid, err.message)
+            except Exception as err:  # a bug's error too is this claim's, never the call's
+                message = claim_error(err, "prepare", claim)
+                log.warning("claim %s/%s (%s): not prepared: %s", claim.namespace, claim.name, claim.uid, message)
                 del entry.devices[:]
-                entry.error = err.message
+                entry.error = message
                 metrics.prepare_errors.labels(error_reason(err)).inc()
             finally:
                 metrics.prepare_seconds.observe(time.monotonic() - started)
@@ -87,10 +102,11 @@ class DraService(dra_grpc.DRAPluginServicer):
             started = time.monotonic()
             try:
                 self.preparer.unprepare(claim.uid)
-            except DevinjectError as err:
+            except Exception as err:  # a bug's error too is this claim's, never the call's
+                message = claim_error(err, "unprepare", claim)
                 log.warning("claim %s/%s (%s): not unprepared: %s", claim.namespace, claim.name, claim.uid,
-                            err.message)
-                entry.error = err.message
+                            message)
+                entry.error = message
                 metrics.unprepare_errors.labels(error_reason(err)).inc()
             finally:
                 metrics.unprepare_seconds.observe(time.monotonic() - started)

@@ -235,8 +235,10 @@ def parse_forward_compat(value: str) -> ForwardCompat:
 
 
 def _version_key(version: str) -> tuple[int, ...]:
-    parts = version.split(".")
-    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) else ()
+    from devinject.core.asciitext import is_digits  # here: a cdi-hook's start imports plan, seldom this
+
+    parts = version.split(".")  # from a file name in the image: libcuda.so.5²0.1 is no version
+    return tuple(int(p) for p in parts) if parts and all(is_digits(p) for p in parts) else ()
 
 
 def newer_than(version: str, host_version: str) -> bool:

@@ -37,7 +37,7 @@ import time
 
 from devinject.core.errors import DevinjectError
 from devinject.hook.client import MAX_REQUEST, REFUSED, decode_request
-from devinject.linux.trusteddir import make_dirs
+from devinject.linux.trusteddir import trusted_dir
 
 log = logging.getLogger("devinject.hook-server")
 
@@ -76,17 +76,13 @@ def preload() -> None:
 
 
 def listen(path: str) -> socket.socket:
-    """The server socket at `path`: its directory created (0755) when missing and refused when others can
-    write it; a stale socket replaced, anything else at `path` refused."""
+    """The server socket at `path`: its directory created (0755 whatever the umask) when missing, and refused
+    when others could change it or a directory above it (linux/trusteddir); a stale socket replaced, anything
+    else at `path` refused."""
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise DevinjectError(f"{path}: too long for a unix socket ({MAX_SOCKET_PATH} bytes at most)")
     directory = os.path.dirname(os.path.abspath(path))
-    make_dirs(directory)  # each directory it makes 0755 whatever the umask (linux/trusteddir)
-    st = os.stat(directory)
-    others_write = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX
-    if st.st_uid != os.geteuid() or others_write:
-        raise DevinjectError(f"{directory}: the hook server's directory must be owned by this user and not "
-                             "writable by others")
+    trusted_dir(directory, what="hook server's directory")  # whoever could change it could swap the socket
     try:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise DevinjectError(f"{path}: exists and is not a socket")

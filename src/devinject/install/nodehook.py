@@ -537,14 +537,14 @@ def install_node_hook(host_root: str = "/", directory: str = DEFAULT_DIR, *, for
 
     bundle = in_root(host_root, directory)
     parent, name = os.path.split(bundle)
+    problem = ancestors_problem(host_root, directory)  # first: nothing is made under a directory others can write
+    if problem:
+        raise DevinjectError(problem)
     try:
         make_dirs(parent)
     except OSError as err:
         raise DevinjectError(f"{parent}: cannot create: {err.strerror}") from None
     trusted_dir(parent, what="node hook's parent directory")
-    problem = ancestors_problem(host_root, directory)
-    if problem:
-        raise DevinjectError(problem)
     with exclusive(os.path.join(parent, f".{name}.lock"), timeout=LOCK_TIMEOUT, what="node hook install"):
         clean_staging(parent, name)
         if os.path.lexists(bundle):

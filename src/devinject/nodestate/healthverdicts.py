@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from devinject.core import atomicfile, jsonlite
+from devinject.linux.trusteddir import make_dirs
 from devinject.nodestate.statefile import (
     StateFileError,
     need_number,
@@ -104,5 +105,5 @@ def read(state_dir: str) -> HealthVerdicts | None:
 
 def write(state_dir: str, verdicts: HealthVerdicts) -> None:
     """Replace health.json (atomically: a reader sees the old or the new verdicts). OSError is the caller's."""
-    os.makedirs(state_dir, mode=0o755, exist_ok=True)
+    make_dirs(state_dir)  # 0755 whatever the umask (the agent checked it at its start: linux/trusteddir)
     atomicfile.replace(health_path(state_dir), jsonlite.dumps(verdicts.to_json(), sort_keys=True).encode(), 0o644)

@@ -635,6 +635,11 @@ class Ledger:
                 shared.extend(claim.shared)
                 exclusive.extend(n for n in claim.nodes if n not in claim.shared)
         consumes = {n: {k: list(v) for k, v in caps.items()} for n, caps in (consumes or {}).items()}
+        for node, caps in consumes.items():  # a share of nothing would never fill the device
+            for cap, (amount, total) in caps.items():
+                if not 0 < amount <= total:
+                    raise LedgerError(f"device {node}: a {cap} share of {amount} (of {total}) cannot be booked; "
+                                      "refused")
         if consumes:  # a capacity share is shared whatever the kind's policy, its amounts counted
             shared.extend(exclusive)
             exclusive = []

@@ -375,21 +375,17 @@ def _docker(path: str, dirs: list[str], version: str | None, revert: bool) -> Pl
 
 
 def apply(plan: Plan) -> list[str]:
-    """Write (atomically) or remove each changed file; the lines saying what was done."""
-    from devinject.core.atomicfile import replace
+    """Write (atomically) or remove each changed file; the lines saying what was done. A runtime's config is
+    code it runs as root: each is written through linux/trusteddir (directories made 0755 whatever the
+    umask, every directory on the way and the file already there checked as root's alone)."""
+    from devinject.linux.trusteddir import remove_file, write_file
 
     done = []
     for change in plan.changes:
-        try:
-            if change.new is None:
-                if change.old is not None:
-                    os.unlink(change.path)
-                    done.append(f"removed {change.path}")
-                continue
-            os.makedirs(os.path.dirname(change.path) or ".", exist_ok=True)
-            mode = os.stat(change.path).st_mode & 0o7777 if change.old is not None else 0o644
-            replace(change.path, change.new.encode(), mode, sync=True)
-        except OSError as err:
-            raise ConfigError(f"{change.path}: cannot write: {err.strerror}") from None
+        if change.new is None:
+            if change.old is not None and remove_file(change.path, what="runtime config", error=ConfigError):
+                done.append(f"removed {change.path}")
+            continue
+        write_file(change.path, change.new.encode(), None, what="runtime config", error=ConfigError, sync=True)
         done.append(f"wrote {change.path}")
     return done

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from devinject.cdi.model import Spec
 from devinject.cdi.spec import dump
-from devinject.core.errors import DevinjectError
 
 
 def spec_filename(spec: Spec, fmt: str) -> str:
@@ -31,13 +30,11 @@ def write_specs(specs: list[Spec], output_dir: Path, fmt: str, *, managed: bool 
     devices left) are removed. Anywhere else the files are a pure function of the specs.
     """
     from devinject.cdi.spec import write_atomic
-    from devinject.linux.trusteddir import make_dirs
+    from devinject.linux.trusteddir import trusted_dir
 
-    if not output_dir.is_dir():
-        try:
-            make_dirs(str(output_dir))  # 0755 whatever the umask: a spec dir others can write is refused
-        except OSError as err:
-            raise DevinjectError(f"{output_dir}: cannot create output directory: {err.strerror}") from None
+    # specs are code the runtime runs as root: the directory made 0755 whatever the umask, or refused (one line)
+    # when someone but root could change it or a directory above it (the hook would refuse its specs anyway)
+    trusted_dir(str(output_dir), what="spec directory")
     rendered = {output_dir / spec_filename(spec, fmt): render(spec, fmt) for spec in specs}
     from devinject.specs import sequence as generation
 
