@@ -388,8 +388,11 @@ class _Context:
             raise _Broken(status.detail, status.fix)
         if spec_dir is not None and status.spec_dirs is not None and not any(
                 os.path.realpath(spec_dir) == os.path.realpath(d) for d in status.spec_dirs):
+            # the dirs it reads now stay: another agent's specs (the DRA driver's) may be there
+            dirs = " ".join(f"--spec-dir {d}" for d in (*status.spec_dirs, spec_dir))
+            configure = status.configure or f"devinject runtime configure --runtime {status.runtime}"
             raise _Broken(f"{status.detail}, but reads {', '.join(status.spec_dirs)}, not {spec_dir}",
-                          f"devinject runtime configure --runtime {status.runtime} --spec-dir {spec_dir}")
+                          f"{configure} {dirs}")
         if status.warning:
             return f"{status.detail}; warning: {status.warning}", status.warning_fix
         return status.detail, None
