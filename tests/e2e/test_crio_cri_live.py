@@ -1,0 +1,90 @@
+"""CRI-O 1.36.3 (../shared/peers/crio.sh's build) configured by `devinject runtime configure --runtime crio`: the
+drop-in goes to the --config-dir CRI-O is started with (not beside --config), CRI-O reads it, and a CRI pod
+through crictl asking `CDI_devices: nvidia.com/gpu=0` of a live fake HGX host (real char nodes) sees exactly that
+GPU's node; doctor's runtime link reads the same dir. CRI-O runs in the script's private mount namespace on
+its own root, runroot and socket, and is stopped at the end; a missing prerequisite fails in CI, never skips."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from devinject.runtimes.status import runtime_status
+from tests.e2e.conftest import DEVINJECT, require
+from tests.e2e.cri import PEERS, Crictl, live_hgx_gpu, unpack
+from tests.e2e.kube import KUBE
+
+pytestmark = pytest.mark.live
+
+IMAGE = "localhost/devinject-crio/busybox:1"
+
+
+def test_crio_reads_the_drop_in_from_its_config_dir_and_a_pod_gets_exactly_its_gpu(tmp_path: Path) -> None:
+    require(os.geteuid() == 0, "needs root")
+    require((PEERS / "crio.sh").exists() and (PEERS / "crio.xz").exists(), f"CRI-O 1.36.3 in {PEERS}")
+    for tool in ("conmon", "runc", "podman", "unshare"):
+        require(shutil.which(tool) is not None, f"{tool} (Debian)")
+    base = Path(tempfile.mkdtemp(prefix="crio-", dir="/tmp"))
+    run = Path(f"/run/devinject-crio-{uuid.uuid4().hex[:8]}")
+    cgroup = f"/devinject-crio-{uuid.uuid4().hex[:8]}"
+    bin_dir = base / "bin"
+    bin_dir.mkdir()
+    env = {**os.environ, "BASE": str(base), "RUN": str(run), "CRIO": str(unpack("crio", bin_dir)),
+           "CONF": str(base / "crio/etc/crio.conf"), "CONFDIR": str(base / "crio/etc/conf.d"),
+           "CRICTL": str(unpack("crictl", bin_dir))}
+    unpack("pinns", bin_dir)
+    crictl = Crictl(Path(env["CRICTL"]), run / "crio/crio.sock")
+    try:
+        gpu = live_hgx_gpu(base)
+        cdi = gpu.spec_dir
+
+        # the example config moved to this test's dirs; devinject writes the drop-in where CRI-O reads them
+        conf = Path(env["CONF"])
+        conf.parent.mkdir(parents=True)
+        conf.write_text((PEERS / "crio.conf.example").read_text().replace("/tmp/peers-docker", str(base))
+                        .replace("/run/peers-docker", str(run)).replace("localhost/peers-docker/busybox:1", IMAGE))
+        (conf.parent / "policy.json").write_text('{"default": [{"type": "insecureAcceptAnything"}]}')
+        done = subprocess.run([DEVINJECT, "runtime", "configure", "--runtime", "crio", "--config", str(conf),
+                               "--config-dir", env["CONFDIR"], "--spec-dir", str(cdi)], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert (Path(env["CONFDIR"]) / "99-devinject.conf").exists() and not (conf.parent / "crio.conf.d").exists()
+
+        # the image, then CRI-O
+        archive = base / "busybox.tar"
+        subprocess.run(["python3", str(KUBE / "mkimage.py"), str(archive), IMAGE], check=True, capture_output=True,
+                       timeout=120)
+        subprocess.run(["podman", "--root", f"{base}/crio/storage", "--runroot", f"{run}/crio/runroot",
+                        "--storage-driver", "overlay", "load", "-q", "-i", str(archive)], check=True,
+                       capture_output=True, timeout=120)
+        started = subprocess.run(["bash", str(PEERS / "crio.sh"), "start"], capture_output=True, text=True, env=env,
+                                 timeout=120)
+        assert started.returncode == 0, started.stdout + started.stderr
+
+        # pid 1: this machine's root lacks CAP_SYS_RESOURCE for an infra container's oom_score_adj
+        assert crictl.gpu_seen(base, IMAGE, {"network": 2, "pid": 1}, {"cgroup_parent": cgroup}) == gpu.seen
+
+        # doctor reads the dir CRI-O does: the host's /etc/crio/crio.conf.d under a root
+        root = base / "doctor-root"
+        (root / "etc/crio").mkdir(parents=True)
+        shutil.copy(conf, root / "etc/crio/crio.conf")
+        shutil.copytree(env["CONFDIR"], root / "etc/crio/crio.conf.d")
+        assert runtime_status(str(root), "crio").spec_dirs == (str(cdi),)
+    finally:
+        subprocess.run(["bash", str(PEERS / "crio.sh"), "stop"], capture_output=True, env=env, timeout=60)
+        mounts = subprocess.run(["findmnt", "-rn", "-o", "TARGET"], capture_output=True, text=True).stdout.split()
+        for mount in sorted((m for m in mounts if m.startswith((f"{base}/", f"{run}/"))), reverse=True):
+            subprocess.run(["umount", "-l", mount], capture_output=True)
+        # the pod's cgroups, deepest first (`**` yields the directories)
+        for group in sorted(Path("/sys/fs/cgroup").glob(f"*/{cgroup.lstrip('/')}/**"), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
