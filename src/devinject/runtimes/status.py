@@ -12,6 +12,7 @@ from devinject.core.paths import DEFAULT_SPEC_DIRS
 from devinject.runtimes.config import (
     CRIO_CONFIG_DIR,
     DEFAULT_CONFIG,
+    DROP_IN,
     NO_CDI_FIX,
     _major_minor,
     annotations_passed_through,
@@ -37,6 +38,7 @@ class RuntimeStatus:
     warning: str | None = None
     warning_fix: str | None = None
     configure: str | None = None  # the `runtime configure` command line for this node and version, no --spec-dir
+    restart: str | None = None  # what makes the runtime read a changed config
 
 
 def _in(root: str, path: str) -> str:
@@ -124,13 +126,14 @@ def _crio(root: str) -> RuntimeStatus:
     read = ", ".join(layers.files) or f"no config in {DEFAULT_CONFIG['crio']} or {CRIO_CONFIG_DIR}: its defaults"
     return RuntimeStatus("crio", True, f"CRI-O applies CDI from {', '.join(dirs)} ({read}; a container's "
                          "cdi.k8s.io/* annotations, never a pod's)", spec_dirs=tuple(dirs),
-                         configure=configure_command("crio", root))
+                         configure=configure_command("crio", root), restart="systemctl restart crio")
 
 
 def _patch_version(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
 
 
+RESTART_CONTAINERD = "systemctl restart containerd"
 REFUSES_NEWER_DROP_INS = ((2, 3, 0), (2, 3, 4))  # "drop-in config version 3 higher than root config version 2"
 
 
@@ -138,7 +141,7 @@ def _containerd(root: str, version: str | None) -> RuntimeStatus:
     main = DEFAULT_CONFIG["containerd"]
     found = read_containerd(main, root)
     configure = configure_command("containerd", root, version)
-    fix = f"{configure}, then systemctl restart containerd"
+    fix = f"{configure}, then {RESTART_CONTAINERD}"
     if version is not None and _major_minor(version) < (1, 7):
         return RuntimeStatus("containerd", False, f"containerd {version} applies no CDI", NO_CDI_FIX)
     named = f"containerd {version}" if version else ("containerd 2.x" if (found.version or 0) >= 3 else "containerd")
@@ -149,10 +152,12 @@ def _containerd(root: str, version: str | None) -> RuntimeStatus:
     if found.newer and (version is None or REFUSES_NEWER_DROP_INS[0] <= _patch_version(version)
                         <= REFUSES_NEWER_DROP_INS[1]):
         path, newer = found.newer[0]
-        return RuntimeStatus("containerd", False, f"{path} is a version {newer} drop-in, above the root config's "
-                             f"version {found.version}: containerd 2.3.0-2.3.4 refuse to start on it",
-                             f"make {path} version {found.version} (version 2's key names), or remove it; "
-                             f"devinject's own drop-in: {fix}")
+        ours = os.path.basename(path) == DROP_IN + ".toml"  # an older devinject's: configure rewrites it
+        return RuntimeStatus("containerd", False, f"{_in(root, path)} is a version {newer} drop-in, above the root "
+                             f"config's version {found.version}: containerd 2.3.0-2.3.4 refuse to start on it",
+                             None if ours else f"make {_in(root, path)} version {found.version} (its keys in that "
+                             "version's names) or remove it", configure=configure if ours else None,
+                             restart=RESTART_CONTAINERD)
     if version is not None:
         two = _major_minor(version) >= (2, 0)
     elif found.version is not None:
@@ -165,7 +170,7 @@ def _containerd(root: str, version: str | None) -> RuntimeStatus:
     read = ", ".join(_in(root, f) for f in found.files) or f"no {_in(root, main)}: its defaults"
     if not enabled:
         return RuntimeStatus("containerd", False, f"{named}: enable_cdi is off ({_in(root, setter or main)})", fix,
-                             configure=configure)
+                             configure=configure, restart=RESTART_CONTAINERD)
     passed = annotations_passed_through(found.data)
     warning = (f"pod annotations reach the OCI spec ({'; '.join(passed)}): a pod's own cdi.k8s.io/* annotation "
                "looks like the kubelet's there (the devinject hook ignores it in a pod's containers; another hook "
@@ -173,4 +178,4 @@ def _containerd(root: str, version: str | None) -> RuntimeStatus:
     return RuntimeStatus("containerd", True, f"{named} applies CDI from {', '.join(dirs)} ({read})",
                          spec_dirs=tuple(dirs), warning=warning,
                          warning_fix="drop cdi.k8s.io/* from the runtimes' pod_annotations" if passed else None,
-                         configure=configure)
+                         configure=configure, restart=RESTART_CONTAINERD)
