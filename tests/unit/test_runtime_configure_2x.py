@@ -124,6 +124,21 @@ def test_imports_are_globbed_as_go_does_so_a_star_never_crosses_a_slash(tmp_path
     assert "already configured" in out
 
 
+@pytest.mark.parametrize("imports", [
+    "imports = ['/opt/other/*.toml']  # the admin's note\n",
+    "imports = [\n  '/opt/other/*.toml',  # theirs\n  '/opt/more.toml',\n]\n",
+])
+def test_revert_gives_back_an_imports_line_with_comments_or_several_lines_byte_for_byte(tmp_path: Path,
+                                                                                        imports: str):
+    config = tmp_path / "config.toml"
+    config.write_text(f"version = 3\n{imports}[plugins.'io.containerd.cri.v1.images']\n  snapshotter = 'native'\n")
+    before = config.read_bytes()
+    code, out = containerd(config, "--spec-dir", "/opt/cdi")
+    assert code == 0, out
+    assert tomllib.loads(config.read_text())["imports"][-1] == str(tmp_path / "conf.d/99-devinject.toml")
+    assert containerd(config, "--revert")[0] == 0 and config.read_bytes() == before
+
+
 def test_go_glob_rules():
     assert import_covers("/etc/containerd/config.toml", "/etc/containerd/conf.d/*.toml",
                          "/etc/containerd/conf.d/99-devinject.toml")

@@ -418,7 +418,10 @@ def _set_keys(text: str, header: str | None, values: dict[str, object]) -> str:
         if old.replace(" ", "") == line.replace(" ", ""):
             continue
         indent = re.match(r"\s*", lines[first]).group(0)  # type: ignore[union-attr]
-        lines[first:last] = [f"{indent}{line}  {MARK} (was: {old})\n"]
+        original = "".join(lines[first:last])
+        # a one-line plain setting reads back as it was; anything else (a comment, several lines) is kept whole
+        was = f"(was: {old})" if original == f"{indent}{old}\n" else f"(was verbatim: {json.dumps(original)})"
+        lines[first:last] = [f"{indent}{line}  {MARK} {was}\n"]
         end -= last - first - 1
     return "".join(lines)
 
@@ -450,6 +453,10 @@ def _unmark(text: str) -> str:
             continue
         if MARK not in line:
             out.append(line)
+            continue
+        verbatim = re.search(re.escape(MARK) + r" \(was verbatim: (\".*\")\)\s*$", line)
+        if verbatim:
+            out.append(json.loads(verbatim.group(1)))
             continue
         was = re.search(re.escape(MARK) + r" \(was: (.*)\)\s*$", line)
         if was:
