@@ -77,18 +77,23 @@ class Crictl:
         return done.stdout.strip()
 
     def gpu_seen(self, base: Path, image: str, namespace_options: dict[str, int],
-                 pod_linux: dict[str, Any] | None = None) -> dict[str, str]:
-        """Run a pod whose container asks for nvidia.com/gpu=0 through CRI's CDI_devices; the GPU nodes it
-        saw ({path: major:minor}). The pod is removed however it ends."""
+                 pod_linux: dict[str, Any] | None = None, *, cdi_devices: bool = True,
+                 annotations: dict[str, str] | None = None,
+                 pod_annotations: dict[str, str] | None = None) -> dict[str, str]:
+        """Run a pod whose container asks for nvidia.com/gpu=0 through CRI's CDI_devices (or, without
+        `cdi_devices`, only through the annotations given, the container's or the pod's); the GPU nodes it saw
+        ({path: major:minor}). The pod is removed however it ends."""
+        base.mkdir(exist_ok=True)
         pod = base / "pod.json"
         pod.write_text(json.dumps({"metadata": {"name": "gpu-pod", "namespace": "default", "uid": base.name},
-                                   "log_directory": str(base / "logs"),
+                                   "log_directory": str(base / "logs"), "annotations": pod_annotations or {},
                                    "linux": {**(pod_linux or {}),
                                              "security_context": {"namespace_options": namespace_options}}}))
         container = base / "ctr.json"
         container.write_text(json.dumps({"metadata": {"name": "gpu"}, "image": {"image": image},
                                          "command": ["sh", "-c", SEE_GPUS], "log_path": "gpu.log",
-                                         "CDI_devices": [{"name": "nvidia.com/gpu=0"}],
+                                         "CDI_devices": [{"name": "nvidia.com/gpu=0"}] if cdi_devices else [],
+                                         "annotations": annotations or {},
                                          "linux": {"security_context": {"namespace_options": namespace_options}}}))
         pod_id = self("runp", str(pod))
         try:

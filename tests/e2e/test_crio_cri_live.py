@@ -69,14 +69,24 @@ def test_crio_reads_the_drop_in_from_its_config_dir_and_a_pod_gets_exactly_its_g
         assert started.returncode == 0, started.stdout + started.stderr
 
         # pid 1: this machine's root lacks CAP_SYS_RESOURCE for an infra container's oom_score_adj
-        assert crictl.gpu_seen(base, IMAGE, {"network": 2, "pid": 1}, {"cgroup_parent": cgroup}) == gpu.seen
+        namespaces, linux = {"network": 2, "pid": 1}, {"cgroup_parent": cgroup}
+        assert crictl.gpu_seen(base / "cri", IMAGE, namespaces, linux) == gpu.seen
+        # CRI-O applies a container's cdi.k8s.io/* annotation (the kubelet's, from a device plugin's Allocate),
+        # never a pod's (a pod user writes those): doctor's CRI-O link says so and warns of nothing
+        request = {"cdi.k8s.io/devinject_gpu": "nvidia.com/gpu=0"}
+        assert crictl.gpu_seen(base / "ann", IMAGE, namespaces, linux, cdi_devices=False,
+                               annotations=request) == gpu.seen
+        assert crictl.gpu_seen(base / "pod-ann", IMAGE, namespaces, linux, cdi_devices=False,
+                               pod_annotations=request) == {}
 
         # doctor reads the dir CRI-O does: the host's /etc/crio/crio.conf.d under a root
         root = base / "doctor-root"
         (root / "etc/crio").mkdir(parents=True)
         shutil.copy(conf, root / "etc/crio/crio.conf")
         shutil.copytree(env["CONFDIR"], root / "etc/crio/crio.conf.d")
-        assert runtime_status(str(root), "crio").spec_dirs == (str(cdi),)
+        status = runtime_status(str(root), "crio")
+        assert status.spec_dirs == (str(cdi),) and status.warning is None
+        assert "a container's cdi.k8s.io/* annotations, never a pod's" in status.detail
     finally:
         subprocess.run(["bash", str(PEERS / "crio.sh"), "stop"], capture_output=True, env=env, timeout=60)
         mounts = subprocess.run(["findmnt", "-rn", "-o", "TARGET"], capture_output=True, text=True).stdout.split()
