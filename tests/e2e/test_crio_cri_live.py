@@ -1,13 +1,16 @@
 """CRI-O 1.36.3 (../shared/peers/crio.sh's build) configured by `devinject runtime configure --runtime crio`: the
 drop-in goes to the --config-dir CRI-O is started with (not beside --config), CRI-O reads it, and a CRI pod
 through crictl asking `CDI_devices: nvidia.com/gpu=0` of a live fake HGX host (real char nodes) sees exactly that
-GPU's node; doctor's runtime link reads the same dir. CRI-O runs in the script's private mount namespace on
-its own root, runroot and socket, and is stopped at the end; a missing prerequisite fails in CI, never skips."""
+GPU's node; doctor's runtime link reads the same dir, and the dirs CRI-O itself merges from its config and
+drop-ins (`crio config`, every file of the dir in name order, `.conf` or not). CRI-O runs in the script's
+private mount namespace on its own root, runroot and socket, and is stopped at the end; a missing prerequisite
+fails in CI, never skips."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -98,3 +101,35 @@ def test_crio_reads_the_drop_in_from_its_config_dir_and_a_pod_gets_exactly_its_g
                 group.rmdir()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)
+
+
+LAYOUTS: list[dict[str, str]] = [
+    {},
+    {"etc/crio/crio.conf": "[crio.runtime]\ncdi_spec_dirs = ['/main']\n"},
+    {"etc/crio/crio.conf": "[crio.runtime]\ncdi_spec_dirs = ['/main']\n",
+     "etc/crio/crio.conf.d/10-a.conf": "[crio.runtime]\ncdi_spec_dirs = ['/a']\n"},
+    {"etc/crio/crio.conf.d/10-a.conf": "[crio.runtime]\ncdi_spec_dirs = ['/a']\n",
+     "etc/crio/crio.conf.d/20-no-suffix": "[crio.runtime]\ncdi_spec_dirs = ['/b']\n"},
+    {"etc/crio/crio.conf.d/10-a.conf": "[crio.runtime]\ncdi_spec_dirs = ['/a', '/c']\n",
+     "etc/crio/crio.conf.d/20-b.conf": "[crio.runtime]\ncgroup_manager = 'cgroupfs'\n"},
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"layout-{i}" for i in range(len(LAYOUTS))])
+def test_doctor_reads_the_dirs_crio_itself_merges(tmp_path: Path, layout: dict[str, str]) -> None:
+    """CRI-O's own merge of its config and drop-ins (`crio config`, no daemon) against doctor's reading of the
+    same files under a root."""
+    require((PEERS / "crio.xz").exists(), f"CRI-O 1.36.3 in {PEERS}")
+    root = tmp_path / "root"
+    (root / "etc/crio/crio.conf.d").mkdir(parents=True)
+    for path, text in {"etc/crio/crio.conf": "", **layout}.items():  # crio refuses a --config that is not there
+        (root / path).write_text(text)
+    crio = unpack("crio", tmp_path)
+    done = subprocess.run([str(crio), "--config", str(root / "etc/crio/crio.conf"), "--config-dir",
+                           str(root / "etc/crio/crio.conf.d"), "config"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # `crio config` prints the merged values, some of them behind a `# ` (a template's look, not a default)
+    block = re.search(r"^(?:# )?cdi_spec_dirs = \[\n(.*?)^(?:# )?\]", done.stdout, re.M | re.S)
+    assert block, done.stdout[-3000:]
+    merged = tuple(re.findall(r'"([^"]*)"', block.group(1)))
+    assert merged and runtime_status(str(root), "crio").spec_dirs == merged

@@ -208,6 +208,16 @@ def test_crio_drop_in_goes_to_its_config_dir_whatever_config_says(tmp_path: Path
     assert code == 2 and "only with --runtime crio" in out
 
 
+def test_a_later_crio_drop_in_of_any_name_that_overrides_devinjects_is_named(tmp_path: Path):
+    """CRI-O reads every file of its config dir in name order, `.conf` or not (1.36.3's `crio config`)."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/zz-admin").write_text("[crio.runtime]\ncdi_spec_dirs = ['/opt/x']\n")
+    code, out = configure("--runtime", "crio", "--config", str(tmp_path / "crio.conf"), "--config-dir",
+                          str(tmp_path / "d"), "--spec-dir", "/opt/cdi")
+    assert code == 1 and out.startswith(f"devinject: error: {tmp_path}/d/zz-admin: sets cdi_spec_dirs after "), out
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["zz-admin"]
+
+
 # ---- issue 40 item 6: TOML written by a real encoder, symbolic-linked configs ----------------------------
 
 NON_BMP = "/opt/cdi-\U0001f680"  # json.dumps writes it as "\ud83d\ude80", a surrogate pair TOML rejects

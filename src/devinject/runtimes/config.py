@@ -510,7 +510,8 @@ def plan_configure(runtime: str, *, config: str | None = None, spec_dirs: tuple[
     drop_in = os.path.join(subdir, DROP_IN + ".conf")
     real = write_target(root, drop_in)
     existing = read_text(real)
-    layers = toml_layers(root, config or DEFAULT_CONFIG[runtime], subdir)
+    suffix = DROP_IN_SUFFIX[runtime]
+    layers = toml_layers(root, config or DEFAULT_CONFIG[runtime], subdir, suffix=suffix)
     restart = {"crio": "systemctl restart crio", "podman": "podman reads it at its next command"}[runtime]
     if revert:
         return _plan(runtime, [Change(real, existing, None)], restart)
@@ -520,7 +521,7 @@ def plan_configure(runtime: str, *, config: str | None = None, spec_dirs: tuple[
     _table_at(data, section)["cdi_spec_dirs"] = dirs
     new = _toml_document(real, f"CDI spec dirs ({runtime} applies CDI from them); `devinject runtime configure "
                          f"--runtime {runtime} --revert` removes this file", data)
-    after = toml_layers(root, config or DEFAULT_CONFIG[runtime], subdir, {drop_in: new})
+    after = toml_layers(root, config or DEFAULT_CONFIG[runtime], subdir, {drop_in: new}, suffix)
     if _table(after.data, *section).get("cdi_spec_dirs") != dirs:
         raise ConfigError(f"{after.setter}: sets cdi_spec_dirs after {drop_in} ({runtime} reads its drop-ins in "
                           "name order); nothing written (change it there)")
@@ -528,6 +529,7 @@ def plan_configure(runtime: str, *, config: str | None = None, spec_dirs: tuple[
 
 
 CRIO_CONFIG_DIR = "/etc/crio/crio.conf.d"  # CRI-O's --config-dir default, whatever --config says
+DROP_IN_SUFFIX = {"crio": "", "podman": ".conf"}  # CRI-O reads every file there (1.36.3's `crio config`), podman *.conf
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,12 +543,13 @@ class Layers:
 
 
 def toml_layers(root: str, main: str, drop_in_dir: str, texts: dict[str, str] | None = None,
-                suffix: str = ".conf") -> Layers:
+                suffix: str = "") -> Layers:
     """The main file and the drop-ins in `drop_in_dir` (as the runtime names them, read under `root`);
     `texts`: a planned drop-in's text, as if it were there."""
     planned = dict(texts or {})
     names = {os.path.join(drop_in_dir, name) for name in _listdir(in_root(root, drop_in_dir))
-             if name.endswith(suffix)} | set(planned)
+             if name.endswith(suffix) and os.path.isfile(in_root(root, os.path.join(drop_in_dir, name)))}
+    names |= set(planned)
     data: dict[str, Any] = {}
     files: list[str] = []
     setter = None

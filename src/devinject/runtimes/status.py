@@ -99,7 +99,7 @@ PODMAN_READS_SPEC_DIRS = (5, 5)  # before it, podman reads CDI's default dirs wh
 
 
 def _podman(root: str, version: str | None) -> RuntimeStatus:
-    data = toml_layers(root, DEFAULT_CONFIG["podman"], "/etc/containers/containers.conf.d").data
+    data = toml_layers(root, DEFAULT_CONFIG["podman"], "/etc/containers/containers.conf.d", suffix=".conf").data
     configured = data.get("engine", {}).get("cdi_spec_dirs")
     named = f"podman {version}" if version else "podman"
     if configured and version is not None and _major_minor(version) < PODMAN_READS_SPEC_DIRS:
