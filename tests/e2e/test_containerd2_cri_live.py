@@ -3,7 +3,9 @@
 its own `config dump` has CDI on and devinject's spec dir in `plugins.'io.containerd.cri.v1.runtime'` with the
 root's other settings kept, and `--revert` gives back the same bytes. On the version 4 config (its own `config
 default`, as containerd2.sh adjusts it to its own root and sockets) a CRI pod through crictl asking
-`CDI_devices: nvidia.com/gpu=0` of a live fake HGX host (real char nodes) sees exactly that GPU's node.
+`CDI_devices: nvidia.com/gpu=0` of a live fake HGX host (real char nodes) sees exactly that GPU's node. doctor
+reads what containerd's own `config dump` merges from a root config and its imports (globs, dot files, relative
+and nested imports, versions 2 to 4).
 
 Every daemon runs on its own root, state and sockets under one short temp dir and is stopped at the end of the
 module; a missing prerequisite fails in CI, never skips."""
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from devinject.runtimes.config import read_containerd
 from tests.e2e.conftest import DEVINJECT, require, terminate
 from tests.e2e.cri import PEERS, Crictl, live_hgx_gpu, unpack
 from tests.e2e.kube import KUBE
@@ -166,3 +169,38 @@ def test_a_cri_pod_gets_exactly_its_cdi_gpu(containerd2: Containerd2) -> None:
         assert crictl.gpu_seen(base, IMAGE, {"network": 2}) == gpu.seen
     finally:
         terminate(daemon)
+
+
+CDI_2 = "[plugins.'io.containerd.cri.v1.runtime']"
+LAYOUTS: list[dict[str, str]] = [
+    # an upgraded node's version 2 file and a version 2 drop-in its glob finds
+    {"config.toml": "version = 2\nimports = ['{d}/conf.d/*.toml']\n",
+     "conf.d/50.toml": 'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  cdi_spec_dirs = ["/v2"]\n'},
+    # a `*` never crosses a `/`: the file in the subdirectory is not read, the dot file is
+    {"config.toml": "version = 3\nimports = ['{d}/*.toml']\n",
+     "sub/a.toml": f"version = 3\n{CDI_2}\n  cdi_spec_dirs = ['/sub']\n",
+     ".b.toml": f"version = 3\n{CDI_2}\n  cdi_spec_dirs = ['/dot']\n"},
+    # relative imports, in order, the later one winning; a literal import that is not there is no error
+    {"config.toml": "version = 3\nimports = ['x/1.toml', 'x/2.toml', '/nonexistent/3.toml']\n",
+     "x/1.toml": f"version = 3\n{CDI_2}\n  cdi_spec_dirs = ['/one']\n",
+     "x/2.toml": f"version = 3\n{CDI_2}\n  enable_cdi = false\n"},
+    # version 4, an import's own import
+    {"config.toml": "version = 4\nimports = ['{d}/a.toml']\n", "a.toml": "version = 4\nimports = ['{d}/b.toml']\n",
+     "b.toml": f"version = 4\n{CDI_2}\n  cdi_spec_dirs = ['/nested']\n"},
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"layout-{i}" for i in range(len(LAYOUTS))])
+def test_doctor_reads_what_containerd_itself_merges(containerd2: Containerd2, tmp_path: Path,
+                                                    layout: dict[str, str]) -> None:
+    """containerd 2.3.4's own merge of a root config and its imports (`config dump`, no daemon) against
+    doctor's reading of the same files: CDI on or off, the spec dirs."""
+    for path, text in layout.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text.replace("{d}", str(tmp_path)))
+    section = runtime_section(containerd2.dump(tmp_path / "config.toml"))
+    enabled = "    enable_cdi = true" in section
+    dirs = re.search(r"^    cdi_spec_dirs = \[(.*)\]$", section, re.M)
+    assert dirs is not None, section
+    found = read_containerd(str(tmp_path / "config.toml"))
+    assert found.cri(True)[:2] == (enabled, re.findall(r"'([^']*)'", dirs.group(1)))
