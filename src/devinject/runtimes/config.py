@@ -3,21 +3,25 @@ it pass pod annotations through) and changed (`devinject runtime configure`: tur
 dirs, idempotently, keeping an admin's settings and comments; `--revert` takes the change back).
 
 Where the change goes, per runtime:
-- containerd 2.x: a drop-in, `<config dir>/conf.d/99-devinject.toml` (`version = 3`,
-  `[plugins."io.containerd.cri.v1.runtime"]`), named in the main config's `imports`; containerd 2 merges an
-  imported plugin table key by key.
+- containerd 2.x: a drop-in, `<config dir>/conf.d/99-devinject.toml`, of the root config's own version (2, 3
+  or 4: 2.3.0-2.3.4 refuse to start on a newer drop-in) and that version's table
+  (`[plugins."io.containerd.cri.v1.runtime"]`, or for 2 `[plugins."io.containerd.grpc.v1.cri"]`, which
+  containerd 2 migrates), named in the main config's `imports` unless an entry covers it (Go's glob rules);
+  containerd 2 merges an imported plugin table key by key.
 - containerd 1.7: the main config itself, `[plugins."io.containerd.grpc.v1.cri"]` `enable_cdi` and
   `cdi_spec_dirs`, edited line by line. An import is no use there: containerd 1.x replaces a whole plugin
   table with an imported one, so a drop-in with the two keys would drop every other CRI setting (the
   sandbox image, the runtimes, the CNI dirs). Each line devinject changes carries a comment with what it was.
 - containerd 1.6 and older, runc: no CDI; the OCI hook applies the specs there (`devinject install-hook`).
-- CRI-O: `<config dir>/crio.conf.d/99-devinject.conf`, `[crio.runtime] cdi_spec_dirs` (CRI-O applies CDI
-  whenever the spec dirs hold specs).
+- CRI-O: `<its --config-dir>/99-devinject.conf` (/etc/crio/crio.conf.d whatever --config says),
+  `[crio.runtime] cdi_spec_dirs` (CRI-O applies CDI whenever the spec dirs hold specs).
 - docker ≥ 25: `daemon.json` `features.cdi` and `cdi-spec-dirs`, other keys kept.
 - podman: `<config dir>/containers.conf.d/99-devinject.conf`, `[engine] cdi_spec_dirs`.
 
-Every file is parsed before anything is written (a malformed one is one line naming it), the edited text is
-parsed again and must differ from the old only in the keys devinject owns, and each write is atomic.
+Every file is parsed before anything is written (a malformed one is one line naming it), values are written by
+tomli-w, the edited text is parsed again and must differ from the old only in the keys devinject owns, and the
+merged result must apply the change (a later drop-in overriding it is named). A symbolic-linked file is written
+through to its checked target. Paths are the runtime's, read and written under a host root.
 """
 
 from __future__ import annotations
