@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from devinject.runtimes.status import runtime_status
+from devinject.runtimes.status import running_crio, runtime_status
 from tests.e2e.conftest import DEVINJECT, require
 from tests.e2e.cri import PEERS, Crictl, live_hgx_gpu, unpack
 from tests.e2e.kube import KUBE
@@ -70,6 +70,9 @@ def test_crio_reads_the_drop_in_from_its_config_dir_and_a_pod_gets_exactly_its_g
         started = subprocess.run(["bash", str(PEERS / "crio.sh"), "start"], capture_output=True, text=True, env=env,
                                  timeout=120)
         assert started.returncode == 0, started.stdout + started.stderr
+        # doctor on this machine's root reads the paths the running CRI-O was started with
+        pid = int((run / "crio.pid").read_text())
+        assert running_crio(pids=[pid]) == (pid, (str(conf), env["CONFDIR"]))
 
         # pid 1: this machine's root lacks CAP_SYS_RESOURCE for an infra container's oom_score_adj
         namespaces, linux = {"network": 2, "pid": 1}, {"cgroup_parent": cgroup}

@@ -3,12 +3,14 @@ spec dirs, pod annotations passed through; a config `runtime configure` wrote re
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from devinject.cli import cli
-from devinject.runtimes.status import detect, runtime_status
+from devinject.runtimes.status import crio_paths, detect, running_crio, runtime_status
 
 
 def _write(root: Path, path: str, text: str) -> None:
@@ -76,3 +78,41 @@ def test_runc_needs_the_hook(tmp_path: Path):
     assert not status.applies and status.fix and "install-hook --runc-snippet" in status.fix
     _write(tmp_path, "/etc/containers/oci/hooks.d/10-devinject.json", "{}")
     assert runtime_status(str(tmp_path), "runc").applies
+
+
+def test_crio_paths_from_its_command_line():
+    assert crio_paths([]) == ("/etc/crio/crio.conf", "/etc/crio/crio.conf.d")
+    assert crio_paths(["--config", "/opt/c.conf", "--config-dir=/opt/d"]) == ("/opt/c.conf", "/opt/d")
+    assert crio_paths(["-c", "/a", "-d", "/b", "--log-level", "info"]) == ("/a", "/b")
+    assert crio_paths(["--config-dir"]) == ("/etc/crio/crio.conf", "/etc/crio/crio.conf.d")
+
+
+def test_the_running_crio_is_roots_process_named_crio(tmp_path: Path):
+    """Anyone can name a process crio: only one root runs is read (its /proc entry is root's)."""
+    for pid, name, argv in ((7, "crio", "/usr/bin/crio\0--config-dir\0/opt/d\0"), (3, "bash", "bash\0")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "comm").write_text(name + "\n")
+        (tmp_path / str(pid) / "cmdline").write_text(argv)
+    assert running_crio(str(tmp_path)) == (7, ("/etc/crio/crio.conf", "/opt/d"))
+    os.chown(tmp_path / "7", 1000, 1000)
+    assert running_crio(str(tmp_path)) is None
+
+
+def test_crio_started_with_another_config_dir_is_read_there_and_its_fix_writes_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """On this machine's root doctor reads the running CRI-O's --config and --config-dir (its command line), and
+    the fix it names configures that dir; applied, CRI-O's dirs include devinject's."""
+    from devinject.runtimes import status as status_module
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "crio.conf").write_text("[crio.runtime]\ncdi_spec_dirs = ['/opt/vendor']\n")
+    monkeypatch.setattr(status_module, "running_crio", lambda: (42, (str(tmp_path / "crio.conf"),
+                                                                     str(tmp_path / "d"))))
+    status = runtime_status("/", "crio")
+    assert status.spec_dirs == ("/opt/vendor",) and f"pid 42's --config-dir {tmp_path}/d" in status.detail
+    assert status.configure == (f"devinject runtime configure --runtime crio --config {tmp_path}/crio.conf "
+                                f"--config-dir {tmp_path}/d")
+    done = CliRunner().invoke(cli, [*status.configure.split()[1:], "--spec-dir", "/opt/vendor", "--spec-dir",
+                                    "/var/run/cdi"])
+    assert done.exit_code == 0, done.output
+    assert runtime_status("/", "crio").spec_dirs == ("/opt/vendor", "/var/run/cdi")

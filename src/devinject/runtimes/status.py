@@ -111,22 +111,57 @@ def _podman(root: str, version: str | None) -> RuntimeStatus:
     return RuntimeStatus("podman", True, f"{named} applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
 
 
-def configure_command(runtime: str, root: str, version: str | None = None) -> str:
+def configure_command(runtime: str, root: str, version: str | None = None, *extra: str) -> str:
     """The `devinject runtime configure` line that changes this node's runtime (under `root`), for a fix."""
     return " ".join(["devinject runtime configure --runtime", runtime, *(["--root", root] if root != "/" else []),
-                     *(["--runtime-version", version] if version else [])])
+                     *(["--runtime-version", version] if version else []), *extra])
+
+
+def crio_paths(argv: list[str]) -> tuple[str, str]:
+    """(--config, --config-dir) of a CRI-O command line, each its default when not given."""
+    found = {"config": DEFAULT_CONFIG["crio"], "config-dir": CRIO_CONFIG_DIR}
+    names = {"--config": "config", "-c": "config", "--config-dir": "config-dir", "-d": "config-dir"}
+    for i, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
+        if flag in names and (equals or i + 1 < len(argv)):
+            found[names[flag]] = value if equals else argv[i + 1]
+    return found["config"], found["config-dir"]
+
+
+def running_crio(proc: str = "/proc", pids: list[int] | None = None) -> tuple[int, tuple[str, str]] | None:
+    """The running CRI-O (the lowest pid named crio that root runs: anyone can name a process crio) and the
+    paths its command line reads its config from (of `pids` alone when given); None when none runs."""
+    for pid in pids if pids is not None else sorted(int(entry) for entry in os.listdir(proc) if entry.isdigit()):
+        try:
+            if os.stat(os.path.join(proc, str(pid))).st_uid != 0:
+                continue
+            with open(os.path.join(proc, str(pid), "comm"), encoding="utf-8", errors="replace") as handle:
+                if handle.read(64).strip() != "crio":
+                    continue
+            with open(os.path.join(proc, str(pid), "cmdline"), "rb") as handle:
+                argv = handle.read(64 << 10).decode(errors="replace").split("\0")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        return pid, crio_paths(argv[1:])
+    return None
 
 
 def _crio(root: str) -> RuntimeStatus:
-    """CRI-O reads its main config, then the drop-ins of its --config-dir (whatever --config says)."""
-    layers = toml_layers(root, DEFAULT_CONFIG["crio"], CRIO_CONFIG_DIR)
+    """CRI-O reads its main config, then every file of its --config-dir (whatever --config says): the running
+    CRI-O's own flags on this machine's root, else its defaults."""
+    running = running_crio() if root == "/" else None
+    config, config_dir = running[1] if running else (DEFAULT_CONFIG["crio"], CRIO_CONFIG_DIR)
+    layers = toml_layers(root, config, config_dir)
     configured = layers.data.get("crio", {}).get("runtime", {}).get("cdi_spec_dirs")
     dirs = [d for d in configured if isinstance(d, str)] if isinstance(configured, list) and configured \
         else list(DEFAULT_SPEC_DIRS)
-    read = ", ".join(layers.files) or f"no config in {DEFAULT_CONFIG['crio']} or {CRIO_CONFIG_DIR}: its defaults"
-    return RuntimeStatus("crio", True, f"CRI-O applies CDI from {', '.join(dirs)} ({read}; a container's "
-                         "cdi.k8s.io/* annotations, never a pod's)", spec_dirs=tuple(dirs),
-                         configure=configure_command("crio", root), restart="systemctl restart crio")
+    read = ", ".join(layers.files) or f"no config in {config} or {config_dir}: its defaults"
+    flags = [] if (config, config_dir) == (DEFAULT_CONFIG["crio"], CRIO_CONFIG_DIR) else \
+        ["--config", config, "--config-dir", config_dir]
+    started = f"; pid {running[0]}'s --config-dir {config_dir}" if running and flags else ""
+    return RuntimeStatus("crio", True, f"CRI-O applies CDI from {', '.join(dirs)} ({read}{started}; a "
+                         "container's cdi.k8s.io/* annotations, never a pod's)", spec_dirs=tuple(dirs),
+                         configure=configure_command("crio", root, None, *flags), restart="systemctl restart crio")
 
 
 def _patch_version(version: str) -> tuple[int, ...]:
