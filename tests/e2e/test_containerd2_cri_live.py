@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from devinject.runtimes.config import read_containerd
+from devinject.runtimes.status import running_containerd
 from tests.e2e.conftest import DEVINJECT, require, terminate
 from tests.e2e.cri import PEERS, Crictl, live_hgx_gpu, unpack
 from tests.e2e.kube import KUBE
@@ -160,6 +161,8 @@ def test_a_cri_pod_gets_exactly_its_cdi_gpu(containerd2: Containerd2) -> None:
     socket = run / "c.sock"
     daemon = containerd2.start(config, socket)
     try:
+        # doctor on this machine's root reads the config and the version of the containerd that runs
+        assert running_containerd(pids=[daemon.pid]) == (daemon.pid, str(config), "2.3.4")
         image = base / "busybox.tar"
         subprocess.run(["python3", str(KUBE / "mkimage.py"), str(image), IMAGE], check=True, capture_output=True,
                        timeout=120)

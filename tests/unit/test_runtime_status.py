@@ -4,13 +4,14 @@ spec dirs, pod annotations passed through; a config `runtime configure` wrote re
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from devinject.cli import cli
-from devinject.runtimes.status import crio_paths, detect, running_crio, runtime_status
+from devinject.runtimes.status import command_flags, crio_paths, detect, running_crio, runtime_status
 
 
 def _write(root: Path, path: str, text: str) -> None:
@@ -116,3 +117,30 @@ def test_crio_started_with_another_config_dir_is_read_there_and_its_fix_writes_t
                                     "/var/run/cdi"])
     assert done.exit_code == 0, done.output
     assert runtime_status("/", "crio").spec_dirs == ("/opt/vendor", "/var/run/cdi")
+
+
+def test_a_running_containerd_is_read_from_its_own_config_at_its_own_version(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch):
+    """On this machine's root doctor reads the config the running containerd was started with, at that binary's
+    version (the PATH's may be another: Debian's 1.6 here); its fix names both, and applied, the link holds."""
+    from devinject.runtimes import status as status_module
+
+    config = tmp_path / "config.toml"
+    config.write_text("version = 2\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"p\"\n")
+    monkeypatch.setattr(status_module, "running_containerd", lambda: (42, str(config), "2.3.4"))
+    status = runtime_status("/", "containerd")
+    assert status.applies and status.spec_dirs == ("/etc/cdi", "/var/run/cdi")
+    assert f"containerd 2.3.4 applies CDI from /etc/cdi, /var/run/cdi ({config}; pid 42's --config)" == status.detail
+    assert status.configure == f"devinject runtime configure --runtime containerd --runtime-version 2.3.4 --config " \
+                               f"{config}"
+    done = CliRunner().invoke(cli, [*status.configure.split()[1:], "--spec-dir", "/opt/cdi"])
+    assert done.exit_code == 0, done.output
+    assert tomllib.loads((tmp_path / "conf.d/99-devinject.toml").read_text())["version"] == 2
+    assert runtime_status("/", "containerd").spec_dirs == ("/opt/cdi",)
+
+
+def test_command_flags():
+    aliases = {"--config": "config", "-c": "config"}
+    assert command_flags(["-c", "/a"], aliases, {"config": "/d"}) == {"config": "/a"}
+    assert command_flags(["--config=/b", "--log-level", "debug"], aliases, {"config": "/d"}) == {"config": "/b"}
+    assert command_flags(["--log-level", "debug"], aliases, {"config": "/d"}) == {"config": "/d"}

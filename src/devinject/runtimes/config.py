@@ -118,10 +118,10 @@ def _table(data: dict[str, Any], *keys: str) -> dict[str, Any]:
     return data
 
 
-def binary_version(name: str, *, timeout: float = 5.0) -> str | None:
-    """`NAME --version`'s first `vX.Y` (or `X.Y`), from the binary on a fixed PATH, bounded; None when it is
-    not installed or does not answer."""
-    binary = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin")
+def binary_version(name: str, *, timeout: float = 5.0, binary: str | None = None) -> str | None:
+    """`NAME --version`'s first `vX.Y` (or `X.Y`), from `binary` or the one on a fixed PATH, bounded; None when
+    it is not installed or does not answer."""
+    binary = binary or shutil.which(name, path="/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin")
     if binary is None:
         return None
     try:

@@ -77,8 +77,11 @@ def _status(root: str, name: str, hooks_dir: str, version: str | None = None) ->
         return RuntimeStatus("runc", False, "runc applies no CDI and the devinject hook is not installed",
                              "devinject install-hook --runc-snippet (into each bundle's config.json)")
     if name == "containerd":
-        return _containerd(root, version if version is not None else
-                           (binary_version("containerd") if root == "/" else None))
+        running = running_containerd() if root == "/" else None
+        if running is None:
+            return _containerd(root, version if version is not None else
+                               (binary_version("containerd") if root == "/" else None))
+        return _containerd(root, version or running[2], running[1], running[0])
     config = _in(root, DEFAULT_CONFIG[name])
     if name == "crio":
         return _crio(root)
@@ -117,33 +120,57 @@ def configure_command(runtime: str, root: str, version: str | None = None, *extr
                      *(["--runtime-version", version] if version else []), *extra])
 
 
-def crio_paths(argv: list[str]) -> tuple[str, str]:
-    """(--config, --config-dir) of a CRI-O command line, each its default when not given."""
-    found = {"config": DEFAULT_CONFIG["crio"], "config-dir": CRIO_CONFIG_DIR}
-    names = {"--config": "config", "-c": "config", "--config-dir": "config-dir", "-d": "config-dir"}
+def command_flags(argv: list[str], aliases: dict[str, str], defaults: dict[str, str]) -> dict[str, str]:
+    """The values of a daemon's flags in its command line (`--flag VALUE`, `--flag=VALUE`, `-f VALUE`), by the
+    name `aliases` maps each spelling to; `defaults` for those not given."""
+    found = dict(defaults)
     for i, arg in enumerate(argv):
         flag, equals, value = arg.partition("=")
-        if flag in names and (equals or i + 1 < len(argv)):
-            found[names[flag]] = value if equals else argv[i + 1]
-    return found["config"], found["config-dir"]
+        if flag in aliases and (equals or i + 1 < len(argv)):
+            found[aliases[flag]] = value if equals else argv[i + 1]
+    return found
 
 
-def running_crio(proc: str = "/proc", pids: list[int] | None = None) -> tuple[int, tuple[str, str]] | None:
-    """The running CRI-O (the lowest pid named crio that root runs: anyone can name a process crio) and the
-    paths its command line reads its config from (of `pids` alone when given); None when none runs."""
+def crio_paths(argv: list[str]) -> tuple[str, str]:
+    """(--config, --config-dir) of a CRI-O command line, each its default when not given."""
+    found = command_flags(argv, {"--config": "config", "-c": "config", "--config-dir": "dir", "-d": "dir"},
+                          {"config": DEFAULT_CONFIG["crio"], "dir": CRIO_CONFIG_DIR})
+    return found["config"], found["dir"]
+
+
+def running_daemon(name: str, proc: str = "/proc", pids: list[int] | None = None) -> tuple[int, list[str]] | None:
+    """The running daemon `name` (the lowest pid of that name that root runs: anyone can name a process so, of
+    `pids` alone when given) and its command line's arguments; None when none runs."""
     for pid in pids if pids is not None else sorted(int(entry) for entry in os.listdir(proc) if entry.isdigit()):
         try:
             if os.stat(os.path.join(proc, str(pid))).st_uid != 0:
                 continue
             with open(os.path.join(proc, str(pid), "comm"), encoding="utf-8", errors="replace") as handle:
-                if handle.read(64).strip() != "crio":
+                if handle.read(64).strip() != name:
                     continue
             with open(os.path.join(proc, str(pid), "cmdline"), "rb") as handle:
                 argv = handle.read(64 << 10).decode(errors="replace").split("\0")
         except OSError:
             continue  # gone meanwhile, or not ours to read
-        return pid, crio_paths(argv[1:])
+        return pid, [arg for arg in argv[1:] if arg]
     return None
+
+
+def running_crio(proc: str = "/proc", pids: list[int] | None = None) -> tuple[int, tuple[str, str]] | None:
+    """The running CRI-O and the paths its command line reads its config from; None when none runs."""
+    found = running_daemon("crio", proc, pids)
+    return (found[0], crio_paths(found[1])) if found else None
+
+
+def running_containerd(proc: str = "/proc", pids: list[int] | None = None) -> tuple[int, str, str | None] | None:
+    """The running containerd: its pid, the config its command line names (--config, -c; else the default) and
+    its own binary's version (not the one on PATH: a node may run another); None when none runs."""
+    found = running_daemon("containerd", proc, pids)
+    if found is None:
+        return None
+    pid, argv = found
+    config = command_flags(argv, {"--config": "config", "-c": "config"}, {"config": DEFAULT_CONFIG["containerd"]})
+    return pid, config["config"], binary_version("containerd", binary=os.path.join(proc, str(pid), "exe"))
 
 
 def _crio(root: str) -> RuntimeStatus:
@@ -172,10 +199,13 @@ RESTART_CONTAINERD = "systemctl restart containerd"
 REFUSES_NEWER_DROP_INS = ((2, 3, 0), (2, 3, 4))  # "drop-in config version 3 higher than root config version 2"
 
 
-def _containerd(root: str, version: str | None) -> RuntimeStatus:
-    main = DEFAULT_CONFIG["containerd"]
+def _containerd(root: str, version: str | None, main: str = DEFAULT_CONFIG["containerd"],
+                pid: int | None = None) -> RuntimeStatus:
+    """containerd's CDI from `main` (the running daemon's --config, pid `pid`, else the default) and its
+    imports, for containerd `version` (None: unknown)."""
     found = read_containerd(main, root)
-    configure = configure_command("containerd", root, version)
+    named_config = [] if main == DEFAULT_CONFIG["containerd"] else ["--config", main]
+    configure = configure_command("containerd", root, version, *named_config)
     fix = f"{configure}, then {RESTART_CONTAINERD}"
     if version is not None and _major_minor(version) < (1, 7):
         return RuntimeStatus("containerd", False, f"containerd {version} applies no CDI", NO_CDI_FIX)
@@ -203,6 +233,7 @@ def _containerd(root: str, version: str | None) -> RuntimeStatus:
                              "give --runtime-version (containerd --version)")
     enabled, dirs, setter = found.cri(two)
     read = ", ".join(_in(root, f) for f in found.files) or f"no {_in(root, main)}: its defaults"
+    read += f"; pid {pid}'s --config" if pid is not None and named_config else ""
     if not enabled:
         return RuntimeStatus("containerd", False, f"{named}: enable_cdi is off ({_in(root, setter or main)})", fix,
                              configure=configure, restart=RESTART_CONTAINERD)
