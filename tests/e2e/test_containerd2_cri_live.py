@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from devinject.runtimes.config import read_containerd
-from devinject.runtimes.status import running_containerd
+from devinject.runtimes.daemons import running_containerd
 from tests.e2e.conftest import DEVINJECT, require, terminate
 from tests.e2e.cri import PEERS, Crictl, live_hgx_gpu, unpack
 from tests.e2e.kube import KUBE

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from devinject.runtimes.status import running_crio, runtime_status
+from devinject.runtimes.daemons import running_crio
+from devinject.runtimes.status import runtime_status
 from tests.e2e.conftest import DEVINJECT, require
 from tests.e2e.cri import PEERS, Crictl, live_hgx_gpu, unpack
 from tests.e2e.kube import KUBE

@@ -11,7 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from devinject.cli import cli
-from devinject.runtimes.status import command_flags, crio_paths, detect, running_crio, runtime_status
+from devinject.runtimes import daemons
+from devinject.runtimes.daemons import command_flags, crio_paths, running_crio
+from devinject.runtimes.status import detect, runtime_status
 
 
 def _write(root: Path, path: str, text: str) -> None:
@@ -103,12 +105,9 @@ def test_crio_started_with_another_config_dir_is_read_there_and_its_fix_writes_t
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """On this machine's root doctor reads the running CRI-O's --config and --config-dir (its command line), and
     the fix it names configures that dir; applied, CRI-O's dirs include devinject's."""
-    from devinject.runtimes import status as status_module
-
     (tmp_path / "d").mkdir()
     (tmp_path / "crio.conf").write_text("[crio.runtime]\ncdi_spec_dirs = ['/opt/vendor']\n")
-    monkeypatch.setattr(status_module, "running_crio", lambda: (42, (str(tmp_path / "crio.conf"),
-                                                                     str(tmp_path / "d"))))
+    monkeypatch.setattr(daemons, "running_crio", lambda: (42, (str(tmp_path / "crio.conf"), str(tmp_path / "d"))))
     status = runtime_status("/", "crio")
     assert status.spec_dirs == ("/opt/vendor",) and f"pid 42's --config-dir {tmp_path}/d" in status.detail
     assert status.configure == (f"devinject runtime configure --runtime crio --config {tmp_path}/crio.conf "
@@ -123,11 +122,9 @@ def test_a_running_containerd_is_read_from_its_own_config_at_its_own_version(tmp
                                                                               monkeypatch: pytest.MonkeyPatch):
     """On this machine's root doctor reads the config the running containerd was started with, at that binary's
     version (the PATH's may be another: Debian's 1.6 here); its fix names both, and applied, the link holds."""
-    from devinject.runtimes import status as status_module
-
     config = tmp_path / "config.toml"
     config.write_text("version = 2\n[plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"p\"\n")
-    monkeypatch.setattr(status_module, "running_containerd", lambda: (42, str(config), "2.3.4"))
+    monkeypatch.setattr(daemons, "running_containerd", lambda: (42, str(config), "2.3.4"))
     status = runtime_status("/", "containerd")
     assert status.applies and status.spec_dirs == ("/etc/cdi", "/var/run/cdi")
     assert f"containerd 2.3.4 applies CDI from /etc/cdi, /var/run/cdi ({config}; pid 42's --config)" == status.detail
@@ -144,3 +141,19 @@ def test_command_flags():
     assert command_flags(["-c", "/a"], aliases, {"config": "/d"}) == {"config": "/a"}
     assert command_flags(["--config=/b", "--log-level", "debug"], aliases, {"config": "/d"}) == {"config": "/b"}
     assert command_flags(["--log-level", "debug"], aliases, {"config": "/d"}) == {"config": "/d"}
+
+
+def test_configure_on_this_machine_writes_where_the_running_runtime_reads(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """Without --config / --config-dir, configure on / takes the running CRI-O's and containerd's own (root's
+    process, its command line), and containerd's binary's version."""
+    (tmp_path / "crio.conf").write_text("[crio.runtime]\n")
+    monkeypatch.setattr(daemons, "running_crio", lambda: (7, (str(tmp_path / "crio.conf"), str(tmp_path / "d"))))
+    done = CliRunner().invoke(cli, ["runtime", "configure", "--runtime", "crio", "--spec-dir", "/opt/cdi"])
+    assert done.exit_code == 0 and f"wrote {tmp_path}/d/99-devinject.conf" in done.output, done.output
+    config = tmp_path / "config.toml"
+    config.write_text("version = 2\n")
+    monkeypatch.setattr(daemons, "running_containerd", lambda: (8, str(config), "2.3.4"))
+    done = CliRunner().invoke(cli, ["runtime", "configure", "--runtime", "containerd", "--spec-dir", "/opt/cdi"])
+    assert done.exit_code == 0, done.output
+    assert tomllib.loads((tmp_path / "conf.d/99-devinject.toml").read_text())["version"] == 2  # 2.3.4's drop-in

@@ -502,6 +502,8 @@ def plan_configure(runtime: str, *, config: str | None = None, spec_dirs: tuple[
     `config` and `config_dir` (CRI-O's drop-in dir) as the runtime names them, on the host under `root`."""
     if runtime not in CONFIGURABLE:
         raise ConfigError(f"{runtime} applies no CDI itself: {NO_CDI_FIX}")
+    if root == "/":  # the running runtime's own paths and version, where not given
+        config, config_dir, version = _running_defaults(runtime, config, config_dir, version)
     dirs = list(spec_dirs)
     if runtime == "containerd":
         return _containerd(root, config or DEFAULT_CONFIG[runtime], dirs, version, revert)
@@ -530,6 +532,24 @@ def plan_configure(runtime: str, *, config: str | None = None, spec_dirs: tuple[
         raise ConfigError(f"{after.setter}: sets cdi_spec_dirs after {drop_in} ({runtime} reads its drop-ins in "
                           "name order); nothing written (change it there)")
     return _plan(runtime, [Change(real, existing, new)], restart)
+
+
+def _running_defaults(runtime: str, config: str | None, config_dir: str | None,
+                      version: str | None) -> tuple[str | None, str | None, str | None]:
+    """What the running CRI-O or containerd (root's, on this machine) reads, for what was not given: CRI-O's
+    --config and --config-dir; containerd's --config, and its binary's version when that config is the one
+    configured (the containerd on PATH may be another)."""
+    from devinject.runtimes import daemons
+
+    if runtime == "crio" and (config is None or config_dir is None):
+        crio = daemons.running_crio()
+        if crio is not None:
+            return config or crio[1][0], config_dir or crio[1][1], version
+    if runtime == "containerd" and version is None:
+        containerd = daemons.running_containerd()
+        if containerd is not None and (config is None or os.path.abspath(config) == containerd[1]):
+            return containerd[1], config_dir, containerd[2]
+    return config, config_dir, version
 
 
 CRIO_CONFIG_DIR = "/etc/crio/crio.conf.d"  # CRI-O's --config-dir default, whatever --config says
