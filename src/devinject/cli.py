@@ -1076,11 +1076,17 @@ def runtime() -> None:
 @click.option("--spec-dir", "spec_dirs", multiple=True, metavar="DIRECTORY",
               help=f"A CDI spec directory it reads (repeatable) [default: {STATIC_SPEC_DIR}, {DYNAMIC_SPEC_DIR}].")
 @click.option("--runtime-version", default=None, metavar="VERSION",
-              help="Its version (1.7, 2.0, 27.1), when its binary is not on PATH to ask.")
+              help="Its version (1.7, 2.3.4, 27.1) [default: asked of its binary on PATH when --root is /].")
+@click.option("--config-dir", default=None, metavar="DIRECTORY",
+              help="CRI-O: the drop-in directory it reads (its --config-dir) [default: /etc/crio/crio.conf.d, "
+                   "whatever --config says].")
+@click.option("--root", "host_root", default="/", show_default=True, metavar="DIRECTORY",
+              help="The host's / (the agent's /host): --config, --config-dir and the config's imports are "
+                   "read and written under it, as the runtime names them.")
 @click.option("--dry-run", is_flag=True, help="Print the change as a diff; write nothing.")
 @click.option("--revert", is_flag=True, help="Take devinject's change back.")
 def runtime_configure(runtime_name: str, config: str | None, spec_dirs: tuple[str, ...], runtime_version: str | None,
-                      dry_run: bool, revert: bool) -> None:
+                      config_dir: str | None, host_root: str, dry_run: bool, revert: bool) -> None:
     """Turn CDI on in the runtime and point it at the spec dirs (a drop-in file where it reads them).
 
     Idempotent; an admin's other settings and comments stay. containerd 1.6 and runc apply no CDI: use
@@ -1088,8 +1094,10 @@ def runtime_configure(runtime_name: str, config: str | None, spec_dirs: tuple[st
     from devinject.core.paths import DEFAULT_SPEC_DIRS
     from devinject.runtimes.config import apply, plan_configure
 
+    if config_dir is not None and runtime_name != "crio":
+        raise UsageError("--config-dir: CRI-O's drop-in directory; only with --runtime crio")
     plan = plan_configure(runtime_name, config=config, spec_dirs=spec_dirs or DEFAULT_SPEC_DIRS,
-                          version=runtime_version, revert=revert)
+                          version=runtime_version, revert=revert, root=host_root, config_dir=config_dir)
     if not plan.changes:
         note(f"{runtime_name}: {'nothing of devinject to take back' if revert else 'already configured'}")
         return

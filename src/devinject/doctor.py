@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from devinject.discovery.discover import FoundDevice
     from devinject.discovery.profiles import Profile
     from devinject.discovery.sysfs import PciDevice
+    from devinject.runtimes.status import RuntimeStatus
 
 LINKS = ("pci", "driver", "nodes", "libraries", "spec", "runtime", "ledger", "health", "kubelet", "slice")
 KUBELET_DIR = "/var/lib/kubelet"
@@ -402,15 +403,25 @@ class _Context:
                                 version=self.options.runtime_version)
         spec_dir = os.path.dirname(s.facts.get("spec_path", "")) or None
         if not status.applies:
-            raise _Broken(status.detail, status.fix)
+            raise _Broken(status.detail, self._configure_fix(status, (), spec_dir) or status.fix)
         if spec_dir is not None and status.spec_dirs is not None and not any(
                 os.path.realpath(spec_dir) == os.path.realpath(d) for d in status.spec_dirs):
             fix = (status.spec_dir_fix.replace("{spec_dir}", spec_dir) if status.spec_dir_fix else
-                   f"devinject runtime configure --runtime {status.runtime} --spec-dir {spec_dir}")
+                   self._configure_fix(status, status.spec_dirs, spec_dir)
+                   or f"devinject runtime configure --runtime {status.runtime} --spec-dir {spec_dir}")
             raise _Broken(f"{status.detail}, but reads {', '.join(status.spec_dirs)}, not {spec_dir}", fix)
         if status.warning:
             return f"{status.detail}; warning: {status.warning}", status.warning_fix
         return status.detail, None
+
+    def _configure_fix(self, status: RuntimeStatus, reads: tuple[str, ...], spec_dir: str | None) -> str | None:
+        """The runtime's `runtime configure` line with the dirs it reads now (another agent's specs, the DRA
+        driver's, may be there) and devinject's, then its restart; None where the runtime names none."""
+        if status.configure is None:
+            return None
+        dirs = dict.fromkeys((*reads, *((spec_dir,) if spec_dir else self.options.spec_dirs)))
+        restart = f", then {status.restart}" if status.restart else ""
+        return f"{status.configure} {' '.join(f'--spec-dir {d}' for d in dirs)}{restart}"
 
     def _rows(self) -> dict[str, Any]:
         if self._inventory is None:

@@ -1,8 +1,9 @@
 """The device plugin and the DRA driver on one node of the real cluster (../shared/kube/cluster-up.sh with
-CONTAINERD=bundled: containerd 1.7 applies CDI, so no devinject hook runs at container start and only the
-agents' own bookings keep the two paths apart): the device-plugin DaemonSet as tests/cluster/overlay deploys
-it (test_cluster_live.py) and `devinject dra-driver` on the host over the same fake HGX host (8 GPUs) and
-the same state dir (its ledger).
+CONTAINERD=v2: containerd 2.3.4 applies CDI, so no devinject hook runs at container start and only the agents'
+own bookings keep the two paths apart): the device-plugin DaemonSet as tests/cluster/overlay deploys it
+(test_cluster_live.py, which runs on containerd 1.7 and 1.6), its Allocate answering CDI names only
+(`--allocate=cdi` added to its args: nothing but containerd 2's CDI can give a pod its GPU), and `devinject
+dra-driver` on the host over the same fake HGX host (8 GPUs) and the same state dir (its ledger).
 
 Device-plugin pods and DRA claims' pods on the node, in a mix: never one GPU in two running pods (what each
 container sees of /dev/nvidia*), every pod the node has room for Running (none left in ContainerCreating), a
@@ -35,7 +36,6 @@ from tests.e2e.test_cluster_live import (
     KUBE_DIR,
     OVERLAY,
     SLEEPER,
-    SOCKETS,
     TEST_ROOT,
     Cluster,
     build_fake_host,
@@ -52,11 +52,12 @@ DRIVER = "dra.devinject.io"
 CLASS = "nvidia-gpu.devinject.io"  # the shipped class (deploy/kubernetes/dra/deviceclasses.yaml)
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 FIGURES = REPO / "build" / "both-paths-figures.json"
+V2_SOCKET = "/run/containerd-v2/containerd.sock"  # ../shared/kube/README.md, CONTAINERD=v2
 
 
 class Node(Cluster):
     def __init__(self) -> None:
-        super().__init__("bundled")
+        super().__init__("v2")
         self.driver: subprocess.Popen[bytes] | None = None
         self.log = KUBE_DIR / "logs" / "devinject-dra-driver.log"
         self.created: list[str] = []
@@ -227,14 +228,20 @@ def node(image: Path) -> Iterator[Node]:  # noqa: F811 - the imported fixture
         made.gpus = build_fake_host()
         up = run([str(KUBE / "cluster-up.sh")], 900, env=made.env)
         assert up.returncode == 0, f"cluster-up.sh failed:\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
-        imported = run(["ctr", "--address", SOCKETS["bundled"], "-n", "k8s.io", "images", "import", str(image)], 300)
+        # containerd 2.3.4's own ctr, as the cluster's README says (Debian's `ctr` is 1.6's)
+        imported = run([str(KUBE_DIR / "bin" / "ctr2"), "--address", V2_SOCKET, "-n", "k8s.io", "images", "import",
+                        str(image)], 300)
         assert imported.returncode == 0, imported.stderr
         made.node = made.json("nodes")["items"][0]["metadata"]["name"]
         made.kubectl("label", "node", made.node, "devinject.io/accelerators=true", "--overwrite")
         made.kubectl("apply", "-k", str(OVERLAY))
+        made.kubectl("-n", "devinject-system", "patch", "daemonset", "devinject", "--type", "json", "-p", json.dumps(
+            [{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--allocate=cdi"}]))
         made.kubectl("-n", "devinject-system", "rollout", "status", "daemonset/devinject", "--timeout=300s",
                      timeout=320)
         made.await_allocatable(8, 120, "the agent's registration")
+        agent = made.agent()
+        assert agent is not None and "--allocate=cdi" in agent["spec"]["containers"][0]["args"], agent
         made.kubectl("apply", "-f", str(REPO / "deploy" / "kubernetes" / "dra" / "deviceclasses.yaml"))
         made.log.parent.mkdir(parents=True, exist_ok=True)
         made.start_driver()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -16,8 +17,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from devinject.api import Node
+from devinject.cli import cli
 from devinject.doctor import DoctorOptions, diagnose
 from tests.conftest import HOSTS
 from tests.e2e.conftest import require, stand_ins
@@ -150,6 +153,76 @@ def test_each_broken_link_is_named_with_its_fix(live: Live, link: str, breaks: C
     assert detail.format(cdi=live.cdi) in broken.detail and fix.format(cdi=live.cdi) in (broken.fix or "")
     after = [c for c in found[0].checks][[c.link for c in found[0].checks].index(link) + 1:]
     assert all(c.ok is None for c in after)
+
+
+V4_DEFAULT = """version = 4
+imports = ['/etc/containerd/conf.d/*.toml']
+[plugins.'io.containerd.cri.v1.runtime']
+  enable_cdi = true
+  cdi_spec_dirs = ['/etc/cdi', '/var/run/cdi']
+"""
+NEWER_DROP_IN = """version = 3
+[plugins.'io.containerd.cri.v1.runtime']
+  cdi_spec_dirs = ['{cdi}']
+"""
+# (the runtime's config under the host root, the runtime and version doctor is told, what the broken link says)
+RUNTIME_BREAKS: list[tuple[dict[str, str], str, str | None, str]] = [
+    ({"etc/containerd/config.toml": 'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  enable_cdi = false\n'},
+     "containerd", "1.7", "containerd 1.7: enable_cdi is off"),
+    ({"etc/containerd/config.toml": 'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  sandbox_image = "p"\n'},
+     "containerd", "1.7.34", "containerd 1.7.34: enable_cdi is off"),
+    # an upgraded node's version 2 file: 2.x applies CDI by default, from CDI's default dirs
+    ({"etc/containerd/config.toml": 'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\n  sandbox_image = "p"\n'},
+     "containerd", "2.3.4", "containerd 2.3.4 applies CDI from /etc/cdi, /var/run/cdi"),
+    ({"etc/containerd/config.toml": "version = 3\n[plugins.'io.containerd.cri.v1.runtime']\n  enable_cdi = false\n"},
+     "containerd", "2.1.0", "containerd 2.1.0: enable_cdi is off"),
+    ({"etc/containerd/config.toml": V4_DEFAULT}, "containerd", "2.3.4",
+     "containerd 2.3.4 applies CDI from /etc/cdi, /var/run/cdi"),
+    ({"etc/containerd/config.toml": V4_DEFAULT}, "containerd", None,
+     "containerd 2.x applies CDI from /etc/cdi, /var/run/cdi"),
+    ({}, "containerd", "2.3.4", "containerd 2.3.4 applies CDI from /etc/cdi, /var/run/cdi (no "),
+    # an older devinject's version 3 drop-in under a version 2 root: 2.3.0-2.3.4 do not start
+    ({"etc/containerd/config.toml": "version = 2\nimports = ['/etc/containerd/conf.d/*.toml']\n",
+      "etc/containerd/conf.d/99-devinject.toml": NEWER_DROP_IN}, "containerd", "2.3.2",
+     "99-devinject.toml is a version 3 drop-in, above the root config's version 2"),
+    ({"etc/crio/crio.conf": "[crio.runtime]\ncgroup_manager = 'cgroupfs'\n"}, "crio", None,
+     "CRI-O applies CDI from /etc/cdi, /var/run/cdi"),
+    ({"etc/crio/crio.conf": "[crio.runtime]\n", "etc/crio/crio.conf.d/50-admin.conf":
+      "[crio.runtime]\ncdi_spec_dirs = ['/opt/vendor']\n"}, "crio", None, "CRI-O applies CDI from /opt/vendor"),
+]
+
+
+@pytest.mark.parametrize(("files", "runtime", "version", "detail"), RUNTIME_BREAKS,
+                         ids=[f"{b[1]}-{b[2]}-{i}" for i, b in enumerate(RUNTIME_BREAKS)])
+def test_the_runtime_links_fix_works_when_applied(live: Live, files: dict[str, str], runtime: str,
+                                                  version: str | None, detail: str):
+    """Each runtime and version says which dirs it reads and names a fix; running that fix (`runtime
+    configure` under the same root) makes the link hold, and the admin's dirs stay read."""
+    (live.root / "etc/containerd/config.toml").unlink()
+    for path, text in files.items():
+        (live.root / path).parent.mkdir(parents=True, exist_ok=True)
+        (live.root / path).write_text(text.format(cdi=live.cdi))
+    options = {"runtime": runtime, "runtime_version": version}
+    broken = live.diagnose(**options)[0].broken
+    assert broken is not None and broken.link == "runtime" and detail in broken.detail, broken
+    assert broken.fix and broken.fix.startswith("devinject runtime configure ") and f"--root {live.root}" in \
+        broken.fix, broken.fix
+    command, _, restart = broken.fix.partition(", then ")
+    assert restart == {"containerd": "systemctl restart containerd", "crio": "systemctl restart crio"}[runtime]
+    done = CliRunner().invoke(cli, shlex.split(command)[1:])
+    assert done.exit_code == 0, done.output
+    runtime_link = next(c for c in live.diagnose(**options)[0].checks if c.link == "runtime")
+    assert runtime_link.ok is True, runtime_link.detail
+    assert str(live.cdi) in runtime_link.detail
+    if "/opt/vendor" in detail:
+        assert "/opt/vendor" in runtime_link.detail
+
+
+def test_a_2x_node_without_a_config_and_no_version_asks_for_it(live: Live):
+    (live.root / "etc/containerd/config.toml").unlink()
+    broken = live.diagnose(runtime="containerd")[0].broken
+    assert broken is not None and broken.link == "runtime" and "containerd's version unknown" in broken.detail
+    assert broken.fix == "give --runtime-version (containerd --version)"
 
 
 def test_a_function_that_is_gone_is_no_device_and_the_candidates_are_named(live: Live):

@@ -38,8 +38,9 @@ def top() -> Iterator[Path]:
 
 
 def configure(config: Path, *more: str) -> tuple[int, str]:
+    # a spec dir containerd 2 does not read by default: a config must be written (CDI's own dirs need none)
     done = CliRunner().invoke(cli, ["runtime", "configure", "--runtime", "containerd", "--config", str(config),
-                                    "--runtime-version", "2.1", *more])
+                                    "--runtime-version", "2.1", "--spec-dir", "/opt/cdi", *more])
     return done.exit_code, done.output
 
 

@@ -69,17 +69,20 @@ def test_containerd_2_gets_a_drop_in_and_an_import(tmp_path: Path):
     config = tmp_path / "config.toml"
     config.write_text("version = 3\n# keep me\n[plugins.'io.containerd.cri.v1.images']\n  snapshotter = 'overlayfs'\n")
     before = config.read_text()
-    code, out = configure("--runtime", "containerd", "--config", str(config), "--runtime-version", "2.1")
+    code, out = configure("--runtime", "containerd", "--config", str(config), "--runtime-version", "2.1",
+                          "--spec-dir", "/var/run/cdi")
     assert code == 0, out
     drop_in = tmp_path / "conf.d" / "99-devinject.toml"
     data = tomllib.loads(drop_in.read_text())
     assert data["version"] == 3
-    assert data["plugins"]["io.containerd.cri.v1.runtime"] == {"enable_cdi": True,
-                                                                "cdi_spec_dirs": ["/etc/cdi", "/var/run/cdi"]}
+    assert data["plugins"]["io.containerd.cri.v1.runtime"] == {"enable_cdi": True, "cdi_spec_dirs": ["/var/run/cdi"]}
     main = tomllib.loads(config.read_text())
     assert main["imports"] == [str(drop_in)] and main["plugins"]["io.containerd.cri.v1.images"]
     assert "# keep me" in config.read_text()
     assert containerd_cri(containerd_config(str(config))[0])[0] is True
+    code, out = configure("--runtime", "containerd", "--config", str(config), "--runtime-version", "2.1",
+                          "--spec-dir", "/var/run/cdi")
+    assert code == 0 and "already configured" in out
     code, _ = configure("--runtime", "containerd", "--config", str(config), "--runtime-version", "2.1", "--revert")
     assert code == 0 and not drop_in.exists() and config.read_text() == before
 
@@ -128,17 +131,19 @@ def test_docker_keeps_other_keys_and_reverts(tmp_path: Path):
 ])
 def test_drop_in_runtimes(tmp_path: Path, runtime: str, main: str, drop_in: str, section: tuple[str, ...]):
     (tmp_path / main).write_text("# admin\n")
-    code, _ = configure("--runtime", runtime, "--config", str(tmp_path / main), "--spec-dir", "/etc/cdi")
+    code, _ = configure("--runtime", runtime, "--config", str(tmp_path / main), "--spec-dir", "/etc/cdi",
+                        *(["--config-dir", str(tmp_path / "crio.conf.d")] if runtime == "crio" else []))
     assert code == 0
     data = tomllib.loads((tmp_path / drop_in).read_text())
     for key in section:
         data = data[key]
     assert data == {"cdi_spec_dirs": ["/etc/cdi"]}
     assert (tmp_path / main).read_text() == "# admin\n"
+    dir_args = ["--config-dir", str(tmp_path / "crio.conf.d")] if runtime == "crio" else []
     code, out = configure("--runtime", runtime, "--config", str(tmp_path / main), "--spec-dir", "/etc/cdi", "--dry-run",
-                          "--revert")
+                          "--revert", *dir_args)
     assert code == 0 and out.startswith("---") and (tmp_path / drop_in).exists()
-    configure("--runtime", runtime, "--config", str(tmp_path / main), "--spec-dir", "/etc/cdi", "--revert")
+    configure("--runtime", runtime, "--config", str(tmp_path / main), "--spec-dir", "/etc/cdi", "--revert", *dir_args)
     assert not (tmp_path / drop_in).exists()
 
 

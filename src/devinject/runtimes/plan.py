@@ -11,6 +11,13 @@ from dataclasses import dataclass
 
 from devinject.core.errors import ConfigError
 
+DEFAULT_CONFIG = {
+    "containerd": "/etc/containerd/config.toml",
+    "crio": "/etc/crio/crio.conf",
+    "docker": "/etc/docker/daemon.json",
+    "podman": "/etc/containers/containers.conf",
+}
+CRIO_CONFIG_DIR = "/etc/crio/crio.conf.d"  # CRI-O's --config-dir default, whatever --config says
 NO_CDI_FIX = ("install devinject's OCI hook instead (devinject install-hook; runc: install-hook --runc-snippet), "
               "or, on Kubernetes, let the device plugin's Allocate answer deliver the devices")
 
@@ -38,10 +45,10 @@ class Plan:
     notes: tuple[str, ...] = ()  # what the admin does next (restart the runtime)
 
 
-def binary_version(name: str, *, timeout: float = 5.0) -> str | None:
-    """`NAME --version`'s first `vX.Y` (or `X.Y`), from the binary on a fixed PATH, bounded; None when it is
-    not installed or does not answer."""
-    binary = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin")
+def binary_version(name: str, *, timeout: float = 5.0, binary: str | None = None) -> str | None:
+    """`NAME --version`'s first `vX.Y` (or `X.Y`), from `binary` or the one on a fixed PATH, bounded; None when
+    it is not installed or does not answer."""
+    binary = binary or shutil.which(name, path="/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin")
     if binary is None:
         return None
     try:

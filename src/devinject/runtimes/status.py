@@ -4,22 +4,23 @@ version (bounded) only for the machine's own root."""
 
 from __future__ import annotations
 
-import glob
 import os
+import re
 from dataclasses import dataclass
-from typing import Any
 
 from devinject.core.paths import DEFAULT_SPEC_DIRS
+from devinject.runtimes import daemons
 from devinject.runtimes.config import (
+    CRIO_CONFIG_DIR,
     DEFAULT_CONFIG,
+    DROP_IN,
     NO_CDI_FIX,
     _major_minor,
     annotations_passed_through,
     binary_version,
-    containerd_config,
-    containerd_cri,
-    parse_toml,
-    read_text,
+    containerd_version_problem,
+    read_containerd,
+    toml_layers,
 )
 
 HOOKS_DIR = "/etc/containers/oci/hooks.d"  # install/hooksd.py's default: the hooks.d files install-hook writes
@@ -36,22 +37,12 @@ class RuntimeStatus:
     warning: str | None = None
     warning_fix: str | None = None
     spec_dir_fix: str | None = None  # the fix for a spec dir not among spec_dirs ({spec_dir} in it); None: configure
+    configure: str | None = None  # the `runtime configure` command line for this node and version, no --spec-dir
+    restart: str | None = None  # what makes the runtime read a changed config
 
 
 def _in(root: str, path: str) -> str:
     return os.path.join(root, path.lstrip("/")) if root != "/" else path
-
-
-def _toml_files(root: str, main: str, drop_in_dir: str, suffix: str) -> dict[str, Any]:
-    """A TOML config and its drop-ins (sorted, later wins key by key), as CRI-O and podman read them."""
-    from devinject.runtimes.config import _merge
-
-    data: dict[str, Any] = {}
-    for path in [_in(root, main), *sorted(glob.glob(os.path.join(_in(root, drop_in_dir), "*" + suffix)))]:
-        text = read_text(path)
-        if text is not None:
-            data = _merge(data, parse_toml(text, path))
-    return data
 
 
 def detect(root: str) -> list[str]:
@@ -88,11 +79,13 @@ def _status(root: str, name: str, hooks_dir: str, version: str | None = None) ->
         return RuntimeStatus("runc", False, "runc applies no CDI and the devinject hook is not installed",
                              "devinject install-hook --runc-snippet (into each bundle's config.json)")
     if name == "containerd":
-        return _containerd(root)
+        running = daemons.running_containerd() if root == "/" else None
+        if running is None:
+            return _containerd(root, version if version is not None else
+                               (binary_version("containerd") if root == "/" else None))
+        return _containerd(root, version or running[2], running[1], running[0])
     if name == "crio":
-        data = _toml_files(root, DEFAULT_CONFIG["crio"], "/etc/crio/crio.conf.d", ".conf")
-        dirs = data.get("crio", {}).get("runtime", {}).get("cdi_spec_dirs") or list(DEFAULT_SPEC_DIRS)
-        return RuntimeStatus("crio", True, f"CRI-O applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
+        return _crio(root)
     if name == "podman":
         return _podman(root, version if version is not None else
                        (binary_version("podman") if root == "/" else None))
@@ -109,7 +102,7 @@ PODMAN_READS_SPEC_DIRS = (5, 5)  # before it, podman reads CDI's default dirs wh
 
 
 def _podman(root: str, version: str | None) -> RuntimeStatus:
-    data = _toml_files(root, DEFAULT_CONFIG["podman"], "/etc/containers/containers.conf.d", ".conf")
+    data = toml_layers(root, DEFAULT_CONFIG["podman"], "/etc/containers/containers.conf.d", suffix=".conf").data
     configured = data.get("engine", {}).get("cdi_spec_dirs")
     named = f"podman {version}" if version else "podman"
     if configured and version is not None and _major_minor(version) < PODMAN_READS_SPEC_DIRS:
@@ -121,22 +114,81 @@ def _podman(root: str, version: str | None) -> RuntimeStatus:
     return RuntimeStatus("podman", True, f"{named} applies CDI from {', '.join(dirs)}", spec_dirs=tuple(dirs))
 
 
-def _containerd(root: str) -> RuntimeStatus:
-    main = _in(root, DEFAULT_CONFIG["containerd"])
-    data, files = containerd_config(main)
-    version = "2" if data.get("version") == 3 else (binary_version("containerd") if root == "/" else None)
+def configure_command(runtime: str, root: str, version: str | None = None, *extra: str) -> str:
+    """The `devinject runtime configure` line that changes this node's runtime (under `root`), for a fix."""
+    return " ".join(["devinject runtime configure --runtime", runtime, *(["--root", root] if root != "/" else []),
+                     *(["--runtime-version", version] if version else []), *extra])
+
+
+def _crio(root: str) -> RuntimeStatus:
+    """CRI-O reads its main config, then every file of its --config-dir (whatever --config says): the running
+    CRI-O's own flags on this machine's root, else its defaults."""
+    running = daemons.running_crio() if root == "/" else None
+    config, config_dir = running[1] if running else (DEFAULT_CONFIG["crio"], CRIO_CONFIG_DIR)
+    layers = toml_layers(root, config, config_dir)
+    configured = layers.data.get("crio", {}).get("runtime", {}).get("cdi_spec_dirs")
+    dirs = [d for d in configured if isinstance(d, str)] if isinstance(configured, list) and configured \
+        else list(DEFAULT_SPEC_DIRS)
+    read = ", ".join(layers.files) or f"no config in {config} or {config_dir}: its defaults"
+    flags = [] if (config, config_dir) == (DEFAULT_CONFIG["crio"], CRIO_CONFIG_DIR) else \
+        ["--config", config, "--config-dir", config_dir]
+    started = f"; pid {running[0]}'s --config-dir {config_dir}" if running and flags else ""
+    return RuntimeStatus("crio", True, f"CRI-O applies CDI from {', '.join(dirs)} ({read}{started}; a "
+                         "container's cdi.k8s.io/* annotations, never a pod's)", spec_dirs=tuple(dirs),
+                         configure=configure_command("crio", root, None, *flags), restart="systemctl restart crio")
+
+
+def _patch_version(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+RESTART_CONTAINERD = "systemctl restart containerd"
+REFUSES_NEWER_DROP_INS = ((2, 3, 0), (2, 3, 4))  # "drop-in config version 3 higher than root config version 2"
+
+
+def _containerd(root: str, version: str | None, main: str = DEFAULT_CONFIG["containerd"],
+                pid: int | None = None) -> RuntimeStatus:
+    """containerd's CDI from `main` (the running daemon's --config, pid `pid`, else the default) and its
+    imports, for containerd `version` (None: unknown)."""
+    found = read_containerd(main, root)
+    named_config = [] if main == DEFAULT_CONFIG["containerd"] else ["--config", main]
+    configure = configure_command("containerd", root, version, *named_config)
+    fix = f"{configure}, then {RESTART_CONTAINERD}"
     if version is not None and _major_minor(version) < (1, 7):
         return RuntimeStatus("containerd", False, f"containerd {version} applies no CDI", NO_CDI_FIX)
-    enabled, dirs = containerd_cri(data)
-    read = ", ".join(files) or f"{main} (absent: defaults)"
+    named = f"containerd {version}" if version else ("containerd 2.x" if (found.version or 0) >= 3 else "containerd")
+    problem = containerd_version_problem(found.version, version) if version else None
+    if problem:
+        return RuntimeStatus("containerd", False, f"{_in(root, main)}: {problem}: {named} does not start on it",
+                             f"rewrite it for {named} (containerd config default prints its own), then {fix}")
+    if found.newer and (version is None or REFUSES_NEWER_DROP_INS[0] <= _patch_version(version)
+                        <= REFUSES_NEWER_DROP_INS[1]):
+        path, newer = found.newer[0]
+        ours = os.path.basename(path) == DROP_IN + ".toml"  # an older devinject's: configure rewrites it
+        return RuntimeStatus("containerd", False, f"{_in(root, path)} is a version {newer} drop-in, above the root "
+                             f"config's version {found.version}: containerd 2.3.0-2.3.4 refuse to start on it",
+                             None if ours else f"make {_in(root, path)} version {found.version} (its keys in that "
+                             "version's names) or remove it", configure=configure if ours else None,
+                             restart=RESTART_CONTAINERD)
+    if version is not None:
+        two = _major_minor(version) >= (2, 0)
+    elif found.version is not None:
+        two = found.version >= 3
+    else:
+        return RuntimeStatus("containerd", False, f"no {_in(root, main)} and containerd's version unknown: 2.x "
+                             f"applies CDI from {', '.join(DEFAULT_SPEC_DIRS)} without one, 1.7 applies none",
+                             "give --runtime-version (containerd --version)")
+    enabled, dirs, setter = found.cri(two)
+    read = ", ".join(_in(root, f) for f in found.files) or f"no {_in(root, main)}: its defaults"
+    read += f"; pid {pid}'s --config" if pid is not None and named_config else ""
     if not enabled:
-        return RuntimeStatus("containerd", False, f"containerd{' ' + version if version else ''}: enable_cdi is "
-                             f"off ({read})", "devinject runtime configure --runtime containerd, then "
-                             "systemctl restart containerd")
-    passed = annotations_passed_through(data)
+        return RuntimeStatus("containerd", False, f"{named}: enable_cdi is off ({_in(root, setter or main)})", fix,
+                             configure=configure, restart=RESTART_CONTAINERD)
+    passed = annotations_passed_through(found.data)
     warning = (f"pod annotations reach the OCI spec ({'; '.join(passed)}): a pod's own cdi.k8s.io/* annotation "
                "looks like the kubelet's there (the devinject hook ignores it in a pod's containers; another hook "
                "may not)" if passed else None)
-    return RuntimeStatus("containerd", True, f"containerd{' ' + version if version else ''} applies CDI from "
-                         f"{', '.join(dirs)} ({read})", spec_dirs=tuple(dirs), warning=warning,
-                         warning_fix="drop cdi.k8s.io/* from the runtimes' pod_annotations" if passed else None)
+    return RuntimeStatus("containerd", True, f"{named} applies CDI from {', '.join(dirs)} ({read})",
+                         spec_dirs=tuple(dirs), warning=warning,
+                         warning_fix="drop cdi.k8s.io/* from the runtimes' pod_annotations" if passed else None,
+                         configure=configure, restart=RESTART_CONTAINERD)
