@@ -100,7 +100,8 @@ def test_rbac_is_what_the_driver_does() -> None:
     (role,) = by_kind("ClusterRole")
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rules"]}
     assert rules == {(("resource.k8s.io",), ("resourceslices",)): {"list", "watch", "create", "update", "delete"},
-                     (("resource.k8s.io",), ("resourceclaims",)): {"get"}}
+                     (("resource.k8s.io",), ("resourceclaims",)): {"get"},
+                     (("",), ("pods",)): {"list"}}  # a PodGroup's pods on the node (dra/claims.py)
     (binding,) = by_kind("ClusterRoleBinding")
     (account,) = by_kind("ServiceAccount")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],

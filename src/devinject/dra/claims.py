@@ -50,6 +50,7 @@ from devinject.specs.generate import EditsMemo, GenerateOptions, build_specs, ve
 log = logging.getLogger(__name__)
 
 CLAIM_CLASS = "claim"
+POD_GROUPS = ("scheduling.k8s.io", "podgroups")  # a reservedFor consumer that is a PodGroup: (apiGroup, resource)
 
 
 class PrepareError(DevinjectError):
@@ -237,6 +238,30 @@ def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
     return tuple(sorted(set(pods)))
 
 
+def reserved_groups(claim: dict[str, object]) -> tuple[str, ...]:
+    """The names of the PodGroups a claim is reserved for (DRAWorkloadResourceClaims: `status.reservedFor[]`
+    entries of `scheduling.k8s.io` `podgroups`, in the claim's namespace): their pods share the claim."""
+    status = claim.get("status")
+    consumers = status.get("reservedFor") if isinstance(status, dict) else None
+    return tuple(sorted({c["name"] for c in (consumers if isinstance(consumers, list) else ())
+                         if isinstance(c, dict) and c.get("apiGroup") == POD_GROUPS[0]
+                         and c.get("resource") == POD_GROUPS[1] and isinstance(c.get("name"), str) and c["name"]}))
+
+
+def group_members(pods: object, group: str) -> tuple[str, ...]:
+    """The UIDs of the pods of a pod list (the API's answer) whose `spec.schedulingGroup.podGroupName` is
+    `group`: the PodGroup's members."""
+    items = pods.get("items") if isinstance(pods, dict) else None
+    members = []
+    for pod in items if isinstance(items, list) else ():
+        meta, spec = (pod.get("metadata"), pod.get("spec")) if isinstance(pod, dict) else (None, None)
+        scheduling = spec.get("schedulingGroup") if isinstance(spec, dict) else None
+        if isinstance(scheduling, dict) and scheduling.get("podGroupName") == group and isinstance(meta, dict) \
+                and isinstance(meta.get("uid"), str) and meta["uid"]:
+            members.append(meta["uid"])
+    return tuple(sorted(set(members)))
+
+
 def _chosen(offers: list[Offer]) -> list[FoundDevice]:
     """The PCI devices the spec pipeline builds for these offers: a whole device as itself, the partitions of
     one device together (its others left out); a channel is none (its profile's channel spec holds it)."""
@@ -272,13 +297,15 @@ class Preparer:
 
     def __init__(self, driver: str, cdi_dir: str, state_dir: str, inventory: Callable[[], Inventory],
                  get_claim: Callable[[str, str], dict[str, object]], generate: GenerateOptions,
-                 ledger: Ledger | None = None, mps: MpsDaemons | None = None) -> None:
+                 ledger: Ledger | None = None, mps: MpsDaemons | None = None,
+                 group_pods: Callable[[str, str], tuple[str, ...]] | None = None) -> None:
         self.driver = driver
         driver_root = self.driver_root = os.path.join(generate.root, (generate.driver_root or "/").lstrip("/"))
         self.mps = mps if mps is not None else MpsDaemons(state_dir, driver_root)
         self.cdi_dir = cdi_dir
         self.inventory = inventory
         self.get_claim = get_claim
+        self.group_pods = group_pods  # (namespace, PodGroup) -> the UIDs of its pods on this node
         self.generate = generate
         self.ledger = ledger if ledger is not None else Ledger(state_dir)
         self.checkpoint = Checkpoint(checkpoint_path(state_dir, driver))  # the ledger's rebuild reads it too
@@ -320,6 +347,7 @@ class Preparer:
         began = time.monotonic()
         claim = self.get_claim(namespace, name)
         read = time.monotonic() - began
+        members = self._group_members(claim, namespace, name)  # asked only for a claim a PodGroup holds
         with self.lock:
             claims, known = self._known(uid)  # a call of the kubelet's that came in meanwhile prepared it
             if known is not None:
@@ -327,7 +355,7 @@ class Preparer:
             path = self.spec_path(uid)
             results = allocated(claim, self.driver, namespace, name, uid)
             sharing = claim_sharing(claim, self.driver, namespace, name, [r for r, _, _ in results])
-            pods = reserved_pods(claim)
+            pods = tuple(sorted(set(reserved_pods(claim)) | set(members)))
             inventory = self.inventory()
             offers = []
             for _, pool, device in results:
@@ -643,7 +671,25 @@ class Preparer:
             log.warning("claim %s/%s (%s): cannot read it again: %s", namespace, name, uid, err.message)
             return None
         meta = claim.get("metadata")
-        return reserved_pods(claim) if isinstance(meta, dict) and meta.get("uid") == uid else None
+        if not isinstance(meta, dict) or meta.get("uid") != uid:
+            return None
+        return tuple(sorted(set(reserved_pods(claim)) | set(self._group_members(claim, namespace, name))))
+
+    def _group_members(self, claim: dict[str, object], namespace: str, name: str) -> tuple[str, ...]:
+        """The pods on this node of the PodGroups the claim is reserved for: booked like the pods it names,
+        so their containers share its devices. A list that fails is logged: the claim is booked for the pods
+        it names, and asked again when a booking is refused."""
+        read = self.group_pods
+        if read is None:
+            return ()
+        members: set[str] = set()
+        for group in reserved_groups(claim):
+            try:
+                members.update(read(namespace, group))
+            except DevinjectError as err:
+                log.warning("claim %s/%s: cannot list the pods of its PodGroup %s: %s", namespace, name, group,
+                            err.message)
+        return tuple(sorted(members))
 
     def prepared(self) -> dict[str, dict[str, object]]:
         with self.lock:

@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from devinject import __version__
 from devinject.agent import healthstate
@@ -76,6 +76,13 @@ TAKEN_OUT = "taken out by the node's health checks"  # a device health.json name
 class Publisher(Protocol):
     def publish(self, desired: list[dict[str, Any]]) -> dict[str, int]: ...
     def get_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class GroupReader(Protocol):
+    """A publisher that can list a PodGroup's pods on this node (the API server's; a test's may not)."""
+
+    def group_pods(self, namespace: str, group: str) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +292,8 @@ class DraDriver:
         self._held_desired: dict[tuple[str, str], PluginHolding] = {}  # what desired() last found held
         self._contested_shown: dict[tuple[str, str], str] = {}  # held devices kept tainted for a claim, logged
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
-                                 get_claim or publisher.get_claim, opts.generate)
+                                 get_claim or publisher.get_claim, opts.generate,
+                                 group_pods=publisher.group_pods if isinstance(publisher, GroupReader) else None)
         self.metrics = DraMetrics()
         self.metrics.watch_prepared(self.preparer.prepared)
         self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health,

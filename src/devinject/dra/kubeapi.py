@@ -53,6 +53,8 @@ WATCH_IDLE = 120.0  # seconds without a byte (bookmarks come every minute) befor
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+PODS = "/api/v1/namespaces/{namespace}/pods"
+MAX_PODS = 500  # a node runs 110 pods by default: one page is all of a namespace's on one node
 
 
 class ApiError(DevinjectError):
@@ -540,6 +542,11 @@ class ResourceApi:
 
     def delete_resource_slice(self, name: str) -> dict[str, Any]:
         return self.request("DELETE", f"{SLICES}/{urllib.parse.quote(name)}")
+
+    def list_namespaced_pod(self, namespace: str, field_selector: str, budget: float | None = None) \
+            -> dict[str, Any]:
+        return self.request("GET", PODS.format(namespace=urllib.parse.quote(namespace)),
+                            query={"fieldSelector": field_selector, "limit": str(MAX_PODS)}, budget=budget)
 
     def read_namespaced_resource_claim(self, name: str, namespace: str, budget: float | None = None) \
             -> dict[str, Any]:
