@@ -54,6 +54,7 @@ SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
 PODS = "/api/v1/namespaces/{namespace}/pods"
+TAINT_RULES = "/apis/resource.k8s.io/{version}/devicetaintrules"
 MAX_PODS = 500  # a node runs 110 pods by default: one page is all of a namespace's on one node
 
 
@@ -542,6 +543,9 @@ class ResourceApi:
 
     def delete_resource_slice(self, name: str) -> dict[str, Any]:
         return self.request("DELETE", f"{SLICES}/{urllib.parse.quote(name)}")
+
+    def list_device_taint_rules(self, version: str) -> dict[str, Any]:
+        return self.request("GET", TAINT_RULES.format(version=urllib.parse.quote(version)))
 
     def list_namespaced_pod(self, namespace: str, field_selector: str, budget: float | None = None) \
             -> dict[str, Any]:
