@@ -45,7 +45,8 @@ from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacitySharing
-from devinject.dra.claims import ClaimReadError, Contest, Inventory, Preparer, allocated
+from devinject.dra.claims import ClaimReadError, Contest, Inventory, PreparedDevice, Preparer, allocated
+from devinject.dra.claimstatus import StatusDevice, StatusWriter
 from devinject.dra.kubeletplugin import HealthBroadcast, PluginServers
 from devinject.dra.metrics import DraMetrics
 from devinject.dra.slices import (
@@ -76,6 +77,13 @@ TAKEN_OUT = "taken out by the node's health checks"  # a device health.json name
 class Publisher(Protocol):
     def publish(self, desired: list[dict[str, Any]]) -> dict[str, int]: ...
     def get_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class StatusApplier(Protocol):
+    """A publisher that can write a claim's status (the API server's; a test's may not)."""
+
+    def apply_claim_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
 @runtime_checkable
@@ -296,8 +304,11 @@ class DraDriver:
                                  group_pods=publisher.group_pods if isinstance(publisher, GroupReader) else None)
         self.metrics = DraMetrics()
         self.metrics.watch_prepared(self.preparer.prepared)
+        self.status = StatusWriter(opts.driver, lambda: self.inventory().node.host, publisher.apply_claim_status) \
+            if isinstance(publisher, StatusApplier) else None  # status.devices, written after each call
         self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health,
-                                     self.metrics)
+                                     self.metrics, self._prepared if self.status else None,
+                                     self.status.unprepared if self.status else None)
         self.http: MetricsServer | None = None
         self.metrics_bound: str | None = None  # host:port /metrics listens on
         self._round = time.monotonic()  # when the loop last turned (/healthz)
@@ -608,6 +619,15 @@ class DraDriver:
                 self._ledger_seen = None
                 log.exception("following the ledger")
 
+    def _prepared(self, namespace: str, name: str, uid: str, devices: list[PreparedDevice]) -> None:
+        """A claim prepared: its devices' status entries queued (their PCI functions, for a NIC's netdev)."""
+        assert self.status is not None
+        offers = self.inventory().offers
+        self.status.prepared(namespace, name, uid, [
+            StatusDevice(d.pool, d.device, d.share_id, offer.device.address
+                         if (offer := offers.get((d.pool, d.device))) is not None and offer.found is not None
+                         else None) for d in devices])
+
     def start(self) -> None:
         if not os.path.exists(self.preparer.checkpoint.path):
             # there from the start: the device plugin on this node sees a DRA driver beside it (docs/dra.md)
@@ -665,6 +685,8 @@ class DraDriver:
                 self.wake.clear()
         finally:
             self.servers.stop()
+            if self.status is not None:
+                self.status.close()
             if self.http is not None:
                 self.http.shutdown()
             self._stop_health_loop()

@@ -25,7 +25,7 @@ from devinject.dra.api import health_v1alpha1_pb2 as health_alpha
 from devinject.dra.api import health_v1alpha1_pb2_grpc as health_alpha_grpc
 from devinject.dra.api import pluginregistration_v1_pb2 as reg
 from devinject.dra.api import pluginregistration_v1_pb2_grpc as reg_grpc
-from devinject.dra.claims import Preparer
+from devinject.dra.claims import PreparedDevice, Preparer
 from devinject.dra.metrics import DraMetrics, error_reason
 
 log = logging.getLogger(__name__)
@@ -46,14 +46,18 @@ PREPARE_WORKERS = 8  # what prepares and unprepares always have, however many st
 SOCKET_MODE = 0o600  # the kubelet (root) alone dials the sockets: whoever can may unprepare any claim
 DIR_MODE = 0o750
 MIN_TIME_LEFT = 1.0  # seconds of the kubelet's deadline a claim needs to be attempted
+Prepared = Callable[[str, str, str, list[PreparedDevice]], None]  # (namespace, name, uid, its devices)
+Unprepared = Callable[[str, str, str], None]
 
 
 class DraService(dra_grpc.DRAPluginServicer):
     """Each claim is prepared on its own: one failing claim is an error in its entry, never the whole call's."""
 
-    def __init__(self, preparer: Preparer, metrics: DraMetrics | None = None) -> None:
+    def __init__(self, preparer: Preparer, metrics: DraMetrics | None = None, prepared: Prepared | None = None,
+                 unprepared: Unprepared | None = None) -> None:
         self.preparer = preparer
         self.metrics = metrics or DraMetrics()
+        self.prepared, self.unprepared = prepared, unprepared  # told after each claim (its status is written)
 
     def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,
                              context: grpc.ServicerContext) -> dra.NodePrepareResourcesResponse:
@@ -70,12 +74,15 @@ class DraService(dra_grpc.DRAPluginServicer):
                 continue
             started = time.monotonic()
             try:
-                for device in self.preparer.prepare(claim.namespace, claim.name, claim.uid):
+                devices = self.preparer.prepare(claim.namespace, claim.name, claim.uid)
+                for device in devices:
                     answer = dra.Device(request_names=list(device.requests), pool_name=device.pool,
                                         device_name=device.device, cdi_device_ids=list(device.cdi_ids))
                     if device.share_id is not None:  # the kubelet keys a shared device's allocation by it
                         answer.share_id = device.share_id
                     entry.devices.append(answer)
+                if self.prepared is not None:
+                    self.prepared(claim.namespace, claim.name, claim.uid, devices)
             except DevinjectError as err:
                 log.warning("claim %s/%s (%s): not prepared: %s", claim.namespace, claim.name, claim.uid, err.message)
                 del entry.devices[:]
@@ -95,6 +102,8 @@ class DraService(dra_grpc.DRAPluginServicer):
             started = time.monotonic()
             try:
                 self.preparer.unprepare(claim.uid)
+                if self.unprepared is not None:
+                    self.unprepared(claim.namespace, claim.name, claim.uid)
             except DevinjectError as err:
                 log.warning("claim %s/%s (%s): not unprepared: %s", claim.namespace, claim.name, claim.uid,
                             err.message)
@@ -223,13 +232,14 @@ class PluginServers:
     """Both sockets: the DRA service first (the kubelet dials it as soon as registration answers)."""
 
     def __init__(self, driver: str, preparer: Preparer, plugin_dir: str, registry_dir: str,
-                 health: HealthBroadcast | None = None, metrics: DraMetrics | None = None) -> None:
+                 health: HealthBroadcast | None = None, metrics: DraMetrics | None = None,
+                 prepared: Prepared | None = None, unprepared: Unprepared | None = None) -> None:
         self.driver = driver
         self.endpoint = os.path.join(plugin_dir, driver, "dra.sock")
         self.registration_path = os.path.join(registry_dir, f"{driver}-reg.sock")
         self.stopping = threading.Event()
         self.health = health or HealthBroadcast()
-        self.dra_service = DraService(preparer, metrics)
+        self.dra_service = DraService(preparer, metrics, prepared, unprepared)
         self.registration = RegistrationService(driver, self.endpoint)
         self.servers: list[grpc.Server] = []
 

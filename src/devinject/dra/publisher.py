@@ -285,6 +285,12 @@ class SlicePublisher:
             raise ClaimReadError(err.message, err.status) from None
         return group_members(pods, group)
 
+    def apply_claim_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A server-side apply of the claim's status with the driver as field manager (dra/claimstatus.py)."""
+        return self._call(f"apply resourceclaim {namespace}/{name} status",  # type: ignore[no-any-return]
+                          self.api.apply_resource_claim_status, name, namespace, body, self.driver,
+                          budget=CLAIM_BUDGET)
+
     def remove_all(self) -> None:
         self.close()
         with self.lock:
