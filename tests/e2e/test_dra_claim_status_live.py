@@ -4,7 +4,9 @@ and the claim says both devices Ready, the NIC with its interface name and hardw
 sysfs has them (a netdev added under each NIC function of the fixture host); the pod gone, the driver's
 entries go. Then the driver as the shipped RBAC lets its service account act, with a token bound to a pod
 on the node (as the DaemonSet's pod has): its status writes are allowed (resourceclaims/status patch and
-resourceclaims/driver associated-node:patch), and nothing more was needed.
+resourceclaims/driver associated-node:patch), and nothing more was needed. With `--device-metadata`
+(KEP-5304), the same GPU+NIC claim's pod reads a metadata.json per request, read-only, naming the devices it
+got with their slice's attributes; the pod gone, the files go.
 
 A missing prerequisite fails, never skips. Run it under the cluster lock:
 `flock /tmp/devinject-kube.lock .venv/bin/pytest -q tests/e2e/test_dra_claim_status_live.py`."""
@@ -12,6 +14,7 @@ A missing prerequisite fails, never skips. Run it under the cluster lock:
 from __future__ import annotations
 
 import base64
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,3 +129,37 @@ def test_the_shipped_rbac_is_all_the_driver_needs_for_its_claims_status(
         cluster.stop_driver()
         cluster.start_driver()
         cluster.kubectl("delete", "pod", "driver-identity", "-n", NAMESPACE, "--grace-period=1", "--wait=false")
+
+
+def test_a_gpu_and_nic_claims_pod_reads_both_devices_metadata(cluster: Cluster) -> None:
+    """KEP-5304 with --device-metadata (the shipped DaemonSet's): the pod finds a metadata.json per request at
+    the documented path, each naming the device the claim got there with its slice's attributes."""
+    cluster.stop_driver()
+    try:
+        cluster.start_driver("--device-metadata")
+        claim_and_pod(cluster, "metadata")
+        until(lambda: cluster.running("metadata"), 120, "pod metadata Running")
+        claim = cluster.json("resourceclaim", "metadata")
+        results = {r["request"]: r for r in claim["status"]["allocation"]["devices"]["results"]}
+        base = "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/metadata"
+        published = {d["name"]: d for s in cluster.slices() for d in s["spec"].get("devices", [])}
+        for request in ("gpu", "nic"):
+            text = cluster.kubectl("exec", "metadata", "--", "cat", f"{base}/{request}/{DRIVER}-metadata.json")
+            document = json.loads(text)
+            assert document["kind"] == "DeviceMetadata" and document["metadata"]["uid"] == claim["metadata"]["uid"]
+            (entry,) = document["requests"]
+            (device,) = entry["devices"]
+            assert (entry["name"], device["name"], device["pool"]) == (
+                request, results[request]["device"], results[request]["pool"])
+            assert device["attributes"] == published[device["name"]]["attributes"]
+            assert "resource.kubernetes.io/pciBusID" in device["attributes"]
+        written = cluster.kubectl("exec", "metadata", "--", "sh", "-c",
+                                  f"echo x > {base}/gpu/{DRIVER}-metadata.json 2>&1 || echo refused")
+        assert "refused" in written  # read-only in the container
+        cluster.delete_pod("metadata")
+        directory = Path("/var/lib/kubelet/plugins") / DRIVER / "dra-device-metadata" / claim["metadata"]["uid"]
+        until(lambda: not directory.exists(), 60, "the claim's metadata removed (unprepared)")
+        cluster.kubectl("delete", "resourceclaim", "metadata", "--wait=true")
+    finally:
+        cluster.stop_driver()
+        cluster.start_driver()

@@ -30,6 +30,7 @@ from devinject.core.errors import DevinjectError, LedgerError
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
+from devinject.dra.devicemetadata import MetadataFiles, with_mounts
 from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
 from devinject.nodestate.claimcheckpoints import (
@@ -298,7 +299,8 @@ class Preparer:
     def __init__(self, driver: str, cdi_dir: str, state_dir: str, inventory: Callable[[], Inventory],
                  get_claim: Callable[[str, str], dict[str, object]], generate: GenerateOptions,
                  ledger: Ledger | None = None, mps: MpsDaemons | None = None,
-                 group_pods: Callable[[str, str], tuple[str, ...]] | None = None) -> None:
+                 group_pods: Callable[[str, str], tuple[str, ...]] | None = None,
+                 metadata: MetadataFiles | None = None) -> None:
         self.driver = driver
         driver_root = self.driver_root = os.path.join(generate.root, (generate.driver_root or "/").lstrip("/"))
         self.mps = mps if mps is not None else MpsDaemons(state_dir, driver_root)
@@ -306,6 +308,7 @@ class Preparer:
         self.inventory = inventory
         self.get_claim = get_claim
         self.group_pods = group_pods  # (namespace, PodGroup) -> the UIDs of its pods on this node
+        self.metadata = metadata  # KEP-5304's files, when the driver writes them (dra/devicemetadata.py)
         self.generate = generate
         self.ledger = ledger if ledger is not None else Ledger(state_dir)
         self.checkpoint = Checkpoint(checkpoint_path(state_dir, driver))  # the ledger's rebuild reads it too
@@ -373,6 +376,8 @@ class Preparer:
             extra = {gpu: mps_env(sharing[request], daemon.pipe_dir, daemon.log_dir)
                      for gpu, (request, daemon) in mps_gpus.items()}
             spec, edits = self._spec(inventory.node, uid, offers, extra, labels)
+            if self.metadata is not None:
+                spec = self._with_metadata(spec, claim, namespace, name, uid, results, offers)
             text = dump(spec, "json")
             from devinject.specs.validate import validate_spec
 
@@ -398,7 +403,7 @@ class Preparer:
             try:
                 self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods, consumes=consumes or None)
             except LedgerError as err:
-                _remove(path)
+                self._undo(path, uid)
                 contest = Contest(namespace, name, tuple((o.pool, o.name) for o in offers))
                 if self.contests.get(uid) != contest:
                     self.contests[uid] = contest
@@ -418,7 +423,7 @@ class Preparer:
                 for gpu in started:
                     self.mps.release(gpu, uid)
                 self.ledger.release(self.booking(uid))
-                _remove(path)
+                self._undo(path, uid)
                 raise PrepareError(err.message if isinstance(err, PrepareError)
                                    else f"claim {namespace}/{name}: {err.message}") from None
             # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base
@@ -437,7 +442,7 @@ class Preparer:
                 for gpu in started:
                     self.mps.release(gpu, uid)
                 self.ledger.release(self.booking(uid))
-                _remove(path)
+                self._undo(path, uid)
                 raise
             # the split says whether a slow prepare is the API server's or the node's
             log.info("prepared claim %s/%s (%s) in %.1f ms, %.1f of them reading it: %s", namespace, name, uid,
@@ -541,6 +546,25 @@ class Preparer:
             edits.append(found[0].edits)
         return versioned(Spec(kind=self.kind, devices=tuple(devices), edits=common), self.generate), edits
 
+    def _with_metadata(self, spec: Spec, claim: dict[str, object], namespace: str, name: str, uid: str,
+                       results: list[tuple[str, str, str]], offers: list[Offer]) -> Spec:
+        """Each request's device metadata written, mounted through the request's first device."""
+        assert self.metadata is not None
+        requests: dict[str, list[tuple[str, str, str, dict[str, object]]]] = {}
+        first: dict[str, int] = {}
+        for index, ((request, _, _), offer) in enumerate(zip(results, offers, strict=True)):
+            base = request.partition("/")[0]  # a subrequest's (firstAvailable): the request containers name
+            first.setdefault(base, index)
+            requests.setdefault(base, []).append((self.driver, offer.pool, offer.name, dict(offer.attributes)))
+        mounts = self.metadata.write(claim, namespace, name, uid, requests)
+        return with_mounts(spec, {first[request]: mount for request, mount in mounts.items()})
+
+    def _undo(self, path: str, uid: str) -> None:
+        """A claim's files gone: its spec, and its device metadata."""
+        _remove(path)
+        if self.metadata is not None:
+            self.metadata.remove(uid)
+
     # --- contests ---------------------------------------------------------------------------------------
     def contested(self) -> dict[str, Contest]:
         """The claims refused on a held device, by uid (a copy)."""
@@ -564,7 +588,7 @@ class Preparer:
             self._drop_contest(uid)
             claims = self.checkpoint.load()
             entry = claims.get(uid)
-            _remove(path)
+            self._undo(path, uid)
             mps = (entry or {}).get("mps")  # GPU -> what its daemon names it by
             for gpu in mps if isinstance(mps, dict) else ():
                 try:
@@ -717,6 +741,8 @@ class Preparer:
                     except LedgerError as err:
                         log.warning("claim %s: %s", uid, err.message)
                     removed.append(uid)
+            if self.metadata is not None:
+                removed += [uid for uid in self.metadata.orphans(claims) if uid not in removed]
             if removed:
                 log.info("removed %d claim spec(s) no checkpoint names: %s", len(removed), ", ".join(removed))
             return removed

@@ -47,6 +47,7 @@ from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacitySharing
 from devinject.dra.claims import ClaimReadError, Contest, Inventory, PreparedDevice, Preparer, allocated
 from devinject.dra.claimstatus import StatusDevice, StatusWriter
+from devinject.dra.devicemetadata import MetadataFiles
 from devinject.dra.kubeletplugin import HealthBroadcast, PluginServers
 from devinject.dra.metrics import DraMetrics
 from devinject.dra.slices import (
@@ -111,6 +112,7 @@ class DraOptions:
     capacity: CapacitySharing | None = None  # consumable capacity offered (dra/capacity.py); None: not
     contest_check: float = 5.0  # seconds between reads of the claims refused on a held device, while any is
     nfd_features_dir: str | None = None  # write NFD's feature file there (agent/nfd.py), as `watch` does
+    device_metadata: bool = False  # KEP-5304's files for the claims' containers (dra/devicemetadata.py)
 
     def watch_options(self) -> WatchOptions:
         """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own, and no
@@ -301,7 +303,10 @@ class DraDriver:
         self._contested_shown: dict[tuple[str, str], str] = {}  # held devices kept tainted for a claim, logged
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate,
-                                 group_pods=publisher.group_pods if isinstance(publisher, GroupReader) else None)
+                                 group_pods=publisher.group_pods if isinstance(publisher, GroupReader) else None,
+                                 metadata=MetadataFiles(os.path.join(opts.plugin_dir, opts.driver,
+                                                                     "dra-device-metadata"), opts.driver)
+                                 if opts.device_metadata else None)
         self.metrics = DraMetrics()
         self.metrics.watch_prepared(self.preparer.prepared)
         self.status = StatusWriter(opts.driver, lambda: self.inventory().node.host, publisher.apply_claim_status) \
