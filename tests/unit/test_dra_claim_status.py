@@ -137,3 +137,21 @@ def test_a_gpu_and_nic_claim_gets_its_status_after_the_prepare_and_loses_it_at_u
     assert unprepare(made, ("pair", UID)).claims[UID].error == ""
     wait_for("the claim's status removed", lambda: len(api.applied) == 2)
     assert api.applied[1][2]["status"] == {"devices": []}
+
+
+def test_a_status_write_that_fails_to_queue_never_fails_the_prepare(driver: tuple[DraDriver, StatusApi],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The status is for people and tools: whatever goes wrong with it (here the queue itself) is logged, and
+    the kubelet still gets the claim's devices and, later, its unprepare."""
+    made, api = driver
+    api.add("pair", UID, [(GPU_POOL, GPU), (NIC_POOL, NIC)])
+    assert made.status is not None
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("queue broken")
+
+    monkeypatch.setattr(made.status, "prepared", broken)
+    monkeypatch.setattr(made.servers.dra_service, "unprepared", broken)
+    answer = prepare(made, ("pair", UID)).claims[UID]
+    assert answer.error == "" and len(answer.devices) == 2
+    assert unprepare(made, ("pair", UID)).claims[UID].error == ""

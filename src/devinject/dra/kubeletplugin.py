@@ -82,7 +82,7 @@ class DraService(dra_grpc.DRAPluginServicer):
                         answer.share_id = device.share_id
                     entry.devices.append(answer)
                 if self.prepared is not None:
-                    self.prepared(claim.namespace, claim.name, claim.uid, devices)
+                    _told(self.prepared, claim.namespace, claim.name, claim.uid, devices)
             except DevinjectError as err:
                 log.warning("claim %s/%s (%s): not prepared: %s", claim.namespace, claim.name, claim.uid, err.message)
                 del entry.devices[:]
@@ -103,7 +103,7 @@ class DraService(dra_grpc.DRAPluginServicer):
             try:
                 self.preparer.unprepare(claim.uid)
                 if self.unprepared is not None:
-                    self.unprepared(claim.namespace, claim.name, claim.uid)
+                    _told(self.unprepared, claim.namespace, claim.name, claim.uid)
             except DevinjectError as err:
                 log.warning("claim %s/%s (%s): not unprepared: %s", claim.namespace, claim.name, claim.uid,
                             err.message)
@@ -112,6 +112,14 @@ class DraService(dra_grpc.DRAPluginServicer):
             finally:
                 metrics.unprepare_seconds.observe(time.monotonic() - started)
         return response
+
+
+def _told(listener: Callable[..., None], namespace: str, name: str, uid: str, *more: Any) -> None:
+    """A listener told of a claim done: whatever it fails at is logged, never the claim's answer."""
+    try:
+        listener(namespace, name, uid, *more)
+    except Exception:
+        log.exception("claim %s/%s (%s): after its call", namespace, name, uid)
 
 
 class HealthBroadcast:
