@@ -15,15 +15,16 @@ The links, in order (each one needs the ones before it):
 - `kubelet` (on a Kubernetes node): the device plugin registered for its kind, or the DRA driver registered;
 - `slice` (when the API server is given: a kubeconfig or in-cluster credentials): the node's ResourceSlices of
   the DRA driver, as the scheduler sees them: there or not ("registered but no slices"), each pool complete,
-  the device published, left out (held by the device plugin) or missing, and its taints; when slices are
-  missing, what the driver's /metrics count of publishes the API server refused.
+  the device published, left out (held by the device plugin) or missing, and its taints, the slice's own and
+  those an admin's DeviceTaintRule puts on it (resource.k8s.io v1, else v1beta2; neither served: skipped with
+  a word); when slices are missing, what the driver's /metrics count of publishes the API server refused.
 
 Every check but `slice` reads files under the node's root; `slice` makes one list call of the node's slices
-(dra/kubeapi.py: a deadline, a bounded answer) and one bounded GET of the driver's /metrics, both shared by every
-device; each answer from a server has one wall-clock deadline from connect to its last byte
-(core/deadline.SocketDeadline), which a server dripping its status line, headers or chunk sizes cannot stretch. A
-link after a broken one is reported as not checked (`ok` null). A module of the top (docs/architecture.md): it reads
-every layer's answers.
+and one of the DeviceTaintRules (dra/kubeapi.py: a deadline, a bounded answer) and one bounded GET of the
+driver's /metrics, all shared by every device; each answer from a server has one wall-clock deadline from connect
+to its last byte (core/deadline.SocketDeadline), which a server dripping its status line, headers or chunk sizes
+cannot stretch. A link after a broken one is reported as not checked (`ok` null). A module of the top
+(docs/architecture.md): it reads every layer's answers.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class SliceLister(Protocol):
     """What the slice link asks of the API server (dra/kubeapi.ResourceApi)."""
 
     def list_resource_slice(self, field_selector: str) -> dict[str, Any]: ...
+
+    def list_device_taint_rules(self, version: str) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +233,7 @@ class _Context:
         self._inventory: dict[str, Any] | None = None
         self._slices: list[dict[str, Any]] | _Broken | None = None
         self._publish_errors: dict[str, float] | str | None = None  # str: why /metrics gave no answer
+        self._taint_rules: tuple[list[dict[str, Any]], str] | None = None  # (rules, why none were read)
 
     def walk(self, subject: _Subject) -> Diagnosis:
         links = [("pci", self.pci), ("driver", self.driver), ("nodes", self.nodes), ("libraries", self.libraries),
@@ -503,6 +507,29 @@ class _Context:
             raise _Broken(self._slices.detail, self._slices.fix)
         return self._slices
 
+    def _rules(self) -> tuple[list[dict[str, Any]], str]:
+        """The cluster's DeviceTaintRules, listed once for every device's walk: (rules, '') or ([], why none
+        were read: a clause). resource.k8s.io v1 (1.37), else v1beta2 (1.36, behind DRADeviceTaintRules)."""
+        if self._taint_rules is None:
+            from devinject.dra.kubeapi import ApiError
+
+            assert self.options.api is not None
+            self._taint_rules = ([], "DeviceTaintRules not checked: the API server serves them in neither "
+                                     f"resource.k8s.io {' nor '.join(TAINT_RULE_VERSIONS)} (the "
+                                     "DRADeviceTaintRules gate)")
+            for version in TAINT_RULE_VERSIONS:
+                try:
+                    items = self.options.api.list_device_taint_rules(version).get("items")
+                except ApiError as err:
+                    if err.status == 404:
+                        continue
+                    self._taint_rules = ([], f"DeviceTaintRules not checked: {err.reason}")
+                    break
+                self._taint_rules = ([i for i in items if isinstance(i, dict)] if isinstance(items, list) else [],
+                                     "")
+                break
+        return self._taint_rules
+
     def _refused(self) -> str:
         """What the DRA driver's /metrics count of its failed publishes, as a clause ('' when none or when
         nothing answers there)."""
@@ -589,14 +616,22 @@ class _Context:
                           f"the driver publishes what it discovers within its --rescan: {listing} -o yaml; {logs}")
         slice_name, device = published
         taints = [t for t in device.get("taints", []) or [] if isinstance(t, dict)]
-        if taints:
-            said = "; ".join(f"{t.get('key')}" + (f"={t['value']}" if t.get("value") else "") +
-                             f":{t.get('effect')}" + (f" since {t['timeAdded']}" if t.get("timeAdded") else "")
-                             for t in taints)
+        rules, unread = self._rules()
+        ruled = [(str(r.get("metadata", {}).get("name")), _spec(r)["taint"]) for r in rules
+                 if rule_selects(r, driver, pool, name) and isinstance(_spec(r).get("taint"), dict)]
+        if taints or any(t.get("effect") != "None" for _, t in ruled):
+            said = "; ".join([_taint(t) for t in taints] + [f"{_taint(t)} by DeviceTaintRule {rule}"
+                                                            for rule, t in ruled])
+            fixes = [f"once the fault is fixed: devinject put-back {s.name} (the taint goes with the health "
+                     "verdict)"] if taints else []
+            if ruled:
+                fixes.append("an admin's rule: once the device is back in service, kubectl delete devicetaintrule "
+                             + " ".join(sorted({rule for rule, _ in ruled})))
             raise _Broken(f"{name} in {slice_name} ({where}) is tainted: {said}",
-                          "no new claim gets it (NoExecute also evicts its pods); once the fault is fixed: "
-                          f"devinject put-back {s.name} (the taint goes with the health verdict)")
-        return f"{name} published in {slice_name} ({where}, {len(devices)} devices), no taint", None
+                          "no new claim gets it (NoExecute also evicts its pods); " + "; ".join(fixes))
+        noted = "".join(f"; {_taint(t)} by DeviceTaintRule {rule} (no effect on scheduling)" for rule, t in ruled)
+        return (f"{name} published in {slice_name} ({where}, {len(devices)} devices), no taint{noted}"
+                + (f"; {unread}" if unread else "")), None
 
     def _plugin_socket(self, s: _Subject) -> str:
         """The device plugin's endpoint for the kind's resource (deviceplugin/agent.py's endpoint_for)."""
@@ -605,6 +640,25 @@ class _Context:
         resource = served_resources(self.node.state_dir).get(s.profile.kind, s.profile.kind) \
             if self.node.state_dir else s.profile.kind  # renamed when time-sliced (<kind>.shared)
         return f"{self.options.kubelet_dir}/device-plugins/devinject-{resource.replace('/', '-')}.sock"
+
+
+TAINT_RULE_VERSIONS = ("v1", "v1beta2")  # resource.k8s.io's DeviceTaintRule: GA in 1.37, beta (off) in 1.36
+
+
+def rule_selects(rule: dict[str, Any], driver: str, pool: str, device: str) -> bool:
+    """Whether a DeviceTaintRule's spec.deviceSelector selects the device: each of driver, pool and device
+    it sets equal; an empty selector selects every device, none selects nothing (the API's rule)."""
+    selector = _spec(rule).get("deviceSelector")
+    if not isinstance(selector, dict):
+        return False
+    return all(selector.get(field) in (None, want)
+               for field, want in (("driver", driver), ("pool", pool), ("device", device)))
+
+
+def _taint(taint: dict[str, Any]) -> str:
+    """A taint as kubectl writes one: key[=value]:effect, and since when."""
+    return (f"{taint.get('key')}" + (f"={taint['value']}" if taint.get("value") else "") + f":{taint.get('effect')}"
+            + (f" since {taint['timeAdded']}" if taint.get("timeAdded") else ""))
 
 
 def _spec(item: dict[str, Any]) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from devinject.cdi.spec import dump
 from devinject.core.errors import LedgerError
 from devinject.dra.api import dra_v1_pb2 as dra
 from devinject.dra.api import dra_v1_pb2_grpc as dra_grpc
-from devinject.dra.api import health_v1beta1_pb2 as health
-from devinject.dra.api import health_v1beta1_pb2_grpc as health_grpc
+from devinject.dra.api import health_v1_pb2 as health
+from devinject.dra.api import health_v1_pb2_grpc as health_grpc
 from devinject.dra.api import pluginregistration_v1_pb2 as reg
 from devinject.dra.api import pluginregistration_v1_pb2_grpc as reg_grpc
 from devinject.dra.claims import ClaimReadError
@@ -120,7 +120,8 @@ def test_registration_is_what_the_kubelet_reads(driver: DraDriver, dirs: dict[st
     with kubelet(path) as channel:
         stub = reg_grpc.RegistrationStub(channel)  # type: ignore[no-untyped-call]
         info = stub.GetInfo(reg.InfoRequest(), timeout=5)
-        assert (info.type, info.name, list(info.supported_versions)) == ("DRAPlugin", DRIVER, ["v1.DRAPlugin"])
+        assert (info.type, info.name, list(info.supported_versions)) == (
+            "DRAPlugin", DRIVER, ["v1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
         assert info.endpoint == os.path.join(dirs["plugins"], DRIVER, "dra.sock")
         assert stat.S_ISSOCK(os.stat(info.endpoint).st_mode)
         stub.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=False, error="version"), timeout=5)

@@ -17,10 +17,10 @@ import grpc
 import pytest
 
 from devinject.core.errors import DevinjectError
+from devinject.dra.api import health_v1_pb2 as health
+from devinject.dra.api import health_v1_pb2_grpc as health_grpc
 from devinject.dra.api import health_v1alpha1_pb2 as health_alpha
 from devinject.dra.api import health_v1alpha1_pb2_grpc as health_alpha_grpc
-from devinject.dra.api import health_v1beta1_pb2 as health
-from devinject.dra.api import health_v1beta1_pb2_grpc as health_grpc
 from devinject.dra.driver import DraDriver
 from tests.integration.test_dra_driver import GPU_POOL, FakeApi, kubelet, make_driver, prepare, unprepare
 

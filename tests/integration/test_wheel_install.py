@@ -80,7 +80,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_wheel_holds_the_package_data_and_imports_every_generated_module(installed: Path) -> None:
     code = ("import importlib, importlib.resources as r\n"
             "for m in ('deviceplugin.api.v1beta1_pb2_grpc', 'dra.api.dra_v1_pb2_grpc',"
-            " 'dra.api.health_v1beta1_pb2_grpc', 'dra.api.health_v1alpha1_pb2_grpc',"
+            " 'dra.api.health_v1_pb2_grpc', 'dra.api.health_v1alpha1_pb2_grpc',"
             " 'dra.api.pluginregistration_v1_pb2_grpc'):\n"
             "    importlib.import_module('devinject.' + m)\n"
             "root = r.files('devinject')\n"

@@ -344,3 +344,70 @@ def test_a_metrics_body_that_trickles_is_cut_at_one_deadline_and_a_bad_address_i
           pytest.raises(MetricsUnanswered)):
         publish_errors(address, timeout=1.0)
     assert publish_errors("127.0.0.1:metrics") == {} and publish_errors("127.0.0.1:9²01") == {}
+
+
+# --- DeviceTaintRules: an admin's taints by selector (resource.k8s.io v1 in 1.37, v1beta2 in 1.36) -------------
+RULES = "/apis/resource.k8s.io/{}/devicetaintrules"
+NOT_FOUND = (404, {"kind": "Status", "message": "the server could not find the requested resource"})
+
+
+def rule(name: str, selector: dict[str, str] | None, effect: str = "NoExecute") -> dict[str, Any]:
+    spec: dict[str, Any] = {"taint": {"key": "example.com/maintenance", "value": "rma", "effect": effect,
+                                      "timeAdded": "2026-12-05T10:00:00Z"}}
+    if selector is not None:
+        spec["deviceSelector"] = selector
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceTaintRule", "metadata": {"name": name}, "spec": spec}
+
+
+def rules(version: str, *items: dict[str, Any]) -> None:
+    Recorder.answers[("GET", RULES.format(version))] = (200, {"kind": "DeviceTaintRuleList", "items": list(items)})
+
+
+def test_a_device_taint_rule_that_selects_the_device_is_named_with_its_effect_and_removal(
+        root: Path, tmp_path: Path, fake_api_server: int, fake_api_ca: Path) -> None:
+    """A device an admin drained with a DeviceTaintRule looked healthy and free: its slice carries no taint
+    (the rule is applied by the scheduler, not written into the slice). Now the rule is named, with its
+    taint and the command that removes it; rules that select other devices, drivers or pools, or nothing (no
+    selector), are not."""
+    answer(the_slices(root))
+    rules("v1", rule("drain-gpu0", {"driver": DRIVER, "pool": f"{NODE_NAME}-nvidia-com-gpu", "device": GPU0}),
+          rule("other-device", {"device": "gpu-0000-2a-00-0"}), rule("other-driver", {"driver": "gpu.nvidia.com"}),
+          rule("other-pool", {"pool": "node2-nvidia-com-gpu"}), rule("no-selector", None))
+    check = link(root, api(tmp_path, fake_api_server, fake_api_ca))
+    assert check.ok is False
+    assert check.detail.endswith("is tainted: example.com/maintenance=rma:NoExecute since 2026-12-05T10:00:00Z "
+                                 "by DeviceTaintRule drain-gpu0"), check.detail
+    assert check.fix.endswith("kubectl delete devicetaintrule drain-gpu0")
+    assert "put-back" not in check.fix  # not the node's verdict: put-back would not clear it
+    assert ("GET", RULES.format("v1")) in {(s["method"], s["path"]) for s in Recorder.seen}
+    rules("v1", rule("every-device", {}))  # the empty selector selects every device
+    check = link(root, api(tmp_path, fake_api_server, fake_api_ca), "nvidia.com/gpu=1")
+    assert check.ok is False and check.detail.endswith("by DeviceTaintRule every-device")
+
+
+def test_rules_on_1_36_are_read_from_v1beta2_and_none_served_is_skipped_with_a_word(
+        root: Path, tmp_path: Path, fake_api_server: int, fake_api_ca: Path) -> None:
+    answer(the_slices(root))
+    Recorder.answers[("GET", RULES.format("v1"))] = NOT_FOUND
+    rules("v1beta2", rule("drain-pool", {"pool": f"{NODE_NAME}-nvidia-com-gpu"}, effect="NoSchedule"))
+    check = link(root, api(tmp_path, fake_api_server, fake_api_ca))
+    assert check.ok is False and check.detail.endswith("rma:NoSchedule since 2026-12-05T10:00:00Z by "
+                                                       "DeviceTaintRule drain-pool")
+    Recorder.answers[("GET", RULES.format("v1beta2"))] = NOT_FOUND
+    check = link(root, api(tmp_path, fake_api_server, fake_api_ca))
+    assert check.ok is True
+    assert check.detail.endswith("no taint; DeviceTaintRules not checked: the API server serves them in neither "
+                                 "resource.k8s.io v1 nor v1beta2 (the DRADeviceTaintRules gate)")
+
+
+def test_a_rule_of_effect_none_is_said_and_a_refused_list_is_no_verdict(
+        root: Path, tmp_path: Path, fake_api_server: int, fake_api_ca: Path) -> None:
+    answer(the_slices(root))
+    rules("v1", rule("watch-gpu0", {"device": GPU0}, effect="None"))
+    check = link(root, api(tmp_path, fake_api_server, fake_api_ca))
+    assert check.ok is True and check.detail.endswith(
+        "no taint; example.com/maintenance=rma:None since 2026-12-05T10:00:00Z by DeviceTaintRule watch-gpu0 "
+        "(no effect on scheduling)")
+    Recorder.answers[("GET", RULES.format("v1"))] = (403, {"kind": "Status", "message": "forbidden"})
+    check = link(root, api(tmp_path, fake_api_server, fake_api_ca))
+    assert check.ok is True and check.detail.endswith("no taint; DeviceTaintRules not checked: 403 forbidden")

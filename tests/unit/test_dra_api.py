@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 API = Path(__file__).resolve().parents[2] / "src" / "devinject" / "dra" / "api"
-PROTOS = ("dra_v1", "pluginregistration_v1", "health_v1alpha1", "health_v1beta1")
+PROTOS = ("dra_v1", "pluginregistration_v1", "health_v1", "health_v1alpha1")
 
 
 @pytest.mark.parametrize("proto", PROTOS)
@@ -58,12 +58,17 @@ def test_the_kubelets_registration_service() -> None:
 
 
 def test_the_kubelets_health_services() -> None:
+    """v1 (1.37) and v1alpha1 carry the same released messages, fields 4 and 5 included; no v1beta1 was ever
+    released."""
+    from devinject.dra.api import health_v1_pb2 as v1
     from devinject.dra.api import health_v1alpha1_pb2 as alpha
-    from devinject.dra.api import health_v1beta1_pb2 as beta
 
+    assert _services(v1) == {"v1.DRAResourceHealth": ["NodeWatchResources"]}
     assert _services(alpha) == {"v1alpha1.DRAResourceHealth": ["NodeWatchResources"]}
-    assert _services(beta) == {"v1beta1.DRAResourceHealth": ["NodeWatchResources"]}
-    assert _fields(alpha.DeviceHealth) == {"device": 1, "health": 2, "last_updated_time": 3}
-    assert _fields(beta.DeviceHealth) == {"device": 1, "health": 2, "last_updated_time": 3,
-                                          "health_check_timeout_seconds": 4, "message": 5}
-    assert dict(beta.HealthStatus.items()) == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+    for api in (v1, alpha):
+        assert _fields(api.DeviceHealth) == {"device": 1, "health": 2, "last_updated_time": 3,
+                                             "health_check_timeout_seconds": 4, "message": 5}
+        assert _fields(api.DeviceIdentifier) == {"pool_name": 1, "device_name": 2}
+        assert _fields(api.NodeWatchResourcesResponse) == {"devices": 1}
+        assert dict(api.HealthStatus.items()) == {"UNKNOWN": 0, "HEALTHY": 1, "UNHEALTHY": 2}
+    assert not list(API.glob("*v1beta1*")), "v1beta1 of the health API was never released"

@@ -43,6 +43,7 @@ class Recorder(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(length)) if length else None
         self.seen.append({"method": self.command, "path": self.path, "body": body,
                           "auth": self.headers.get("Authorization"), "peer": self.client_address,
+                          "type": self.headers.get("Content-Type"),
                           "client_cert": bool(self.connection.getpeercert())})  # type: ignore[attr-defined]
         status, answer = self.answers.get((self.command, self.path.split("?")[0]), (200, {"ok": True}))
         data = json.dumps(answer).encode()
@@ -52,7 +53,7 @@ class Recorder(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    do_GET = do_POST = do_PUT = do_DELETE = _answer
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _answer
 
     def log_message(self, *args: object) -> None:
         pass
@@ -71,7 +72,7 @@ class KeepAlive(Recorder):
             KeepAlive.drop = False
             self.close_connection = True
 
-    do_GET = do_POST = do_PUT = do_DELETE = _answer
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _answer
 
 
 @pytest.fixture(params=[Recorder])

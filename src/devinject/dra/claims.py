@@ -30,6 +30,7 @@ from devinject.core.errors import DevinjectError, LedgerError
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
+from devinject.dra.devicemetadata import MetadataFiles, with_mounts
 from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
 from devinject.linux.trusteddir import write_file
@@ -51,6 +52,7 @@ from devinject.specs.generate import EditsMemo, GenerateOptions, build_specs, ve
 log = logging.getLogger(__name__)
 
 CLAIM_CLASS = "claim"
+POD_GROUPS = ("scheduling.k8s.io", "podgroups")  # a reservedFor consumer that is a PodGroup: (apiGroup, resource)
 
 
 class PrepareError(DevinjectError):
@@ -238,6 +240,30 @@ def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
     return tuple(sorted(set(pods)))
 
 
+def reserved_groups(claim: dict[str, object]) -> tuple[str, ...]:
+    """The names of the PodGroups a claim is reserved for (DRAWorkloadResourceClaims: `status.reservedFor[]`
+    entries of `scheduling.k8s.io` `podgroups`, in the claim's namespace): their pods share the claim."""
+    status = claim.get("status")
+    consumers = status.get("reservedFor") if isinstance(status, dict) else None
+    return tuple(sorted({c["name"] for c in (consumers if isinstance(consumers, list) else ())
+                         if isinstance(c, dict) and c.get("apiGroup") == POD_GROUPS[0]
+                         and c.get("resource") == POD_GROUPS[1] and isinstance(c.get("name"), str) and c["name"]}))
+
+
+def group_members(pods: object, group: str) -> tuple[str, ...]:
+    """The UIDs of the pods of a pod list (the API's answer) whose `spec.schedulingGroup.podGroupName` is
+    `group`: the PodGroup's members."""
+    items = pods.get("items") if isinstance(pods, dict) else None
+    members = []
+    for pod in items if isinstance(items, list) else ():
+        meta, spec = (pod.get("metadata"), pod.get("spec")) if isinstance(pod, dict) else (None, None)
+        scheduling = spec.get("schedulingGroup") if isinstance(spec, dict) else None
+        if isinstance(scheduling, dict) and scheduling.get("podGroupName") == group and isinstance(meta, dict) \
+                and isinstance(meta.get("uid"), str) and meta["uid"]:
+            members.append(meta["uid"])
+    return tuple(sorted(set(members)))
+
+
 def _chosen(offers: list[Offer]) -> list[FoundDevice]:
     """The PCI devices the spec pipeline builds for these offers: a whole device as itself, the partitions of
     one device together (its others left out); a channel is none (its profile's channel spec holds it)."""
@@ -273,13 +299,17 @@ class Preparer:
 
     def __init__(self, driver: str, cdi_dir: str, state_dir: str, inventory: Callable[[], Inventory],
                  get_claim: Callable[[str, str], dict[str, object]], generate: GenerateOptions,
-                 ledger: Ledger | None = None, mps: MpsDaemons | None = None) -> None:
+                 ledger: Ledger | None = None, mps: MpsDaemons | None = None,
+                 group_pods: Callable[[str, str], tuple[str, ...]] | None = None,
+                 metadata: MetadataFiles | None = None) -> None:
         self.driver = driver
         driver_root = self.driver_root = os.path.join(generate.root, (generate.driver_root or "/").lstrip("/"))
         self.mps = mps if mps is not None else MpsDaemons(state_dir, driver_root)
         self.cdi_dir = cdi_dir
         self.inventory = inventory
         self.get_claim = get_claim
+        self.group_pods = group_pods  # (namespace, PodGroup) -> the UIDs of its pods on this node
+        self.metadata = metadata  # KEP-5304's files, when the driver writes them (dra/devicemetadata.py)
         self.generate = generate
         self.ledger = ledger if ledger is not None else Ledger(state_dir)
         self.checkpoint = Checkpoint(checkpoint_path(state_dir, driver))  # the ledger's rebuild reads it too
@@ -321,6 +351,7 @@ class Preparer:
         began = time.monotonic()
         claim = self.get_claim(namespace, name)
         read = time.monotonic() - began
+        members = self._group_members(claim, namespace, name)  # asked only for a claim a PodGroup holds
         with self.lock:
             claims, known = self._known(uid)  # a call of the kubelet's that came in meanwhile prepared it
             if known is not None:
@@ -328,7 +359,7 @@ class Preparer:
             path = self.spec_path(uid)
             results = allocated(claim, self.driver, namespace, name, uid)
             sharing = claim_sharing(claim, self.driver, namespace, name, [r for r, _, _ in results])
-            pods = reserved_pods(claim)
+            pods = tuple(sorted(set(reserved_pods(claim)) | set(members)))
             inventory = self.inventory()
             offers = []
             for _, pool, device in results:
@@ -346,6 +377,8 @@ class Preparer:
             extra = {gpu: mps_env(sharing[request], daemon.pipe_dir, daemon.log_dir)
                      for gpu, (request, daemon) in mps_gpus.items()}
             spec, edits = self._spec(inventory.node, uid, offers, extra, labels)
+            if self.metadata is not None:
+                spec = self._with_metadata(spec, claim, namespace, name, uid, results, offers)
             text = dump(spec, "json")
             from devinject.specs.validate import validate_spec
 
@@ -367,7 +400,7 @@ class Preparer:
             try:
                 self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods, consumes=consumes or None)
             except LedgerError as err:
-                _remove(path)
+                self._undo(path, uid)
                 contest = Contest(namespace, name, tuple((o.pool, o.name) for o in offers))
                 if self.contests.get(uid) != contest:
                     self.contests[uid] = contest
@@ -387,7 +420,7 @@ class Preparer:
                 for gpu in started:
                     self.mps.release(gpu, uid)
                 self.ledger.release(self.booking(uid))
-                _remove(path)
+                self._undo(path, uid)
                 if not isinstance(err, MpsError | TimesliceError | PrepareError):
                     raise  # the kubelet plugin answers it as this claim's internal error
                 raise PrepareError(err.message if isinstance(err, PrepareError)
@@ -408,7 +441,7 @@ class Preparer:
                 for gpu in started:
                     self.mps.release(gpu, uid)
                 self.ledger.release(self.booking(uid))
-                _remove(path)
+                self._undo(path, uid)
                 raise
             # the split says whether a slow prepare is the API server's or the node's
             log.info("prepared claim %s/%s (%s) in %.1f ms, %.1f of them reading it: %s", namespace, name, uid,
@@ -512,6 +545,25 @@ class Preparer:
             edits.append(found[0].edits)
         return versioned(Spec(kind=self.kind, devices=tuple(devices), edits=common), self.generate), edits
 
+    def _with_metadata(self, spec: Spec, claim: dict[str, object], namespace: str, name: str, uid: str,
+                       results: list[tuple[str, str, str]], offers: list[Offer]) -> Spec:
+        """Each request's device metadata written, mounted through the request's first device."""
+        assert self.metadata is not None
+        requests: dict[str, list[tuple[str, str, str, dict[str, object]]]] = {}
+        first: dict[str, int] = {}
+        for index, ((request, _, _), offer) in enumerate(zip(results, offers, strict=True)):
+            base = request.partition("/")[0]  # a subrequest's (firstAvailable): the request containers name
+            first.setdefault(base, index)
+            requests.setdefault(base, []).append((self.driver, offer.pool, offer.name, dict(offer.attributes)))
+        mounts = self.metadata.write(claim, namespace, name, uid, requests)
+        return with_mounts(spec, {first[request]: mount for request, mount in mounts.items()})
+
+    def _undo(self, path: str, uid: str) -> None:
+        """A claim's files gone: its spec, and its device metadata."""
+        _remove(path)
+        if self.metadata is not None:
+            self.metadata.remove(uid)
+
     # --- contests ---------------------------------------------------------------------------------------
     def contested(self) -> dict[str, Contest]:
         """The claims refused on a held device, by uid (a copy)."""
@@ -535,7 +587,7 @@ class Preparer:
             self._drop_contest(uid)
             claims = self.checkpoint.load()
             entry = claims.get(uid)
-            _remove(path)
+            self._undo(path, uid)
             mps = (entry or {}).get("mps")  # GPU -> what its daemon names it by
             for gpu in mps if isinstance(mps, dict) else ():
                 try:
@@ -642,7 +694,25 @@ class Preparer:
             log.warning("claim %s/%s (%s): cannot read it again: %s", namespace, name, uid, err.message)
             return None
         meta = claim.get("metadata")
-        return reserved_pods(claim) if isinstance(meta, dict) and meta.get("uid") == uid else None
+        if not isinstance(meta, dict) or meta.get("uid") != uid:
+            return None
+        return tuple(sorted(set(reserved_pods(claim)) | set(self._group_members(claim, namespace, name))))
+
+    def _group_members(self, claim: dict[str, object], namespace: str, name: str) -> tuple[str, ...]:
+        """The pods on this node of the PodGroups the claim is reserved for: booked like the pods it names,
+        so their containers share its devices. A list that fails is logged: the claim is booked for the pods
+        it names, and asked again when a booking is refused."""
+        read = self.group_pods
+        if read is None:
+            return ()
+        members: set[str] = set()
+        for group in reserved_groups(claim):
+            try:
+                members.update(read(namespace, group))
+            except DevinjectError as err:
+                log.warning("claim %s/%s: cannot list the pods of its PodGroup %s: %s", namespace, name, group,
+                            err.message)
+        return tuple(sorted(members))
 
     def prepared(self) -> dict[str, dict[str, object]]:
         with self.lock:
@@ -670,6 +740,8 @@ class Preparer:
                     except LedgerError as err:
                         log.warning("claim %s: %s", uid, err.message)
                     removed.append(uid)
+            if self.metadata is not None:
+                removed += [uid for uid in self.metadata.orphans(claims) if uid not in removed]
             if removed:
                 log.info("removed %d claim spec(s) no checkpoint names: %s", len(removed), ", ".join(removed))
             return removed

@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from devinject import __version__
 from devinject.agent import healthstate
@@ -45,7 +45,9 @@ from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacitySharing
-from devinject.dra.claims import ClaimReadError, Contest, Inventory, Preparer, allocated
+from devinject.dra.claims import ClaimReadError, Contest, Inventory, PreparedDevice, Preparer, allocated
+from devinject.dra.claimstatus import StatusDevice, StatusWriter
+from devinject.dra.devicemetadata import MetadataFiles
 from devinject.dra.kubeletplugin import HealthBroadcast, PluginServers
 from devinject.dra.metrics import DraMetrics
 from devinject.dra.slices import (
@@ -78,6 +80,20 @@ class Publisher(Protocol):
     def get_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class StatusApplier(Protocol):
+    """A publisher that can write a claim's status (the API server's; a test's may not)."""
+
+    def apply_claim_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class GroupReader(Protocol):
+    """A publisher that can list a PodGroup's pods on this node (the API server's; a test's may not)."""
+
+    def group_pods(self, namespace: str, group: str) -> tuple[str, ...]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class DraOptions:
     generate: GenerateOptions
@@ -96,6 +112,7 @@ class DraOptions:
     capacity: CapacitySharing | None = None  # consumable capacity offered (dra/capacity.py); None: not
     contest_check: float = 5.0  # seconds between reads of the claims refused on a held device, while any is
     nfd_features_dir: str | None = None  # write NFD's feature file there (agent/nfd.py), as `watch` does
+    device_metadata: bool = False  # KEP-5304's files for the claims' containers (dra/devicemetadata.py)
 
     def watch_options(self) -> WatchOptions:
         """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own, and no
@@ -285,11 +302,18 @@ class DraDriver:
         self._held_desired: dict[tuple[str, str], PluginHolding] = {}  # what desired() last found held
         self._contested_shown: dict[tuple[str, str], str] = {}  # held devices kept tainted for a claim, logged
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
-                                 get_claim or publisher.get_claim, opts.generate)
+                                 get_claim or publisher.get_claim, opts.generate,
+                                 group_pods=publisher.group_pods if isinstance(publisher, GroupReader) else None,
+                                 metadata=MetadataFiles(os.path.join(opts.plugin_dir, opts.driver,
+                                                                     "dra-device-metadata"), opts.driver)
+                                 if opts.device_metadata else None)
         self.metrics = DraMetrics()
         self.metrics.watch_prepared(self.preparer.prepared)
+        self.status = StatusWriter(opts.driver, lambda: self.inventory().node.host, publisher.apply_claim_status) \
+            if isinstance(publisher, StatusApplier) else None  # status.devices, written after each call
         self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health,
-                                     self.metrics)
+                                     self.metrics, self._prepared if self.status else None,
+                                     self.status.unprepared if self.status else None)
         self.http: MetricsServer | None = None
         self.metrics_bound: str | None = None  # host:port /metrics listens on
         self._round = time.monotonic()  # when the loop last turned (/healthz)
@@ -600,6 +624,15 @@ class DraDriver:
                 self._ledger_seen = None
                 log.exception("following the ledger")
 
+    def _prepared(self, namespace: str, name: str, uid: str, devices: list[PreparedDevice]) -> None:
+        """A claim prepared: its devices' status entries queued (their PCI functions, for a NIC's netdev)."""
+        assert self.status is not None
+        offers = self.inventory().offers
+        self.status.prepared(namespace, name, uid, [
+            StatusDevice(d.pool, d.device, d.share_id, offer.device.address
+                         if (offer := offers.get((d.pool, d.device))) is not None and offer.found is not None
+                         else None) for d in devices])
+
     def start(self) -> None:
         if not os.path.exists(self.preparer.checkpoint.path):
             # there from the start: the device plugin on this node sees a DRA driver beside it (docs/dra.md)
@@ -657,6 +690,8 @@ class DraDriver:
                 self.wake.clear()
         finally:
             self.servers.stop()
+            if self.status is not None:
+                self.status.close()
             if self.http is not None:
                 self.http.shutdown()
             self._stop_health_loop()

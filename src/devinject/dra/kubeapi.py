@@ -55,6 +55,10 @@ WATCH_IDLE = 120.0  # seconds without a byte (bookmarks come every minute) befor
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
+CLAIM_STATUS = CLAIMS + "/status"
+PODS = "/api/v1/namespaces/{namespace}/pods"
+TAINT_RULES = "/apis/resource.k8s.io/{version}/devicetaintrules"
+MAX_PODS = 500  # a node runs 110 pods by default: one page is all of a namespace's on one node
 
 
 class ApiError(DevinjectError):
@@ -313,20 +317,20 @@ class ResourceApi:
         self.sleep = sleep
         self.kept = _Kept()
 
-    def _headers(self, body: bytes | None) -> dict[str, str]:
+    def _headers(self, body: bytes | None, method: str = "GET") -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": "devinject-dra-driver"}
         token = self.creds.tokens.get()
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        if body is not None:
-            headers["Content-Type"] = "application/json"
+        if body is not None:  # a PATCH is a server-side apply (JSON is YAML)
+            headers["Content-Type"] = "application/apply-patch+yaml" if method == "PATCH" else "application/json"
         return headers
 
     def _open(self, method: str, url: str, data: bytes | None, deadline: SocketDeadline,
               idle: float | None = None) -> tuple[_Connection, http.client.HTTPResponse]:
         connection = _Connection(self.creds.host, self.creds.port, self.creds.context, deadline, idle)
         try:
-            connection.request(method, url, body=data, headers=self._headers(data))
+            connection.request(method, url, body=data, headers=self._headers(data, method))
             return connection, connection.getresponse()
         except BaseException:
             connection.close()
@@ -497,6 +501,21 @@ class ResourceApi:
 
     def delete_resource_slice(self, name: str) -> dict[str, Any]:
         return self.request("DELETE", f"{SLICES}/{urllib.parse.quote(name)}")
+
+    def apply_resource_claim_status(self, name: str, namespace: str, body: dict[str, Any], manager: str,
+                                    budget: float | None = None) -> dict[str, Any]:
+        """Server-side apply of a claim's status as `manager` (its entries of status.devices are its own)."""
+        return self.request("PATCH", CLAIM_STATUS.format(namespace=urllib.parse.quote(namespace),
+                                                         name=urllib.parse.quote(name)), body,
+                            query={"fieldManager": manager, "force": "true"}, budget=budget)
+
+    def list_device_taint_rules(self, version: str) -> dict[str, Any]:
+        return self.request("GET", TAINT_RULES.format(version=urllib.parse.quote(version)))
+
+    def list_namespaced_pod(self, namespace: str, field_selector: str, budget: float | None = None) \
+            -> dict[str, Any]:
+        return self.request("GET", PODS.format(namespace=urllib.parse.quote(namespace)),
+                            query={"fieldSelector": field_selector, "limit": str(MAX_PODS)}, budget=budget)
 
     def read_namespaced_resource_claim(self, name: str, namespace: str, budget: float | None = None) \
             -> dict[str, Any]:

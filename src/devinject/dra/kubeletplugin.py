@@ -1,7 +1,8 @@
 """The kubelet's side of the DRA driver over gRPC on unix sockets: the plugin registration service
 (`pluginregistration.Registration`, on `<registry dir>/<driver>-reg.sock`, which the kubelet watches) and the
-DRA service (`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`) with resource health (`v1alpha1`/`v1beta1`
-`DRAResourceHealth`) on `<plugins dir>/<driver>/dra.sock`."""
+DRA service (`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`) with resource health (`v1` and `v1alpha1`
+`DRAResourceHealth`, both advertised in the registration: a 1.37 kubelet opens a stream only for a health
+service the plugin advertises) on `<plugins dir>/<driver>/dra.sock`."""
 
 from __future__ import annotations
 
@@ -18,26 +19,35 @@ import grpc
 from devinject.core.errors import DevinjectError
 from devinject.dra.api import dra_v1_pb2 as dra
 from devinject.dra.api import dra_v1_pb2_grpc as dra_grpc
+from devinject.dra.api import health_v1_pb2 as health_v1
+from devinject.dra.api import health_v1_pb2_grpc as health_v1_grpc
 from devinject.dra.api import health_v1alpha1_pb2 as health_alpha
 from devinject.dra.api import health_v1alpha1_pb2_grpc as health_alpha_grpc
-from devinject.dra.api import health_v1beta1_pb2 as health_beta
-from devinject.dra.api import health_v1beta1_pb2_grpc as health_beta_grpc
 from devinject.dra.api import pluginregistration_v1_pb2 as reg
 from devinject.dra.api import pluginregistration_v1_pb2_grpc as reg_grpc
-from devinject.dra.claims import Preparer
+from devinject.dra.claims import PreparedDevice, Preparer
 from devinject.dra.metrics import DraMetrics, error_reason
 
 log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "DRAPlugin"
-SUPPORTED_VERSIONS = ("v1.DRAPlugin",)
+# the DRA service's version, then the health services' (a 1.37 kubelet prefers v1, else v1alpha1; 1.36 opens
+# v1alpha1 whatever is advertised and ignores the strings it does not know)
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with its terminating NUL
 HEALTH_POLL = 1.0
+# each device's health_check_timeout_seconds: a verdict older than this is UNKNOWN to the kubelet, so every
+# stream sends the whole list again every HEALTH_RESEND s though nothing changed (a third of it: two late)
+HEALTH_TIMEOUT_SECONDS = 30
+HEALTH_RESEND = 10.0
+MAX_HEALTH_MESSAGE = 1024  # characters of DeviceHealth.message
 MAX_HEALTH_STREAMS = 4  # NodeWatchResources streams at once (the kubelet keeps one): each holds a worker
 PREPARE_WORKERS = 8  # what prepares and unprepares always have, however many streams are open
 SOCKET_MODE = 0o600  # the kubelet (root) alone dials the sockets: whoever can may unprepare any claim
 DIR_MODE = 0o750
 MIN_TIME_LEFT = 1.0  # seconds of the kubelet's deadline a claim needs to be attempted
+Prepared = Callable[[str, str, str, list[PreparedDevice]], None]  # (namespace, name, uid, its devices)
+Unprepared = Callable[[str, str, str], None]
 
 
 def claim_error(err: Exception, doing: str, claim: Any) -> str:
@@ -57,9 +67,11 @@ def claim_error(err: Exception, doing: str, claim: Any) -> str:
 class DraService(dra_grpc.DRAPluginServicer):
     """Each claim is prepared on its own: one failing claim is an error in its entry, never the whole call's."""
 
-    def __init__(self, preparer: Preparer, metrics: DraMetrics | None = None) -> None:
+    def __init__(self, preparer: Preparer, metrics: DraMetrics | None = None, prepared: Prepared | None = None,
+                 unprepared: Unprepared | None = None) -> None:
         self.preparer = preparer
         self.metrics = metrics or DraMetrics()
+        self.prepared, self.unprepared = prepared, unprepared  # told after each claim (its status is written)
 
     def NodePrepareResources(self, request: dra.NodePrepareResourcesRequest,
                              context: grpc.ServicerContext) -> dra.NodePrepareResourcesResponse:
@@ -76,12 +88,15 @@ class DraService(dra_grpc.DRAPluginServicer):
                 continue
             started = time.monotonic()
             try:
-                for device in self.preparer.prepare(claim.namespace, claim.name, claim.uid):
+                devices = self.preparer.prepare(claim.namespace, claim.name, claim.uid)
+                for device in devices:
                     answer = dra.Device(request_names=list(device.requests), pool_name=device.pool,
                                         device_name=device.device, cdi_device_ids=list(device.cdi_ids))
                     if device.share_id is not None:  # the kubelet keys a shared device's allocation by it
                         answer.share_id = device.share_id
                     entry.devices.append(answer)
+                if self.prepared is not None:
+                    _told(self.prepared, claim.namespace, claim.name, claim.uid, devices)
             except Exception as err:  # a bug's error too is this claim's, never the call's
                 message = claim_error(err, "prepare", claim)
                 log.warning("claim %s/%s (%s): not prepared: %s", claim.namespace, claim.name, claim.uid, message)
@@ -102,6 +117,8 @@ class DraService(dra_grpc.DRAPluginServicer):
             started = time.monotonic()
             try:
                 self.preparer.unprepare(claim.uid)
+                if self.unprepared is not None:
+                    _told(self.unprepared, claim.namespace, claim.name, claim.uid)
             except Exception as err:  # a bug's error too is this claim's, never the call's
                 message = claim_error(err, "unprepare", claim)
                 log.warning("claim %s/%s (%s): not unprepared: %s", claim.namespace, claim.name, claim.uid,
@@ -111,6 +128,14 @@ class DraService(dra_grpc.DRAPluginServicer):
             finally:
                 metrics.unprepare_seconds.observe(time.monotonic() - started)
         return response
+
+
+def _told(listener: Callable[..., None], namespace: str, name: str, uid: str, *more: Any) -> None:
+    """A listener told of a claim done: whatever it fails at is logged, never the claim's answer."""
+    try:
+        listener(namespace, name, uid, *more)
+    except Exception:
+        log.exception("claim %s/%s (%s): after its call", namespace, name, uid)
 
 
 class HealthBroadcast:
@@ -138,13 +163,12 @@ class HealthBroadcast:
 
 
 class HealthService:
-    """`DRAResourceHealth.NodeWatchResources` of one API version (`api`: its generated module; v1beta1 adds a
-    message): the complete list, then again on every change."""
+    """`DRAResourceHealth.NodeWatchResources` of one API version (`api`: its generated module, v1 or v1alpha1:
+    the same messages): the complete list, then again on every change and every HEALTH_RESEND s."""
 
     def __init__(self, api: Any, state: HealthBroadcast, stopping: threading.Event,
                  streams: threading.BoundedSemaphore | None = None) -> None:
         self.api, self.state, self.stopping = api, state, stopping
-        self.messages = "message" in api.DeviceHealth.DESCRIPTOR.fields_by_name
         # shared by both API versions' services: streams beyond it are refused, never queued on the workers
         self.streams = streams if streams is not None else threading.BoundedSemaphore(MAX_HEALTH_STREAMS)
 
@@ -153,7 +177,7 @@ class HealthService:
         return api.NodeWatchResourcesResponse(devices=[api.DeviceHealth(
             device=api.DeviceIdentifier(pool_name=pool, device_name=name),
             health=api.HEALTHY if ok else api.UNHEALTHY, last_updated_time=now,
-            **({"message": reason[:1024]} if self.messages else {}))
+            health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS, message=one_line(reason))
             for (pool, name), (ok, reason) in sorted(devices.items())])
 
     def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
@@ -161,15 +185,20 @@ class HealthService:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{MAX_HEALTH_STREAMS} NodeWatchResources streams are open already")
         try:
-            seen = -1
+            seen, sent = -1, 0.0
             while context.is_active() and not self.stopping.is_set():
                 version, devices = self.state.snapshot()
-                if version != seen:
-                    seen = version
+                if version != seen or time.monotonic() - sent >= HEALTH_RESEND:
+                    seen, sent = version, time.monotonic()
                     yield self._message(devices)
                 self.state.wait(seen, HEALTH_POLL)
         finally:
             self.streams.release()
+
+
+def one_line(reason: str) -> str:
+    """A device's fault as the kubelet shows it in pod status: one line, at most MAX_HEALTH_MESSAGE characters."""
+    return " ".join(reason.split())[:MAX_HEALTH_MESSAGE]
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):
@@ -227,13 +256,14 @@ class PluginServers:
     """Both sockets: the DRA service first (the kubelet dials it as soon as registration answers)."""
 
     def __init__(self, driver: str, preparer: Preparer, plugin_dir: str, registry_dir: str,
-                 health: HealthBroadcast | None = None, metrics: DraMetrics | None = None) -> None:
+                 health: HealthBroadcast | None = None, metrics: DraMetrics | None = None,
+                 prepared: Prepared | None = None, unprepared: Unprepared | None = None) -> None:
         self.driver = driver
         self.endpoint = os.path.join(plugin_dir, driver, "dra.sock")
         self.registration_path = os.path.join(registry_dir, f"{driver}-reg.sock")
         self.stopping = threading.Event()
         self.health = health or HealthBroadcast()
-        self.dra_service = DraService(preparer, metrics)
+        self.dra_service = DraService(preparer, metrics, prepared, unprepared)
         self.registration = RegistrationService(driver, self.endpoint)
         self.servers: list[grpc.Server] = []
 
@@ -242,10 +272,10 @@ class PluginServers:
 
         def add_dra(server: grpc.Server) -> None:
             dra_grpc.add_DRAPluginServicer_to_server(self.dra_service, server)  # type: ignore[no-untyped-call]
+            health_v1_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
+                HealthService(health_v1, self.health, self.stopping, streams), server)
             health_alpha_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
                 HealthService(health_alpha, self.health, self.stopping, streams), server)
-            health_beta_grpc.add_DRAResourceHealthServicer_to_server(  # type: ignore[no-untyped-call]
-                HealthService(health_beta, self.health, self.stopping, streams), server)
 
         # the streams' workers on top of the prepares': open streams never leave a prepare waiting
         self.servers.append(serve(self.endpoint, add_dra, workers=PREPARE_WORKERS + MAX_HEALTH_STREAMS))

@@ -272,6 +272,25 @@ class SlicePublisher:
         except PublishError as err:
             raise ClaimReadError(err.message, err.status) from None
 
+    def group_pods(self, namespace: str, group: str) -> tuple[str, ...]:
+        """The UIDs of this node's pods in PodGroup `namespace`/`group` (a claim reserved for the group is
+        theirs): one list of the namespace's pods on this node."""
+        from devinject.dra.claims import ClaimReadError, group_members
+
+        try:
+            pods = self._call(f"list pods of podgroup {namespace}/{group} on {self.node_name}",
+                              self.api.list_namespaced_pod, namespace, f"spec.nodeName={self.node_name}",
+                              budget=CLAIM_BUDGET)
+        except PublishError as err:
+            raise ClaimReadError(err.message, err.status) from None
+        return group_members(pods, group)
+
+    def apply_claim_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A server-side apply of the claim's status with the driver as field manager (dra/claimstatus.py)."""
+        return self._call(f"apply resourceclaim {namespace}/{name} status",  # type: ignore[no-any-return]
+                          self.api.apply_resource_claim_status, name, namespace, body, self.driver,
+                          budget=CLAIM_BUDGET)
+
     def remove_all(self) -> None:
         self.close()
         with self.lock:

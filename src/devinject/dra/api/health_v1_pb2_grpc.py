@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from devinject.dra.api import health_v1beta1_pb2 as devinject_dot_dra_dot_api_dot_health__v1beta1__pb2
+from devinject.dra.api import health_v1_pb2 as devinject_dot_dra_dot_api_dot_health__v1__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in devinject/dra/api/health_v1beta1_pb2_grpc.py depends on'
+        + ' but the generated code in devinject/dra/api/health_v1_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -35,9 +35,9 @@ class DRAResourceHealthStub:
             channel: A grpc.Channel.
         """
         self.NodeWatchResources = channel.unary_stream(
-                '/v1beta1.DRAResourceHealth/NodeWatchResources',
-                request_serializer=devinject_dot_dra_dot_api_dot_health__v1beta1__pb2.NodeWatchResourcesRequest.SerializeToString,
-                response_deserializer=devinject_dot_dra_dot_api_dot_health__v1beta1__pb2.NodeWatchResourcesResponse.FromString,
+                '/v1.DRAResourceHealth/NodeWatchResources',
+                request_serializer=devinject_dot_dra_dot_api_dot_health__v1__pb2.NodeWatchResourcesRequest.SerializeToString,
+                response_deserializer=devinject_dot_dra_dot_api_dot_health__v1__pb2.NodeWatchResourcesResponse.FromString,
                 _registered_method=True)
 
 
@@ -55,14 +55,14 @@ def add_DRAResourceHealthServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'NodeWatchResources': grpc.unary_stream_rpc_method_handler(
                     servicer.NodeWatchResources,
-                    request_deserializer=devinject_dot_dra_dot_api_dot_health__v1beta1__pb2.NodeWatchResourcesRequest.FromString,
-                    response_serializer=devinject_dot_dra_dot_api_dot_health__v1beta1__pb2.NodeWatchResourcesResponse.SerializeToString,
+                    request_deserializer=devinject_dot_dra_dot_api_dot_health__v1__pb2.NodeWatchResourcesRequest.FromString,
+                    response_serializer=devinject_dot_dra_dot_api_dot_health__v1__pb2.NodeWatchResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'v1beta1.DRAResourceHealth', rpc_method_handlers)
+            'v1.DRAResourceHealth', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('v1beta1.DRAResourceHealth', rpc_method_handlers)
+    server.add_registered_method_handlers('v1.DRAResourceHealth', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -83,9 +83,9 @@ class DRAResourceHealth:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/v1beta1.DRAResourceHealth/NodeWatchResources',
-            devinject_dot_dra_dot_api_dot_health__v1beta1__pb2.NodeWatchResourcesRequest.SerializeToString,
-            devinject_dot_dra_dot_api_dot_health__v1beta1__pb2.NodeWatchResourcesResponse.FromString,
+            '/v1.DRAResourceHealth/NodeWatchResources',
+            devinject_dot_dra_dot_api_dot_health__v1__pb2.NodeWatchResourcesRequest.SerializeToString,
+            devinject_dot_dra_dot_api_dot_health__v1__pb2.NodeWatchResourcesResponse.FromString,
             options,
             channel_credentials,
             insecure,
