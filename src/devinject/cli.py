@@ -41,6 +41,10 @@ driver_root_option = click.option(
     "--driver-root", default=None, type=click.Path(), metavar="DIRECTORY",
     help="Where the driver's files are, as the host names it (a driver installed in a container, e.g. "
          "/run/nvidia/driver): libraries, binaries and firmware come from there, device nodes from the host.")
+nvml_option = click.option(
+    "--nvml/--no-nvml", default=None,
+    help="Ask NVML (the driver's libnvidia-ml under the root or --driver-root) for its GPUs' facts: UUIDs, "
+         "memory, compute capability, MIG profiles (default: only when --root is /).")
 target_root_option = click.option(
     "--target-root", default=None, type=click.Path(), metavar="DIRECTORY",
     help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "
@@ -109,7 +113,8 @@ def _bundle_command(node_hook: str | None, hook_path: str | None) -> HookCommand
 
 
 def _node(*, root: str = "/", target_root: str | None = None, profile_dirs: tuple[str, ...] = (),
-          state_dir: str | None = None, kernel_log: str | None = None) -> Node:
+          state_dir: str | None = None, kernel_log: str | None = None, nvml: bool | None = None,
+          driver_root: str | None = None) -> Node:
     """The node a command was pointed at (devinject.api), its roots checked once before it reads anything: a
     wrong one is one line naming it (discovery/roots.py). The kernel log may be missing only when it was not
     asked for."""
@@ -119,7 +124,8 @@ def _node(*, root: str = "/", target_root: str | None = None, profile_dirs: tupl
 
     source = click.get_current_context().get_parameter_source("kernel_log")
     return Node(root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
-                kernel_log=kernel_log, kernel_log_explicit=source not in (None, ParameterSource.DEFAULT))
+                kernel_log=kernel_log, kernel_log_explicit=source not in (None, ParameterSource.DEFAULT),
+                nvml=nvml, driver_root=driver_root)
 
 
 def _check_roots(*, root: str = "/", profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
@@ -179,7 +185,7 @@ def cli(verbose: int, quiet: bool) -> None:
               help="Only this kind, e.g. nvidia.com/gpu (repeatable; exit 1 when one has no devices).")
 @click.option("--hook-path", default=None, metavar="PATH", help="Absolute path of devinject for the spec's CDI hooks.")
 @profile_dir_option
-@click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
+@nvml_option
 @bundles_option
 @target_root_option
 @driver_root_option
@@ -349,10 +355,13 @@ def _sharing_cell(record: Any) -> str:
 @profile_dir_option
 @state_dir_option
 @kernel_log_option
+@nvml_option
+@driver_root_option
 def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs: tuple[str, ...], state_dir: str,
-                 kernel_log: str) -> None:
+                 kernel_log: str, nvml: bool | None, driver_root: str | None) -> None:
     """Show every discovered device, its health and which container holds it."""
-    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log, nvml=nvml,
+                 driver_root=driver_root)
     rows = sorted((r for r in node.inventory() if not kinds or r.kind in kinds), key=_device_order)
     missing = _missing_kinds(kinds, {r.kind for r in rows})
     if as_json:
@@ -364,25 +373,35 @@ def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs:
     if not rows:
         note(node.why_no_devices())
         return
-    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "SHARING", "HELD BY", "PAIRED WITH", "NODES")
+    header = ("DEVICE", "PCI", "MODEL", "MEMORY", "CC", "NUMA", "DRIVER", "HEALTH", "SHARING", "HELD BY",
+              "PAIRED WITH", "NODES")
     table = [header] + [
-        (r.name, r.pci_address or "-", r.model, "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
+        (r.name, r.pci_address or "-", r.model, _memory_cell(r.memory_bytes), r.compute_capability or "-",
+         "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
          r.health, _sharing_cell(r), ",".join(h.container or "?" for h in r.holders) or "-",
          ",".join(name for name, _ in r.paired_with) or "-", " ".join(path for path, _, _ in r.nodes))
         for r in rows
     ]
-    partitions = {(f.profile.kind, f.address): f.partitions for f in node.devices()}
+    found = {(f.profile.kind, f.address): f for f in node.devices()}
     at = 1
     for r in rows:  # a GPU split into MIG instances (an AMD GPU into partitions) is offered as those
-        parts = partitions.get((r.kind, r.pci_address or ""), ())
+        device = found.get((r.kind, r.pci_address or ""))
+        gpu = node.gpu_facts(device) if device is not None else None
         at += 1
-        for part in parts:
-            table.insert(at, (f"  {r.kind}={part.name}", "-", f"{part.kind.upper()} {part.key}", "-", "-", "-", "-",
-                              "-", "-", " ".join(n.path for n in part.nodes)))
+        for part in device.partitions if device is not None else ():
+            mig = gpu.mig(part.gpu_instance, part.compute_instance) if gpu and part.kind == "mig" else None
+            model = " ".join(filter(None, (part.kind.upper(), mig.profile if mig else None, part.key)))
+            table.insert(at, (f"  {r.kind}={part.name}", "-", model, _memory_cell(mig.memory_bytes if mig else None),
+                              "-", "-", "-", "-", "-", "-", "-", " ".join(n.path for n in part.nodes)))
             at += 1
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+
+
+def _memory_cell(size: int | None) -> str:
+    """A device's memory as nvidia-smi states it (`81559MiB`); `-` when not known."""
+    return "-" if not size else f"{size // (1024 * 1024)}MiB"
 
 
 def _device_order(record: Any) -> tuple[str, str, tuple[int | str, ...]]:

@@ -21,7 +21,7 @@ from devinject.discovery.topology import Topology, topology
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from devinject.discovery.nvml import NvmlFacts
+    from devinject.discovery.nvml import GpuFacts, NvmlFacts
 
 
 def device_names(found: FoundDevice, strategies: tuple[str, ...]) -> list[str]:
@@ -124,6 +124,19 @@ class Node:
             files = Host(posixpath.join(self.root, driver_root.lstrip("/"))) if driver_root else self.host
             self._nvml[key] = node_facts(files)
         return self._nvml[key]
+
+    def gpu_facts(self, found: FoundDevice) -> GpuFacts | None:
+        """NVML's facts of `found` (a GPU of a profile that asks NVML), None without them (nvml_facts)."""
+        return self.nvml_facts().gpu(found.address) if found.profile.uuid_nvml else None
+
+    def memory_bytes(self, found: FoundDevice) -> int | None:
+        """The device's memory: NVML's total for an NVIDIA GPU, else what sysfs states (AMD's
+        `mem_info_vram_total`), else None."""
+        gpu = self.gpu_facts(found)
+        if gpu is not None and gpu.memory_bytes:
+            return gpu.memory_bytes
+        vram = self.host.read_attr(found.pci.sys_path + "/mem_info_vram_total")
+        return int(vram) if vram and vram.isdigit() and int(vram) > 0 else None
 
     def topology(self) -> Topology:
         return topology(self.host, self.devices())

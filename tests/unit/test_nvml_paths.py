@@ -1,0 +1,59 @@
+"""NVML's facts on the paths a user reads them from: `list` (MEMORY and CC columns, `--json`), through the
+stub libnvidia-ml built from the fixture host's data (tests/nvmlstub)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.unit.test_cli import run
+
+H100_MIB = 81559
+
+
+def columns(table: str, *names: str) -> list[tuple[str, ...]]:
+    """The cells under `names` in each row of `list`'s table (columns start where their header does)."""
+    header, *rows = table.splitlines()
+    starts = [(" " + header).index(f" {name} ") for name in names]
+    return [tuple(row[at:].strip().split("  ")[0] for at in starts) for row in rows]
+
+
+def test_list_shows_memory_and_compute_capability(nvml_host, tmp_path):
+    root = nvml_host("hgx-h100")
+    state = str(tmp_path / "state")
+    done = run("list", "--root", str(root), "--nvml", "--state-dir", state, "--kind", "nvidia.com/gpu")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:5] == ["DEVICE", "PCI", "MODEL", "MEMORY", "CC"]
+    assert set(columns(done.stdout, "MEMORY", "CC")) == {(f"{H100_MIB}MiB", "9.0")}
+    rows = json.loads(run("list", "--root", str(root), "--nvml", "--json", "--state-dir", state).stdout)
+    gpus = [r for r in rows if r["kind"] == "nvidia.com/gpu"]
+    assert len(gpus) == 8
+    assert {(r["memory_bytes"], r["compute_capability"]) for r in gpus} == {(H100_MIB * 1024 * 1024, "9.0")}
+    assert all(r["memory_bytes"] is None and r["compute_capability"] is None for r in rows if r not in gpus)
+
+
+def test_list_without_nvml_leaves_them_out(nvml_host, tmp_path):
+    root = nvml_host("hgx-h100")
+    rows = json.loads(run("list", "--root", str(root), "--json", "--state-dir", str(tmp_path / "s")).stdout)
+    assert {(r["memory_bytes"], r["compute_capability"]) for r in rows} == {(None, None)}  # off off the host's /
+    done = run("list", "--root", str(root), "--no-nvml", "--state-dir", str(tmp_path / "s"))
+    assert done.returncode == 0 and set(columns(done.stdout, "MEMORY", "CC")) == {("-", "-")}
+
+
+def test_list_names_each_mig_devices_profile_and_memory(nvml_host, tmp_path):
+    root = nvml_host("dgx-a100-mig")
+    done = run("list", "--root", str(root), "--nvml", "--state-dir", str(tmp_path / "s"), "--kind", "nvidia.com/gpu")
+    assert done.returncode == 0, done.stderr
+    assert columns(done.stdout, "DEVICE", "MODEL", "MEMORY", "CC") == [
+        ("nvidia.com/gpu=0", "NVIDIA A100-SXM4-80GB", "81920MiB", "8.0"),
+        ("nvidia.com/gpu=0:0", "MIG 3g.40gb gi1-ci0", "40192MiB", "-"),
+        ("nvidia.com/gpu=0:1", "MIG 3g.40gb gi2-ci0", "40192MiB", "-"),
+        ("nvidia.com/gpu=1", "NVIDIA A100-SXM4-80GB", "81920MiB", "8.0")]
+
+
+def test_a_failing_nvml_is_one_warning_and_the_sysfs_table(nvml_host, tmp_path):
+    root = nvml_host("hgx-h100", omit=("nvmlInitWithFlags",))
+    done = run("list", "--root", str(root), "--nvml", "--state-dir", str(tmp_path / "s"))
+    assert done.returncode == 0
+    warnings = [line for line in done.stderr.splitlines() if "NVML" in line]
+    assert len(warnings) == 1 and "sysfs only" in warnings[0], done.stderr
+    assert set(columns(done.stdout, "MEMORY", "CC")) == {("-", "-")}
