@@ -610,6 +610,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
         bundles_option,
         target_root_option,
         driver_root_option,
+        nvml_option,
         node_hook_option,
         profile_dir_option,
     )):
@@ -633,20 +634,20 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
                    target_root: str | None, driver_root: str | None, node_hook: str | None = None,
                    profile_dirs: tuple[str, ...] = (), nfd_features_dir: str | None = None,
-                   ) -> tuple[WatchOptions, Node]:
+                   nvml: bool | None = None) -> tuple[WatchOptions, Node]:
     """The loop's options, and the node it watches (its roots checked once, here)."""
     from devinject.agent.watch import WatchOptions
     from devinject.linux.trusteddir import trusted_dir
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
     node = _node(root=root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
-                 kernel_log=kernel_log)
+                 kernel_log=kernel_log, nvml=nvml, driver_root=driver_root)
     trusted_dir(state_dir)  # health verdicts and events the hook trusts: refused when others could write there
     _check_timings(interval, recheck, rescan, test_timings)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
                           node_hook=_bundle_command(node_hook, hook_path), target_root=target_root,
-                          driver_root=driver_root, profile_dirs=profile_dirs)
+                          driver_root=driver_root, profile_dirs=profile_dirs, nvml=nvml)
     gen.check()
     return WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
                         recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log,
@@ -778,6 +779,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @profile_dir_option
 @target_root_option
 @driver_root_option
+@nvml_option
 @node_hook_option
 @click.option("--hook-path", default=None, metavar="PATH",
               help="Absolute path of devinject for the claim specs' CDI hooks.")
@@ -820,15 +822,15 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @click.option("--consumable-capacity", default="off", show_default=True, metavar="shares=N[,memory=Q|auto]",
               help="Publish each whole GPU with allowMultipleAllocations and shareable capacity "
                    "(DRAConsumableCapacity): at most N claims per GPU, and its memory (e.g. 80Gi; auto: what "
-                   "sysfs states) for claims' capacity.requests (docs/sharing.md).")
+                   "NVML or sysfs states) for claims' capacity.requests (docs/sharing.md).")
 @click.option("--nfd-features-dir", default=None, metavar="DIRECTORY",
               help="Write the node's labels for Node Feature Discovery there (its features.d, e.g. "
                    "/etc/kubernetes/node-feature-discovery/features.d), as the devices change.")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
-               driver_root: str | None, node_hook: str | None, hook_path: str | None, kinds: tuple[str, ...],
-               node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str, registry_dir: str,
-               cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float, threshold: int,
-               test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
+               driver_root: str | None, nvml: bool | None, node_hook: str | None, hook_path: str | None,
+               kinds: tuple[str, ...], node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str,
+               registry_dir: str, cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float,
+               threshold: int, test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
                metrics_address: str, consumable_capacity: str, nfd_features_dir: str | None) -> None:
     """Kubernetes DRA kubelet plugin: ResourceSlices from discovery with the node's health loop (faults as
     device taints), claims prepared as CDI specs (docs/dra.md)."""
@@ -858,7 +860,7 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), profile_dirs=profile_dirs,
                           node_hook=_bundle_command(node_hook, hook_path), target_root=target_root,
-                          driver_root=driver_root)
+                          driver_root=driver_root, nvml=nvml)
     gen.check()
     watch = WatchOptions(generate=gen, state_dir=state_dir, interval=interval, recheck=recheck, threshold=threshold,
                          rescan=rescan, kernel_log=kernel_log, uevents=uevents, specs=False)

@@ -57,3 +57,58 @@ def test_a_failing_nvml_is_one_warning_and_the_sysfs_table(nvml_host, tmp_path):
     warnings = [line for line in done.stderr.splitlines() if "NVML" in line]
     assert len(warnings) == 1 and "sysfs only" in warnings[0], done.stderr
     assert set(columns(done.stdout, "MEMORY", "CC")) == {("-", "-")}
+
+
+def _slices(root, sharing=None):  # type: ignore[no-untyped-def]
+    from devinject.discovery.node import Node
+    from devinject.dra.slices import DRIVER, offers, resource_slices, shareable
+
+    offered = shareable(offers(Node(str(root), check=False, nvml=True), "node1"), sharing)
+    return {d["name"]: d for s in resource_slices(DRIVER, "node1", offered) for d in s["spec"].get("devices", [])}
+
+
+def test_dra_gpus_carry_nvidias_attributes_and_memory(nvml_host):
+    """The names, types and values NVIDIA's gpu-kubelet-plugin publishes for the same GPU through the same
+    NVML (../shared/peers/README.md: cudaComputeCapability 9.0.0, cudaDriverVersion 12.4.0, memory 81559Mi)."""
+    gpu = _slices(nvml_host("hgx-h100"))["gpu-0000-18-00-0"]
+    attributes = gpu["attributes"]
+    assert {name: attributes[name] for name in ("productName", "brand", "architecture", "cudaComputeCapability",
+                                                "cudaDriverVersion", "driverVersion")} == {
+        "productName": {"string": "NVIDIA H100 80GB HBM3"}, "brand": {"string": "Nvidia"},
+        "architecture": {"string": "Hopper"}, "cudaComputeCapability": {"version": "9.0.0"},
+        "cudaDriverVersion": {"version": "12.4.0"}, "driverVersion": {"version": "550.54.14"}}
+    assert gpu["capacity"] == {"memory": {"value": str(H100_MIB * 1024 * 1024)}}  # the API server: 81559Mi
+
+
+def test_dra_mig_devices_carry_their_profile_and_memory(nvml_host):
+    devices = _slices(nvml_host("dgx-a100-mig"))
+    mig = devices["gpu-0000-07-00-0-gi1-ci0"]
+    assert mig["attributes"]["profile"] == {"string": "3g.40gb"}
+    assert mig["attributes"]["cudaComputeCapability"] == {"version": "8.0.0"}
+    assert mig["capacity"] == {"memory": {"value": str(40192 * 1024 * 1024)}}
+    assert "profile" not in devices["gpu-0000-07-00-0"]["attributes"]  # the whole GPU has no profile
+
+
+def test_dra_without_nvml_publishes_what_sysfs_gives(host_copy):
+    gpu = _slices(host_copy("hgx-h100"))["gpu-0000-18-00-0"]  # the fixture's libnvidia-ml answers nothing
+    assert "capacity" not in gpu and "cudaComputeCapability" not in gpu["attributes"]
+
+
+def test_consumable_capacity_memory_auto_is_nvmls(nvml_host):
+    from devinject.dra.capacity import parse_capacity_sharing
+
+    gpu = _slices(nvml_host("hgx-h100"), parse_capacity_sharing("shares=2,memory=auto"))["gpu-0000-18-00-0"]
+    assert gpu["allowMultipleAllocations"] is True
+    assert gpu["capacity"]["memory"]["value"] == f"{H100_MIB}Mi"
+
+
+def test_the_agents_node_asks_nvml_as_its_options_say(nvml_host, tmp_path):
+    """`watch`, `device-plugin` and `dra-driver` (--nvml, --driver-root) make their node in watched_node."""
+    from devinject.agent.watch import WatchOptions, watched_node
+    from devinject.specs.generate import GenerateOptions
+
+    root = nvml_host("hgx-h100")
+    node = watched_node(WatchOptions(generate=GenerateOptions(root=str(root), nvml=True), state_dir=str(tmp_path)))
+    assert len(node.nvml_facts().gpus) == 8
+    node = watched_node(WatchOptions(generate=GenerateOptions(root=str(root)), state_dir=str(tmp_path)))
+    assert node.nvml_facts().gpus == ()
