@@ -77,7 +77,7 @@ def test_dra_gpus_carry_nvidias_attributes_and_memory(nvml_host):
         "productName": {"string": "NVIDIA H100 80GB HBM3"}, "brand": {"string": "Nvidia"},
         "architecture": {"string": "Hopper"}, "cudaComputeCapability": {"version": "9.0.0"},
         "cudaDriverVersion": {"version": "12.4.0"}, "driverVersion": {"version": "550.54.14"}}
-    assert gpu["capacity"] == {"memory": {"value": str(H100_MIB * 1024 * 1024)}}  # the API server: 81559Mi
+    assert gpu["capacity"] == {"memory": {"value": f"{H100_MIB}Mi"}}  # as the API server stores it
 
 
 def test_dra_mig_devices_carry_their_profile_and_memory(nvml_host):
@@ -85,7 +85,7 @@ def test_dra_mig_devices_carry_their_profile_and_memory(nvml_host):
     mig = devices["gpu-0000-07-00-0-gi1-ci0"]
     assert mig["attributes"]["profile"] == {"string": "3g.40gb"}
     assert mig["attributes"]["cudaComputeCapability"] == {"version": "8.0.0"}
-    assert mig["capacity"] == {"memory": {"value": str(40192 * 1024 * 1024)}}
+    assert mig["capacity"] == {"memory": {"value": "40192Mi"}}
     assert "profile" not in devices["gpu-0000-07-00-0"]["attributes"]  # the whole GPU has no profile
 
 

@@ -38,7 +38,7 @@ from devinject.discovery.node import Node
 from devinject.discovery.nvml import GpuFacts, NvmlFacts
 from devinject.discovery.partitions import Partition
 from devinject.discovery.topology import place_of
-from devinject.dra.capacity import CapacitySharing, capacity_json, device_capacity
+from devinject.dra.capacity import CapacitySharing, binary_quantity, capacity_json, device_capacity
 
 DRIVER = "dra.devinject.io"
 STANDARD = "resource.kubernetes.io"
@@ -128,8 +128,9 @@ class Offer:
         if self.shareable:
             device["allowMultipleAllocations"] = True
             device["capacity"] = capacity_json(dict(self.shareable))
-        elif self.capacity:
-            device["capacity"] = {name: {"value": value} for name, value in self.capacity}
+        elif self.capacity:  # bytes as the API server stores them (81559Mi), so a slice read back is the same
+            device["capacity"] = {name: {"value": binary_quantity(int(value)) if value.isdigit() else value}
+                                  for name, value in self.capacity}
         if self.consumes:
             device["consumesCounters"] = [{"counterSet": counter_set_name(self.device),
                                            "counters": {c: {"value": "1"} for c in self.consumes}}]
