@@ -1041,9 +1041,12 @@ def runtime_configure(runtime_name: str, config: str | None, spec_dirs: tuple[st
               help="The DRA driver's /metrics, read for the publishes it counts as failed ('' not to; the "
                    "shipped DaemonSet serves it on the node's IP).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@nvml_option
+@driver_root_option
 def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_name: str | None,
            runtime_version: str | None, state_dir: str, profile_dirs: tuple[str, ...], kubeconfig: str | None,
-           node_name: str | None, driver_name: str, dra_metrics: str, as_json: bool) -> None:
+           node_name: str | None, driver_name: str, dra_metrics: str, as_json: bool, nvml: bool | None,
+           driver_root: str | None) -> None:
     """Walk each device's chain to a container (pci, driver, nodes, libraries, spec, runtime, ledger, health,
     kubelet, and with an API server its ResourceSlice) and name the first broken link and its fix; exit 0
     only when every link holds.
@@ -1058,7 +1061,7 @@ def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_na
 
     if dra_metrics and not dra_metrics.rpartition(":")[2].isdigit():
         raise UsageError(f"--dra-metrics {dra_metrics!r}: expected HOST:PORT")
-    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, nvml=nvml, driver_root=driver_root)
     api = slice_api(kubeconfig)
     found = diagnose(node, device, DoctorOptions(
         spec_dirs=spec_dirs or DEFAULT_SPEC_DIRS, runtime=runtime_name, runtime_version=runtime_version, api=api,

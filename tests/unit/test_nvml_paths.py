@@ -112,3 +112,15 @@ def test_the_agents_node_asks_nvml_as_its_options_say(nvml_host, tmp_path):
     assert len(node.nvml_facts().gpus) == 8
     node = watched_node(WatchOptions(generate=GenerateOptions(root=str(root)), state_dir=str(tmp_path)))
     assert node.nvml_facts().gpus == ()
+
+
+def test_doctor_says_what_nvml_says_of_the_gpu(nvml_host, tmp_path):
+    root = nvml_host("dgx-a100-mig")
+    args = ("doctor", "--root", str(root), "--state-dir", str(tmp_path / "s"), "--json", "nvidia.com/gpu=0")
+    (found,) = json.loads(run(*args, "--nvml").stdout)
+    pci = found["checks"][0]
+    assert pci["link"] == "pci" and pci["ok"] is True
+    assert pci["detail"].endswith("; NVML: Ampere, compute capability 8.0, 81920MiB, MIG on, "
+                                  "MIG devices 3g.40gb, 3g.40gb"), pci["detail"]
+    (without,) = json.loads(run(*args).stdout)
+    assert "NVML" not in without["checks"][0]["detail"]
