@@ -478,8 +478,10 @@ nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned i
     ENTER();
     const struct stub_gpu *gpu;
     nvmlReturn_t status = mig_parent(device, mig, &gpu);
+    if (status == NVML_ERROR_INVALID_ARGUMENT)
+        return status;
     if (status != NVML_SUCCESS || index >= gpu->mig_count)
-        return status != NVML_SUCCESS ? status : NVML_ERROR_NOT_FOUND;
+        return NVML_ERROR_NOT_FOUND; /* no MIG device at this index (MIG off: none at any) */
     *mig = &mig_handles[device->gpu][index];
     return NVML_SUCCESS;
 }
