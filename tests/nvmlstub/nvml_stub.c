@@ -53,21 +53,52 @@ typedef struct {
     unsigned int size;
 } nvmlGpuInstancePlacement_t;
 
+/* nvmlGpuInstanceProfileInfo_t's fields, which _v2 has after its version (with a name after them) */
+#define GPU_INSTANCE_PROFILE_FIELDS \
+    unsigned int id;                \
+    unsigned int isP2pSupported;    \
+    unsigned int sliceCount;        \
+    unsigned int instanceCount;     \
+    unsigned int multiprocessorCount; \
+    unsigned int copyEngineCount;   \
+    unsigned int decoderCount;      \
+    unsigned int encoderCount;      \
+    unsigned int jpegCount;         \
+    unsigned int ofaCount;          \
+    unsigned long long memorySizeMB;
+
+typedef struct {
+    GPU_INSTANCE_PROFILE_FIELDS
+} nvmlGpuInstanceProfileInfo_t;
+
 typedef struct {
     unsigned int version;
-    unsigned int id;
-    unsigned int isP2pSupported;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int copyEngineCount;
-    unsigned int decoderCount;
-    unsigned int encoderCount;
-    unsigned int jpegCount;
-    unsigned int ofaCount;
-    unsigned long long memorySizeMB;
+    GPU_INSTANCE_PROFILE_FIELDS
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
 } nvmlGpuInstanceProfileInfo_v2_t;
+
+/* the engines a compute instance (or a MIG device) has: nvmlComputeInstanceProfileInfo_t, nvmlDeviceAttributes_t */
+#define SHARED_ENGINE_FIELDS              \
+    unsigned int multiprocessorCount;     \
+    unsigned int sharedCopyEngineCount;   \
+    unsigned int sharedDecoderCount;      \
+    unsigned int sharedEncoderCount;      \
+    unsigned int sharedJpegCount;         \
+    unsigned int sharedOfaCount;
+
+typedef struct {
+    unsigned int id;
+    unsigned int sliceCount;
+    unsigned int instanceCount;
+    SHARED_ENGINE_FIELDS
+} nvmlComputeInstanceProfileInfo_t;
+
+typedef struct {
+    SHARED_ENGINE_FIELDS
+    unsigned int gpuInstanceSliceCount;
+    unsigned int computeInstanceSliceCount;
+    unsigned long long memorySizeMB;
+} nvmlDeviceAttributes_t;
 
 /* The fixture's data: struct stub_profile, stub_mig, stub_gpu and their tables */
 struct stub_profile {
@@ -131,6 +162,17 @@ typedef struct {
     unsigned int profileId;
     nvmlGpuInstancePlacement_t placement;
 } nvmlGpuInstanceInfo_t;
+
+/* A MIG device's compute instance: the stub models one per GPU instance, spanning it */
+typedef struct stub_instance *nvmlComputeInstance_t;
+
+typedef struct {
+    nvmlDevice_t device;
+    nvmlGpuInstance_t gpuInstance;
+    unsigned int id;
+    unsigned int profileId;
+    nvmlGpuInstancePlacement_t placement;
+} nvmlComputeInstanceInfo_t;
 
 static struct stub_handle gpu_handles[MAX_GPUS];
 static struct stub_handle mig_handles[MAX_GPUS][MAX_MIGS];
@@ -223,6 +265,18 @@ static nvmlReturn_t copy_text(const char *value, char *out, unsigned int length)
         *out = mig->field;                                          \
         return NVML_SUCCESS;                                        \
     }
+
+/* NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE for a compute instance that spans a GPU instance of `slices` */
+static unsigned int compute_profile(unsigned int slices) {
+    switch (slices) {
+    case 1: return 0;
+    case 2: return 1;
+    case 3: return 2;
+    case 4: return 3;
+    case 7: return 4;
+    default: return 5;
+    }
+}
 
 /* Start and stop */
 
@@ -549,6 +603,89 @@ nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, unsigned 
     info->memorySizeMB = profile->memory_mib;
     snprintf(info->name, sizeof(info->name), "MIG %s", profile->name);
     return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, unsigned int index,
+                                                 nvmlGpuInstanceProfileInfo_t *info) {
+    nvmlGpuInstanceProfileInfo_v2_t full;
+    nvmlReturn_t status = info == NULL ? NVML_ERROR_INVALID_ARGUMENT
+                                       : nvmlDeviceGetGpuInstanceProfileInfoV(device, index, &full);
+    if (status != NVML_SUCCESS)
+        return status;
+    memset(info, 0, sizeof(*info));
+    info->id = full.id;
+    info->sliceCount = full.sliceCount;
+    info->instanceCount = full.instanceCount;
+    info->memorySizeMB = full.memorySizeMB;
+    return NVML_SUCCESS;
+}
+
+static const struct stub_profile *instance_profile(nvmlGpuInstance_t instance) {
+    const struct stub_gpu *gpu = &stub_gpus[instance->gpu];
+    return profile_of(gpu, gpu->migs[instance->mig].profile);
+}
+
+nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t instance, unsigned int id,
+                                                   nvmlComputeInstance_t *compute) {
+    ENTER();
+    if (instance == NULL || compute == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (stub_gpus[instance->gpu].migs[instance->mig].compute_instance != id)
+        return NVML_ERROR_NOT_FOUND;
+    *compute = instance;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t compute, nvmlComputeInstanceInfo_t *info) {
+    nvmlGpuInstanceInfo_t instance; /* the compute instance spans its GPU instance */
+    nvmlReturn_t status = info == NULL ? NVML_ERROR_INVALID_ARGUMENT : nvmlGpuInstanceGetInfo(compute, &instance);
+    if (status != NVML_SUCCESS)
+        return status;
+    memset(info, 0, sizeof(*info));
+    info->device = instance.device;
+    info->gpuInstance = compute;
+    info->id = stub_gpus[compute->gpu].migs[compute->mig].compute_instance;
+    info->profileId = compute_profile(instance.placement.size);
+    info->placement = instance.placement;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlComputeInstanceGetInfo(nvmlComputeInstance_t compute, nvmlComputeInstanceInfo_t *info) {
+    return nvmlComputeInstanceGetInfo_v2(compute, info);
+}
+
+nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance_t instance, unsigned int index,
+                                                          unsigned int engine, nvmlComputeInstanceProfileInfo_t *info) {
+    ENTER();
+    if (instance == NULL || info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct stub_profile *profile = instance_profile(instance);
+    if (profile == NULL || engine != 0 || index != compute_profile(profile->slices))
+        return NVML_ERROR_NOT_SUPPORTED; /* only the compute instance that spans the GPU instance */
+    memset(info, 0, sizeof(*info));
+    info->id = index;
+    info->sliceCount = profile->slices;
+    info->instanceCount = 1;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes) {
+    ENTER();
+    const struct stub_mig *mig = mig_of(device);
+    if (attributes == NULL || gpu_of(device) == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct stub_profile *profile = mig ? profile_of(gpu_of(device), mig->profile) : NULL;
+    if (profile == NULL)
+        return NVML_ERROR_NOT_SUPPORTED; /* the stub models a MIG device's */
+    memset(attributes, 0, sizeof(*attributes));
+    attributes->gpuInstanceSliceCount = profile->slices;
+    attributes->computeInstanceSliceCount = profile->slices;
+    attributes->memorySizeMB = profile->memory_mib;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes) {
+    return nvmlDeviceGetAttributes_v2(device, attributes);
 }
 
 #include "stub_unmodelled.h"
