@@ -23,7 +23,7 @@ from devinject.discovery.host import Host
 log = logging.getLogger(__name__)
 
 NVML_SONAME = "libnvidia-ml.so.1"
-NVML_TIMEOUT = 10.0  # nvidia-smi answers within ~1 s on a healthy 8-GPU node; a wedged GPU never does
+NVML_TIMEOUT = 10.0  # one read of every GPU, the probe's start included; a wedged GPU never answers
 ANSWER_LIMIT = 1 << 20  # 1 MiB: a few KiB per GPU
 # Where nvidia-ctk's library locator looks when the ld.so.cache names no libnvidia-ml (pkg/lookup/library.go)
 LIBRARY_DIRS = ("/usr/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/lib64",
