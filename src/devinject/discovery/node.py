@@ -66,7 +66,7 @@ class Node:
         self._channels: list[ChannelDevice] | None = None
         self.nvml = nvml
         self.driver_root = driver_root
-        self._nvml: dict[tuple[bool, str | None], NvmlFacts] = {}
+        self._nvml: dict[str | None, NvmlFacts] = {}  # by driver root
 
     @property
     def profiles(self) -> list[Profile]:
@@ -119,11 +119,10 @@ class Node:
         driver_root = driver_root if driver_root is not None else self.driver_root
         if not use or not any(f.profile.uuid_nvml for f in self.devices()):
             return NO_FACTS
-        key = (use, driver_root)
-        if key not in self._nvml:
+        if driver_root not in self._nvml:
             files = Host(posixpath.join(self.root, driver_root.lstrip("/"))) if driver_root else self.host
-            self._nvml[key] = node_facts(files)
-        return self._nvml[key]
+            self._nvml[driver_root] = node_facts(files)
+        return self._nvml[driver_root]
 
     def gpu_facts(self, found: FoundDevice) -> GpuFacts | None:
         """NVML's facts of `found` (a GPU of a profile that asks NVML), None without them (nvml_facts)."""
