@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from devinject.core import jsonlite
@@ -212,6 +213,7 @@ def read_nvml(library: str, timeout: float = NVML_TIMEOUT) -> NvmlFacts | None:
         warn_once(f"NVML not asked: cannot start its probe: {err}")
         return None
     assert child.stdout is not None
+    deadline = time.monotonic() + timeout  # one deadline for the answer and the exit
     try:
         answer = read_to_eof(child.stdout.fileno(), timeout, ANSWER_LIMIT)
     except TimeoutError:
@@ -225,7 +227,7 @@ def read_nvml(library: str, timeout: float = NVML_TIMEOUT) -> NvmlFacts | None:
     finally:
         child.stdout.close()
     try:
-        status = child.wait(timeout=max(timeout, 1.0))
+        status = child.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:  # closed its output, then hung
         _stop(child)
         status = -1
