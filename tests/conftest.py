@@ -73,8 +73,10 @@ def v1_device_cgroup():  # type: ignore[no-untyped-def]
 def nvml_stubs(tmp_path_factory: pytest.TempPathFactory):
     """Stub libnvidia-ml.so.1 builds (tests/nvmlstub), one per fixture host and variant, compiled once a
     session: `nvml_stubs("hgx-h100", hang=..., omit=...)` is the library's path."""
+    from tests.e2e.conftest import require
     from tests.nvmlstub import build_stub
 
+    require(shutil.which("gcc") is not None, "gcc not installed: the stub libnvidia-ml is compiled (make system-deps)")
     base = tmp_path_factory.mktemp("nvml-stubs")
     built: dict[tuple[str, str | None, tuple[str, ...]], Path] = {}
 
