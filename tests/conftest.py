@@ -67,3 +67,36 @@ def v1_device_cgroup():  # type: ignore[no-untyped-def]
             return
         except OSError:
             time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def nvml_stubs(tmp_path_factory: pytest.TempPathFactory):
+    """Stub libnvidia-ml.so.1 builds (tests/nvmlstub), one per fixture host and variant, compiled once a
+    session: `nvml_stubs("hgx-h100", hang=..., omit=...)` is the library's path."""
+    from tests.e2e.conftest import require
+    from tests.nvmlstub import build_stub
+
+    require(shutil.which("gcc") is not None, "gcc not installed: the stub libnvidia-ml is compiled (make system-deps)")
+    base = tmp_path_factory.mktemp("nvml-stubs")
+    built: dict[tuple[str, str | None, tuple[str, ...]], Path] = {}
+
+    def build(host: str, *, hang: str | None = None, omit: tuple[str, ...] = ()) -> Path:
+        key = (host, hang, tuple(sorted(omit)))
+        if key not in built:
+            built[key] = build_stub(base / f"stub{len(built)}", HOSTS / host, hang=hang, omit=omit)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture
+def nvml_host(host_copy, nvml_stubs):
+    """A copy of a fixture host whose libnvidia-ml is the stub built from its data (variant as nvml_stubs)."""
+    from tests.nvmlstub import install_stub
+
+    def make(name: str, **variant: object) -> Path:
+        root = host_copy(name)
+        install_stub(root, nvml_stubs(name, **variant))
+        return root
+
+    return make

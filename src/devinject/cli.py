@@ -51,6 +51,10 @@ driver_root_option = click.option(
     "--driver-root", default=None, type=click.Path(), metavar="DIRECTORY",
     help="Where the driver's files are, as the host names it (a driver installed in a container, e.g. "
          "/run/nvidia/driver): libraries, binaries and firmware come from there, device nodes from the host.")
+nvml_option = click.option(
+    "--nvml/--no-nvml", default=None,
+    help="Ask NVML (the driver's libnvidia-ml under the root or --driver-root) for its GPUs' facts: UUIDs, "
+         "memory, compute capability, MIG profiles (default: only when --root is /).")
 target_root_option = click.option(
     "--target-root", default=None, type=click.Path(), metavar="DIRECTORY",
     help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "
@@ -119,7 +123,8 @@ def _bundle_command(node_hook: str | None, hook_path: str | None) -> HookCommand
 
 
 def _node(*, root: str = "/", target_root: str | None = None, profile_dirs: tuple[str, ...] = (),
-          state_dir: str | None = None, kernel_log: str | None = None) -> Node:
+          state_dir: str | None = None, kernel_log: str | None = None, nvml: bool | None = None,
+          driver_root: str | None = None) -> Node:
     """The node a command was pointed at (devinject.api), its roots checked once before it reads anything: a
     wrong one is one line naming it (discovery/roots.py). The kernel log may be missing only when it was not
     asked for."""
@@ -129,7 +134,8 @@ def _node(*, root: str = "/", target_root: str | None = None, profile_dirs: tupl
 
     source = click.get_current_context().get_parameter_source("kernel_log")
     return Node(root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
-                kernel_log=kernel_log, kernel_log_explicit=source not in (None, ParameterSource.DEFAULT))
+                kernel_log=kernel_log, kernel_log_explicit=source not in (None, ParameterSource.DEFAULT),
+                nvml=nvml, driver_root=driver_root)
 
 
 def _check_roots(*, root: str = "/", profile_dirs: tuple[str, ...] = (), state_dir: str | None = None,
@@ -190,7 +196,7 @@ def cli(verbose: int, quiet: bool) -> None:
               help="Only this kind, e.g. nvidia.com/gpu (repeatable; exit 1 when one has no devices).")
 @click.option("--hook-path", default=None, metavar="PATH", help="Absolute path of devinject for the spec's CDI hooks.")
 @profile_dir_option
-@click.option("--nvml/--no-nvml", default=None, help="Ask NVML for GPU UUIDs (default: only when --root is /).")
+@nvml_option
 @bundles_option
 @target_root_option
 @driver_root_option
@@ -411,10 +417,13 @@ def _sharing_cell(record: Any) -> str:
 @profile_dir_option
 @state_dir_option
 @kernel_log_option
+@nvml_option
+@driver_root_option
 def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs: tuple[str, ...], state_dir: str,
-                 kernel_log: str) -> None:
+                 kernel_log: str, nvml: bool | None, driver_root: str | None) -> None:
     """Show every discovered device, its health and which container holds it."""
-    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log)
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log, nvml=nvml,
+                 driver_root=driver_root)
     rows = sorted((r for r in node.inventory() if not kinds or r.kind in kinds), key=_device_order)
     missing = _missing_kinds(kinds, {r.kind for r in rows})
     if as_json:
@@ -426,25 +435,35 @@ def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs:
     if not rows:
         note(node.why_no_devices())
         return
-    header = ("DEVICE", "PCI", "MODEL", "NUMA", "DRIVER", "HEALTH", "SHARING", "HELD BY", "PAIRED WITH", "NODES")
+    header = ("DEVICE", "PCI", "MODEL", "MEMORY", "CC", "NUMA", "DRIVER", "HEALTH", "SHARING", "HELD BY",
+              "PAIRED WITH", "NODES")
     table = [header] + [
-        (r.name, r.pci_address or "-", r.model, "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
+        (r.name, r.pci_address or "-", r.model, _memory_cell(r.memory_bytes), r.compute_capability or "-",
+         "-" if r.numa_node is None else str(r.numa_node), r.driver or "-",
          r.health, _sharing_cell(r), ",".join(h.container or "?" for h in r.holders) or "-",
          ",".join(name for name, _ in r.paired_with) or "-", " ".join(path for path, _, _ in r.nodes))
         for r in rows
     ]
-    partitions = {(f.profile.kind, f.address): f.partitions for f in node.devices()}
+    found = {(f.profile.kind, f.address): f for f in node.devices()}
     at = 1
     for r in rows:  # a GPU split into MIG instances (an AMD GPU into partitions) is offered as those
-        parts = partitions.get((r.kind, r.pci_address or ""), ())
+        device = found.get((r.kind, r.pci_address or ""))
+        gpu = node.gpu_facts(device) if device is not None else None
         at += 1
-        for part in parts:
-            table.insert(at, (f"  {r.kind}={part.name}", "-", f"{part.kind.upper()} {part.key}", "-", "-", "-", "-",
-                              "-", "-", " ".join(n.path for n in part.nodes)))
+        for part in device.partitions if device is not None else ():
+            mig = gpu.mig(part.gpu_instance, part.compute_instance) if gpu and part.kind == "mig" else None
+            model = " ".join(filter(None, (part.kind.upper(), mig.profile if mig else None, part.key)))
+            table.insert(at, (f"  {r.kind}={part.name}", "-", model, _memory_cell(mig.memory_bytes if mig else None),
+                              "-", "-", "-", "-", "-", "-", "-", " ".join(n.path for n in part.nodes)))
             at += 1
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     for row in table:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+
+
+def _memory_cell(size: int | None) -> str:
+    """A device's memory as nvidia-smi states it (`81559MiB`); `-` when not known."""
+    return "-" if not size else f"{size // (1024 * 1024)}MiB"
 
 
 def _device_order(record: Any) -> tuple[str, str, tuple[int | str, ...]]:
@@ -650,6 +669,7 @@ def watch_options(command: Callable[..., None]) -> Callable[..., None]:
         bundles_option,
         target_root_option,
         driver_root_option,
+        nvml_option,
         node_hook_option,
         profile_dir_option,
     )):
@@ -673,20 +693,20 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
                    target_root: str | None, driver_root: str | None, node_hook: str | None = None,
                    profile_dirs: tuple[str, ...] = (), nfd_features_dir: str | None = None,
-                   ) -> tuple[WatchOptions, Node]:
+                   nvml: bool | None = None) -> tuple[WatchOptions, Node]:
     """The loop's options, and the node it watches (its roots checked once, here)."""
     from devinject.agent.watch import WatchOptions
     from devinject.linux.trusteddir import trusted_dir
     from devinject.specs.generate import GenerateOptions, default_hook_path
 
     node = _node(root=root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
-                 kernel_log=kernel_log)
+                 kernel_log=kernel_log, nvml=nvml, driver_root=driver_root)
     trusted_dir(state_dir)  # health verdicts and events the hook trusts: refused when others could write there
     _check_timings(interval, recheck, rescan, test_timings)
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), bundles=bundles,
                           node_hook=_bundle_command(node_hook, hook_path), target_root=target_root,
-                          driver_root=driver_root, profile_dirs=profile_dirs)
+                          driver_root=driver_root, profile_dirs=profile_dirs, nvml=nvml)
     gen.check()
     return WatchOptions(generate=gen, output_dir=Path(output_dir), state_dir=state_dir, fmt=fmt, interval=interval,
                         recheck=recheck, threshold=threshold, rescan=rescan, kernel_log=kernel_log,
@@ -849,6 +869,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @profile_dir_option
 @target_root_option
 @driver_root_option
+@nvml_option
 @node_hook_option
 @click.option("--hook-path", default=None, metavar="PATH",
               help="Absolute path of devinject for the claim specs' CDI hooks.")
@@ -891,7 +912,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 @click.option("--consumable-capacity", default="off", show_default=True, metavar="shares=N[,memory=Q|auto]",
               help="Publish each whole GPU with allowMultipleAllocations and shareable capacity "
                    "(DRAConsumableCapacity): at most N claims per GPU, and its memory (e.g. 80Gi; auto: what "
-                   "sysfs states) for claims' capacity.requests (docs/sharing.md).")
+                   "NVML or sysfs states) for claims' capacity.requests (docs/sharing.md).")
 @click.option("--nfd-features-dir", default=None, metavar="DIRECTORY",
               help="Write the node's labels for Node Feature Discovery there (its features.d, e.g. "
                    f"{NFD_FEATURES_DIR}), as the devices change.")
@@ -900,10 +921,10 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
                    "per request under --plugin-dir, mounted read-only at /var/run/kubernetes.io/"
                    "dra-device-attributes/... (docs/dra.md).")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
-               driver_root: str | None, node_hook: str | None, hook_path: str | None, kinds: tuple[str, ...],
-               node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str, registry_dir: str,
-               cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float, threshold: int,
-               test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
+               driver_root: str | None, nvml: bool | None, node_hook: str | None, hook_path: str | None,
+               kinds: tuple[str, ...], node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str,
+               registry_dir: str, cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float,
+               threshold: int, test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
                metrics_address: str, consumable_capacity: str, nfd_features_dir: str | None,
                device_metadata: bool) -> None:
     """Kubernetes DRA kubelet plugin: ResourceSlices from discovery with the node's health loop (faults as
@@ -934,7 +955,7 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
     hook_path = _node_hook(root, node_hook, hook_path, target_root)
     gen = GenerateOptions(root=root, kinds=kinds, hook_path=hook_path or default_hook_path(), profile_dirs=profile_dirs,
                           node_hook=_bundle_command(node_hook, hook_path), target_root=target_root,
-                          driver_root=driver_root)
+                          driver_root=driver_root, nvml=nvml)
     gen.check()
     watch = WatchOptions(generate=gen, state_dir=state_dir, interval=interval, recheck=recheck, threshold=threshold,
                          rescan=rescan, kernel_log=kernel_log, uevents=uevents, specs=False)
@@ -1138,9 +1159,12 @@ def runtime_configure(runtime_name: str, config: str | None, spec_dirs: tuple[st
               help="The DRA driver's /metrics, read for the publishes it counts as failed ('' not to; the "
                    "shipped DaemonSet serves it on the node's IP).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@nvml_option
+@driver_root_option
 def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_name: str | None,
            runtime_version: str | None, state_dir: str, profile_dirs: tuple[str, ...], kubeconfig: str | None,
-           node_name: str | None, driver_name: str, dra_metrics: str, as_json: bool) -> None:
+           node_name: str | None, driver_name: str, dra_metrics: str, as_json: bool, nvml: bool | None,
+           driver_root: str | None) -> None:
     """Walk each device's chain to a container (pci, driver, nodes, libraries, spec, runtime, ledger, health,
     kubelet, and with an API server its ResourceSlice) and name the first broken link and its fix; exit 0
     only when every link holds.
@@ -1155,7 +1179,7 @@ def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_na
 
     if dra_metrics and not dra_metrics.rpartition(":")[2].isdigit():
         raise UsageError(f"--dra-metrics {dra_metrics!r}: expected HOST:PORT")
-    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir)
+    node = _node(root=root, profile_dirs=profile_dirs, state_dir=state_dir, nvml=nvml, driver_root=driver_root)
     api = slice_api(kubeconfig)
     found = diagnose(node, device, DoctorOptions(
         spec_dirs=spec_dirs or DEFAULT_SPEC_DIRS, runtime=runtime_name, runtime_version=runtime_version, api=api,

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from devinject.api import Node
     from devinject.cdi.model import Device, Spec
     from devinject.discovery.discover import FoundDevice
+    from devinject.discovery.nvml import GpuFacts
     from devinject.discovery.profiles import Profile
     from devinject.discovery.sysfs import PciDevice
     from devinject.runtimes.status import RuntimeStatus
@@ -265,8 +266,9 @@ class _Context:
             raise _Broken(f"{self.node.host.real(path)} is gone", "check the card is seated; rescan: echo 1 > "
                           "/sys/bus/pci/rescan")
         model = s.profile.model(s.pci) or "unknown model"
+        gpu = self.node.gpu_facts(s.found) if s.found is not None else None
         return (f"{s.pci.address} {model} ({s.pci.vendor:04x}:{s.pci.device:04x}), NUMA node "
-                f"{s.pci.numa_node if s.pci.numa_node >= 0 else 'unknown'}", None)
+                f"{s.pci.numa_node if s.pci.numa_node >= 0 else 'unknown'}" + (_nvml_said(gpu) if gpu else ""), None)
 
     def driver(self, s: _Subject) -> tuple[str, str | None]:
         expected = "/".join(s.profile.drivers) or "any driver"
@@ -741,6 +743,18 @@ def _answers(path: str) -> bool:
         return False
     finally:
         client.close()
+
+
+def _nvml_said(gpu: GpuFacts) -> str:
+    """`; NVML: Hopper, compute capability 9.0, 81559MiB, MIG off`: what NVML says of a GPU, as far as it does."""
+    said = [gpu.architecture or "",
+            f"compute capability {gpu.cuda_compute_capability}" if gpu.cuda_compute_capability else "",
+            f"{gpu.memory_bytes // (1024 * 1024)}MiB" if gpu.memory_bytes else "",
+            "" if gpu.mig_mode is None else "MIG on" if gpu.mig_mode else "MIG off"]
+    profiles = [m.profile or f"gi{m.gpu_instance}-ci{m.compute_instance}" for m in gpu.mig_devices]
+    if profiles:
+        said.append("MIG devices " + ", ".join(profiles))
+    return "; NVML: " + ", ".join(filter(None, said))
 
 
 def render(diagnoses: list[Diagnosis]) -> str:

@@ -84,6 +84,7 @@ def inventory(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceRecor
         vendor = item.profile.vendor_name or f"{pci.vendor:04x}"
         verdict = by_key[device_key(item.profile.kind, item.address)]
         holders = _booked({node_id_of(n) for n in item.nodes}, allocations)
+        gpu = node.gpu_facts(item)
         rows.append(DeviceRecord(
             names=tuple(node.names(item)), kind=item.profile.kind, pci_address=item.address,
             functions=tuple(f.address for f in item.functions), vendor=vendor,
@@ -95,6 +96,7 @@ def inventory(node: Node, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceRecor
             allocation=_allocation(holders),
             nodes=tuple((n.path, n.major, n.minor) for n in item.nodes),
             paired_with=tuple(paired.get(device_key(item.profile.kind, item.address), ())),
+            memory_bytes=node.memory_bytes(item), compute_capability=gpu.cuda_compute_capability if gpu else None,
         ))
     return rows + [_channel_record(c, by_key[c.key], _booked({node_id_of(c.node)}, allocations))
                    for c in node.channels()]

@@ -87,6 +87,8 @@ class DeviceRecord:
     nodes: tuple[tuple[str, int | None, int | None], ...]  # path, major, minor
     paired_with: tuple[tuple[str, str], ...]  # (CDI name, relation) for --bundles gpu-nic
     replicas: int | None = None  # time-slicing: how many containers may share it
+    memory_bytes: int | None = None  # NVML's total for an NVIDIA GPU, else what sysfs states (AMD's VRAM)
+    compute_capability: str | None = None  # CUDA's, from NVML (`9.0`)
 
     @property
     def name(self) -> str:
@@ -101,7 +103,8 @@ class DeviceRecord:
             "allocation": self.allocation,
             "nodes": [{"path": path, "major": major, "minor": minor} for path, major, minor in self.nodes],
             "paired_with": [{"name": name, "relation": relation} for name, relation in self.paired_with],
-            "replicas": self.replicas,
+            "replicas": self.replicas, "memory_bytes": self.memory_bytes,
+            "compute_capability": self.compute_capability,
         }
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import REPO
+from tests.e2e.conftest import REPO, terminate
 from tests.e2e.kube import KUBE, KubeClient, need, until
 from tests.e2e.podphases import race_the_reference, record
 from tests.fixtures.build_hosts import DYN
@@ -413,6 +413,56 @@ def test_a_mig_instance_and_its_whole_gpu_are_never_both_allocated(cluster: Clus
         except subprocess.TimeoutExpired:
             mig.kill()
         shutil.rmtree(state, ignore_errors=True)
+
+
+NVML_DRIVER = "nvml.devinject.io"
+
+
+def test_claims_select_by_nvmls_memory_and_compute_capability(cluster: Cluster, nvml_stubs) -> None:  # type: ignore[no-untyped-def]
+    """A third driver (its own name, state dir and sockets) over the HGX H100 fixture whose libnvidia-ml is the
+    stub built from its data (tests/nvmlstub), with --nvml: a claim whose CEL asks for 40Gi of memory and
+    compute capability 9.0 (the names NVIDIA's DRA driver publishes) gets an H100; one asking for 100Gi stays
+    Pending with the scheduler's reason."""
+    from tests.nvmlstub import install_stub
+
+    host = KUBE_DIR / "nvml-host"
+    shutil.rmtree(host, ignore_errors=True)
+    shutil.copytree(REPO / "tests" / "fixtures" / "hosts" / "hgx-h100", host, symlinks=True)
+    install_stub(host, nvml_stubs("hgx-h100"))
+    state = STATE.with_name(STATE.name + "-nvml")
+    log = open(KUBE_DIR / "logs" / "devinject-dra-nvml.log", "ab")  # noqa: SIM115
+    driver = subprocess.Popen(
+        [DEVINJECT, "dra-driver", "--host-root", str(host), "--nvml", "--node-name", cluster.node, "--kubeconfig",
+         str(KUBE_DIR / "admin.kubeconfig"), "--state-dir", str(state), "--hook-path", DEVINJECT, "--driver-name",
+         NVML_DRIVER, "--kind", "nvidia.com/gpu", "--rescan", "2", "--metrics-address", "127.0.0.1:0"],
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+    log.close()
+    attributes, capacity = f'device.attributes["{NVML_DRIVER}"]', f'device.capacity["{NVML_DRIVER}"]'
+    try:
+        cluster.apply({"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                       "metadata": {"name": "gpu.nvml.devinject.io"},
+                       "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{NVML_DRIVER}"'}}]}})
+        until(lambda: cluster.json("resourceslices", "--field-selector", f"spec.driver={NVML_DRIVER}")["items"],
+              60, "the NVML driver's slices")
+        selector_pod(cluster, "fits", "gpu.nvml.devinject.io",
+                     f'{capacity}.memory.compareTo(quantity("40Gi")) >= 0 && '
+                     f'{attributes}.cudaComputeCapability.compareTo(semver("9.0.0")) >= 0 && '
+                     f'{attributes}.productName == "NVIDIA H100 80GB HBM3"')
+        until(lambda: cluster.running("fits"), 120, "pod fits Running")
+        (result,) = cluster.claim_of("fits")["status"]["allocation"]["devices"]["results"]
+        assert result["driver"] == NVML_DRIVER and result["device"].startswith("gpu-")
+        selector_pod(cluster, "too-big", "gpu.nvml.devinject.io",
+                     f'{capacity}.memory.compareTo(quantity("100Gi")) >= 0')
+        unscheduled = until(lambda: [c["message"] for c in cluster.pod("too-big")["status"].get("conditions", [])
+                                     if c["type"] == "PodScheduled" and c["status"] == "False" and c.get("message")],
+                            60, "the scheduler's reason for pod too-big")
+        assert "cannot allocate all claims" in unscheduled[0], unscheduled
+        cluster.delete_pod("fits")
+        cluster.delete_pod("too-big")
+    finally:
+        terminate(driver)
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(host, ignore_errors=True)
 
 
 def test_opaque_config_is_a_clear_error_in_the_pods_events_and_nothing_is_left(cluster: Cluster) -> None:

@@ -58,7 +58,7 @@ def test_list_shows_each_channel_with_its_node_and_no_pci_address() -> None:
         "driver": None, "sharing": "exclusive", "health": "healthy", "reasons": [], "holders": [],
         "allocation": "free", "nodes": [{"path": "/dev/nvidia-caps-imex-channels/channel1", "major": 233,
                                          "minor": 1}],
-        "paired_with": [], "replicas": None}
+        "paired_with": [], "replicas": None, "memory_bytes": None, "compute_capability": None}
     assert rows["nvidia.com/gpu=0"].pci_address == "0000:07:00.0"  # the GPUs as before
 
 
@@ -66,8 +66,8 @@ def test_list_text_and_json_show_the_channels() -> None:
     done = cli("list", "--root", str(DGX))
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith(f"{KIND}=0 "))
-    assert line.split() == [f"{KIND}=0", "-", "NVIDIA", "imex-channel", "-", "-", "healthy", "exclusive", "-", "-",
-                            "/dev/nvidia-caps-imex-channels/channel0"]
+    assert line.split() == [f"{KIND}=0", "-", "NVIDIA", "imex-channel", "-", "-", "-", "-", "healthy", "exclusive",
+                            "-", "-", "/dev/nvidia-caps-imex-channels/channel0"]
     done = cli("list", "--root", str(DGX), "--json")
     assert done.returncode == 0, done.stderr
     assert [(r["name"], r["pci_address"]) for r in json.loads(done.stdout) if r["kind"] == KIND] == [

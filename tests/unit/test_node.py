@@ -186,7 +186,8 @@ def test_record_json_forms() -> None:
         "numa_node": None, "driver": "acme", "sharing": "exclusive", "health": "unhealthy", "reasons": ["gone"],
         "holders": [holder.to_json()], "allocation": "allocated",
         "nodes": [{"path": "/dev/b0", "major": 240, "minor": 0}],
-        "paired_with": [{"name": "c.com/d=0", "relation": "PIX"}], "replicas": None}
+        "paired_with": [{"name": "c.com/d=0", "relation": "PIX"}], "replicas": None, "memory_bytes": None,
+        "compute_capability": None}
 
 
 def test_event_json_form() -> None:

@@ -227,16 +227,14 @@ def test_uevents_trigger_a_rescan(watcher):
         assert _wait_for(lambda: "8" in _gpu_names(tmp_path))
 
 
-def test_watch_writes_exactly_what_generate_produces(host_copy, tmp_path, monkeypatch):
+def test_watch_writes_exactly_what_generate_produces(nvml_host, tmp_path):
     """One pipeline: the agent's specs are generate's specs for the same host and options — NVML
-    enrichment included (the agent used to skip it, and to write an empty hook path)."""
+    enrichment included (the agent used to skip it, and to write an empty hook path); NVML is the stub
+    libnvidia-ml built from the host's data (tests/nvmlstub), which knows the UUID procfs no longer gives."""
     from devinject.cdi.spec import dump
-    from devinject.discovery import gpuinfo
     from devinject.specs.generate import generate_specs
 
-    fake = {"0000:18:00.0": gpuinfo.NvmlGpu("0000:18:00.0", "GPU-00000000-1111-2222-3333-444444444444", "H100")}
-    monkeypatch.setattr(gpuinfo, "nvml_gpus", lambda timeout=2.0: fake)
-    root = host_copy("hgx-h100")
+    root = nvml_host("hgx-h100")
     info = root / "proc/driver/nvidia/gpus/0000:18:00.0/information"
     info.write_text("".join(line for line in info.read_text().splitlines(keepends=True)
                             if not line.startswith("GPU UUID")))  # only NVML can name this GPU by UUID now
@@ -252,7 +250,7 @@ def test_watch_writes_exactly_what_generate_produces(host_copy, tmp_path, monkey
                                  if not line.startswith("# devinject-generation")) + "\n"
                for p in (tmp_path / "cdi").glob("*.yaml")}
     assert written == expected
-    assert "GPU-00000000-1111-2222-3333-444444444444" in written["nvidia.com-gpu.yaml"]
+    assert "GPU-5b3c0a1e-7c1d-4c1b-9a55-0e1f2a3b4c00" in written["nvidia.com-gpu.yaml"]
 
 
 def test_an_agent_in_a_pid_namespace_of_its_own_leaves_the_sweep_to_the_hooks(tmp_path, caplog):

@@ -93,7 +93,7 @@ def watched_node(opts: WatchOptions) -> Node:
     a command checks the roots when it makes its own node and hands that to the Watcher."""
     gen = opts.generate
     return Node(gen.root, target_root=gen.target_root, profile_dirs=gen.profile_dirs, state_dir=opts.state_dir,
-                kernel_log=opts.kernel_log, check=False)
+                kernel_log=opts.kernel_log, check=False, nvml=gen.nvml, driver_root=gen.driver_root)
 
 
 class Watcher:

@@ -9,6 +9,7 @@ wiring `Host(root) -> load_profiles -> discover` by hand, so no command can read
 from __future__ import annotations
 
 import copy
+import posixpath
 
 from devinject.cdi.identity import QualifiedName, device_key, qualified
 from devinject.discovery.channels import ChannelDevice, discover_channels
@@ -17,6 +18,10 @@ from devinject.discovery.host import Host
 from devinject.discovery.profiles import Profile, load_profiles
 from devinject.discovery.roots import check_roots
 from devinject.discovery.topology import Topology, topology
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from devinject.discovery.nvml import GpuFacts, NvmlFacts
 
 
 def device_names(found: FoundDevice, strategies: tuple[str, ...]) -> list[str]:
@@ -38,11 +43,14 @@ class Node:
     """The host under `root` with the profiles of `profile_dirs`; `state_dir` and `kernel_log` are what the
     commands above read of it (None: not used). Each path given is checked when the node is made, in one line
     naming the option (discovery/roots.py); `kernel_log_explicit` says the kernel log was asked for, so that
-    it must be there. `host` reuses a Host a caller already holds (the same root)."""
+    it must be there. `host` reuses a Host a caller already holds (the same root). `nvml`: whether NVML is
+    asked for its GPUs' facts (None: when the root is /), from the library under `driver_root` (as the host
+    names it; None: the host's own)."""
 
     def __init__(self, root: str = "/", *, target_root: str | None = None, profile_dirs: tuple[str, ...] = (),
                  state_dir: str | None = None, kernel_log: str | None = None, kernel_log_explicit: bool = False,
-                 check: bool = True, host: Host | None = None) -> None:
+                 check: bool = True, host: Host | None = None, nvml: bool | None = None,
+                 driver_root: str | None = None) -> None:
         if check:
             check_roots(root=root, profile_dirs=profile_dirs, state_dir=state_dir, kernel_log=kernel_log,
                         kernel_log_explicit=kernel_log_explicit)
@@ -56,6 +64,9 @@ class Node:
         self._profiles: list[Profile] | None = None
         self._devices: list[FoundDevice] | None = None
         self._channels: list[ChannelDevice] | None = None
+        self.nvml = nvml
+        self.driver_root = driver_root
+        self._nvml: dict[str | None, NvmlFacts] = {}  # by driver root
 
     @property
     def profiles(self) -> list[Profile]:
@@ -86,6 +97,7 @@ class Node:
         again.view = HostView(self.host)
         again._devices = None
         again._channels = None
+        again._nvml = {}
         return again
 
     def apart(self) -> Node:
@@ -95,6 +107,35 @@ class Node:
         again.host = Host(self.root)
         again.view = HostView(again.host)
         return again
+
+    def nvml_facts(self, enabled: bool | None = None, driver_root: str | None = None) -> NvmlFacts:
+        """What NVML says of the node's NVIDIA GPUs (discovery/nvml.py), asked once per read of the node (a
+        rescan asks again) and only where a device's profile asks NVML (`uuid: {nvml: true}`). `enabled` and
+        `driver_root` (None: the node's own) say whether to ask (by default when the root is /) and whose
+        library; NO_FACTS when it is not asked, absent or failing (one warning)."""
+        from devinject.discovery.nvml import NO_FACTS, node_facts  # a child process's machinery: when asked
+
+        use = next((v for v in (enabled, self.nvml) if v is not None), self.root == "/")
+        driver_root = driver_root if driver_root is not None else self.driver_root
+        if not use or not any(f.profile.uuid_nvml for f in self.devices()):
+            return NO_FACTS
+        if driver_root not in self._nvml:
+            files = Host(posixpath.join(self.root, driver_root.lstrip("/"))) if driver_root else self.host
+            self._nvml[driver_root] = node_facts(files)
+        return self._nvml[driver_root]
+
+    def gpu_facts(self, found: FoundDevice) -> GpuFacts | None:
+        """NVML's facts of `found` (a GPU of a profile that asks NVML), None without them (nvml_facts)."""
+        return self.nvml_facts().gpu(found.address) if found.profile.uuid_nvml else None
+
+    def memory_bytes(self, found: FoundDevice) -> int | None:
+        """The device's memory: NVML's total for an NVIDIA GPU, else what sysfs states (AMD's
+        `mem_info_vram_total`), else None."""
+        gpu = self.gpu_facts(found)
+        if gpu is not None and gpu.memory_bytes:
+            return gpu.memory_bytes
+        vram = self.host.read_attr(found.pci.sys_path + "/mem_info_vram_total")
+        return int(vram) if vram and vram.isdigit() and int(vram) > 0 else None
 
     def topology(self) -> Topology:
         return topology(self.host, self.devices())

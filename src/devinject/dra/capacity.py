@@ -41,7 +41,7 @@ class CapacityError(DevinjectError):
 @dataclass(frozen=True, slots=True)
 class CapacitySharing:
     """The admin's choice: `shares` claims at most per GPU; `memory` each GPU's memory in bytes (None: none
-    published; `auto`: what sysfs states, AMD's VRAM, else none)."""
+    published; `auto`: what NVML states of an NVIDIA GPU, else what sysfs does (AMD's VRAM), else none)."""
 
     shares: int
     memory: int | None = None

@@ -5,7 +5,9 @@ from its PCI address (`gpu-0000-18-00-0`, a MIG instance `gpu-0000-07-00-0-gi1-c
 every restart and a DNS label. Each device carries the standard attributes (`resource.kubernetes.io/pciBusID`,
 `pcieRoot`: its PCIe root complex `pci<domain>:<bus>`, the first element of its sysfs path, so a GPU and a NIC
 under one root share it; `numaNode`, left out when the kernel says -1) and the driver's own (kind, vendor,
-model, index, driverVersion, uuid, partition: `whole`, `mig` or `amd`), capacity where sysfs states it (AMD's VRAM).
+model, index, driverVersion, uuid, partition: `whole`, `mig` or `amd`), and where NVML answers (discovery/nvml.py)
+NVIDIA's names for its facts (productName, brand, architecture, cudaComputeCapability, cudaDriverVersion; a MIG
+device's `profile`); capacity `memory` where NVML (a GPU's, a MIG device's) or sysfs (AMD's VRAM) states it.
 
 A GPU split into MIG instances (or AMD partitions) is published whole *and* as its instances, which consume
 a counter set of the parent (partitionable devices, beta and on in 1.36): each instance one counter of its
@@ -32,11 +34,11 @@ from dataclasses import dataclass, replace
 from devinject.cdi.model import DeviceNode
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
-from devinject.discovery.host import Host
 from devinject.discovery.node import Node
+from devinject.discovery.nvml import GpuFacts, NvmlFacts
 from devinject.discovery.partitions import Partition
 from devinject.discovery.topology import place_of
-from devinject.dra.capacity import CapacitySharing, capacity_json, device_capacity
+from devinject.dra.capacity import CapacitySharing, binary_quantity, capacity_json, device_capacity
 
 DRIVER = "dra.devinject.io"
 STANDARD = "resource.kubernetes.io"
@@ -126,8 +128,9 @@ class Offer:
         if self.shareable:
             device["allowMultipleAllocations"] = True
             device["capacity"] = capacity_json(dict(self.shareable))
-        elif self.capacity:
-            device["capacity"] = {name: {"value": value} for name, value in self.capacity}
+        elif self.capacity:  # bytes as the API server stores them (81559Mi), so a slice read back is the same
+            device["capacity"] = {name: {"value": binary_quantity(int(value)) if value.isdigit() else value}
+                                  for name, value in self.capacity}
         if self.consumes:
             device["consumesCounters"] = [{"counterSet": counter_set_name(self.device),
                                            "counters": {c: {"value": "1"} for c in self.consumes}}]
@@ -141,10 +144,30 @@ def _version(value: str) -> dict[str, object]:
     return {"version": value} if _SEMVER.match(value) else {"string": value}
 
 
-def _capacity(host: Host, found: FoundDevice) -> tuple[tuple[str, str], ...]:
-    """What sysfs states of the device's size: AMD's `mem_info_vram_total` (bytes)."""
-    vram = host.read_attr(found.pci.sys_path + "/mem_info_vram_total")
-    return (("memory", vram),) if vram and vram.isdigit() and int(vram) > 0 else ()
+def _memory(size: int | None) -> tuple[tuple[str, str], ...]:
+    return (("memory", str(size)),) if size else ()
+
+
+def _padded_version(text: str) -> dict[str, object]:
+    """NVML's `9.0` (a compute capability), `12.4` (a CUDA version) as the semantic version NVIDIA's DRA driver
+    publishes (`9.0.0`)."""
+    return _version(".".join([*text.split("."), "0", "0"][:3]))
+
+
+def nvml_attributes(gpu: GpuFacts | None, facts: NvmlFacts) -> dict[str, dict[str, object]]:
+    """A GPU's attributes from NVML, under the names NVIDIA's DRA driver gives them (selectors written for it
+    read these too): productName, brand, architecture, cudaComputeCapability and cudaDriverVersion (versions)."""
+    if gpu is None:
+        return {}
+    out: dict[str, dict[str, object]] = {}
+    for name, text in (("productName", gpu.product_name), ("brand", gpu.brand), ("architecture", gpu.architecture)):
+        if text:
+            out[name] = {"string": text}
+    if gpu.cuda_compute_capability:
+        out["cudaComputeCapability"] = _padded_version(gpu.cuda_compute_capability)
+    if facts.cuda_driver_version:
+        out["cudaDriverVersion"] = _padded_version(facts.cuda_driver_version)
+    return out
 
 
 def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | None = None) -> list[Offer]:
@@ -168,15 +191,18 @@ def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | 
         if found.model:
             common["model"] = {"string": found.model}
         common["index"] = {"int": found.index}
-        if versions.get(kind):
-            common["driverVersion"] = _version(str(versions[kind]))
+        gpu = node.gpu_facts(found)
+        driver_version = versions.get(kind) or (node.nvml_facts().driver_version if gpu else None)
+        if driver_version:
+            common["driverVersion"] = _version(str(driver_version))
+        common.update(nvml_attributes(gpu, node.nvml_facts()))
         whole: dict[str, dict[str, object]] = {**common, "partition": {"string": "whole"}}  # for CEL selectors
         if found.uuid:
             whole["uuid"] = {"string": found.uuid}
         pool = pool_name(node_name, kind)
         keys = tuple(p.key for p in found.partitions)
         out.append(Offer(pool, device_name(found), kind, replace(found, partitions=()), None,
-                         tuple(whole.items()), _capacity(node.host, found), keys))
+                         tuple(whole.items()), _memory(node.memory_bytes(found)), keys))
         for partition in found.partitions:
             attributes = dict(common)
             attributes["partition"] = {"string": partition.kind}
@@ -184,8 +210,11 @@ def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | 
             attributes["parentName"] = {"string": device_name(found)}
             if partition.uuid:
                 attributes["uuid"] = {"string": partition.uuid}
+            mig = gpu.mig(partition.gpu_instance, partition.compute_instance) if gpu is not None else None
+            if mig is not None and mig.profile:
+                attributes["profile"] = {"string": mig.profile}  # `1g.10gb`, as NVIDIA's driver names it
             out.append(Offer(pool, device_name(found, partition), kind, found, partition,
-                             tuple(attributes.items()), (), (partition.key,)))
+                             tuple(attributes.items()), _memory(mig.memory_bytes if mig else None), (partition.key,)))
     return out + [channel_offer(channel, node_name) for channel in node.channels()]
 
 

@@ -55,7 +55,10 @@ def served_devices(node: Node, opts: GenerateOptions) -> tuple[list[Profile], li
     profiles = kind_profiles(node.profiles, opts)
     # a --kind subset is discovered on its own: a function whose first profile is left out may match another
     found = node.devices() if profiles == node.profiles else discover(node.host, profiles, view=node.view)
-    return profiles, enrich_uuids(found, opts, node.host)
+    wanted = [f for f in found if f.profile.uuid_nvml and (not f.uuid or any(not p.uuid for p in f.partitions))]
+    if not wanted:
+        return profiles, found
+    return profiles, enrich_uuids(found, node.nvml_facts(opts.nvml, opts.driver_root))
 
 
 def _device_edits(item: FoundDevice, opts: GenerateOptions) -> list[tuple[list[str], ContainerEdits]]:

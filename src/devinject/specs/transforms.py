@@ -20,6 +20,7 @@ from devinject.cdi.model import ContainerEdits, DeviceNode, Mount, Spec
 from devinject.core.errors import SpecError
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
+from devinject.discovery.nvml import GpuFacts, NvmlFacts
 from devinject.discovery.profiles import Profile
 from devinject.specs.options import GenerateOptions
 
@@ -145,22 +146,20 @@ def with_groups(edits: ContainerEdits, opts: GenerateOptions, what: str | None) 
     return edits
 
 
-def enrich_uuids(found: list[FoundDevice], opts: GenerateOptions, host: Host) -> list[FoundDevice]:
-    """The devices found, with the UUIDs procfs does not give from NVML (profiles with `uuid.nvml`): a GPU's,
-    and its MIG devices'."""
-    use_nvml = opts.nvml if opts.nvml is not None else host.root == "/"
-    wanted = [f for f in found if f.profile.uuid_nvml and (not f.uuid or any(not p.uuid for p in f.partitions))]
-    if not use_nvml or not wanted:
-        return found
-    from devinject.discovery.gpuinfo import nvml_gpus
-
-    by_bus = nvml_gpus()
+def enrich_uuids(found: list[FoundDevice], facts: NvmlFacts) -> list[FoundDevice]:
+    """The devices found, with the UUIDs procfs does not give from NVML's facts (profiles with `uuid.nvml`): a
+    GPU's, and its MIG devices'."""
     out = []
     for item in found:
-        gpu = by_bus.get(item.address) if item.profile.uuid_nvml else None
+        gpu = facts.gpu(item.address) if item.profile.uuid_nvml else None
         if gpu is not None:
             item = replace(item, uuid=item.uuid or gpu.uuid, partitions=tuple(
-                replace(p, uuid=p.uuid or gpu.mig.get((p.gpu_instance, p.compute_instance)))
+                replace(p, uuid=p.uuid or _mig_uuid(gpu, p.gpu_instance, p.compute_instance))
                 for p in item.partitions))
         out.append(item)
     return out
+
+
+def _mig_uuid(gpu: GpuFacts, gpu_instance: int, compute_instance: int) -> str | None:
+    mig = gpu.mig(gpu_instance, compute_instance)
+    return mig.uuid if mig else None
