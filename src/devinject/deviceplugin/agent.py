@@ -588,7 +588,7 @@ class DevicePluginAgent:
             supervisor.join(timeout=5)
             follower.join(timeout=5)
             for server in self.servers.values():
-                server.stop()
+                server.close()  # no socket of ours left in the kubelet's directory once the agent is gone
             if http is not None:
                 http.shutdown()
             served = sorted(server.service.state.resource for server in self.servers.values())
