@@ -41,7 +41,7 @@ from devinject.core.errors import DevinjectError
 from devinject.deviceplugin.allocation import HEALTHY as HEALTHY_NAME
 from devinject.deviceplugin.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.deviceplugin.allocation import PluginDevice
-from devinject.deviceplugin.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
+from devinject.deviceplugin.bookings import PluginBookings, held_by_claims
 from devinject.deviceplugin.metrics import Metrics, serve
 from devinject.deviceplugin.service import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replicated
@@ -51,6 +51,7 @@ from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.discovery.topology import Place, place_of
 from devinject.nodestate.ledger import PLUGIN_PREFIX
+from devinject.nodestate.pluginrelease import UNKNOWN_POD_GRACE
 from devinject.nodestate.profilefacts import write_time_slicing
 
 log = logging.getLogger(__name__)
