@@ -242,3 +242,18 @@ def test_a_path_is_turned_off_whole() -> None:
     assert not kinds & {"DeviceClass", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy"}
     assert [key(d) for d in render({"devicePlugin": {"enabled": False}}) if d["metadata"]["name"] == "devinject"
             or d["metadata"]["name"] == "devinject-config"] == []
+
+
+def test_the_default_roll_never_waits_on_a_surge_pod_that_cannot_start() -> None:
+    """A surging pod (maxSurge) needs the node's ports the old pod holds: both agents run in the host's
+    network with a fixed metrics port, so the scheduler leaves the surge pod Pending ("didn't have free ports
+    for the requested pod ports", seen on the live cluster with maxSurge 1, maxUnavailable 0) and the roll
+    never ends. The default replaces a node's pod instead, as long as any port is fixed."""
+    for name in ("devinject", "devinject-dra"):
+        daemonset = one(render(), "DaemonSet", name)
+        pod = daemonset["spec"]["template"]["spec"]
+        fixed_ports = pod.get("hostNetwork") or any(p.get("hostPort") for c in pod["containers"]
+                                                    for p in c.get("ports", []))
+        rolling = daemonset["spec"]["updateStrategy"].get("rollingUpdate", {})
+        if fixed_ports:
+            assert rolling.get("maxSurge", 0) == 0 and rolling.get("maxUnavailable", 1) != 0, (name, rolling)
