@@ -509,3 +509,179 @@ def test_the_allocate_answer_carries_the_cdi_names_and_the_fallback(cluster: Clu
     assert named == sorted(nodes_of(cluster, allocated)), answer.cdi_devices  # those GPUs' names, no other
     gpu_nodes = {d.host_path for d in answer.devices if d.container_path.removeprefix("/dev/nvidia").isdigit()}
     assert gpu_nodes == {f"{HOST}{path}" for path in nodes_of(cluster, allocated)}
+
+
+# --- the Helm chart in place of the kustomize manifests, on the same cluster and fake host: the admin's way out
+# of one (`kubectl delete -k`) and in and out of the other (`helm install`, `helm uninstall`), through Helm v4's
+# own engine (helm-python-sdk binds its Go SDK), both paths' GPU pods on the chart's agents.
+
+CHART = REPO / "deploy" / "helm" / "devinject"
+NAMESPACE = "devinject-system"
+DRA_DRIVER = "dra.devinject.io"
+STATE = TEST_ROOT / "run" / "devinject"  # the overlay's state dir, kept by the chart's release: one ledger
+# what the chart's values move for this fake host, as tests/cluster/overlay does for the manifests
+CHART_VALUES = {"image": {"pullPolicy": "Never"}, "hostRoot": str(HOST), "stateDir": str(STATE)}
+
+
+def agent_sockets() -> list[str]:
+    """Every socket of devinject's agents in the kubelet's plugin directories."""
+    kubelet = Path("/var/lib/kubelet")
+    found = [*(kubelet / "device-plugins").glob("devinject-*"), *(kubelet / "plugins_registry").glob(f"{DRA_DRIVER}*"),
+             *(kubelet / "plugins" / DRA_DRIVER).glob("*")]
+    return sorted(str(p) for p in found)
+
+
+def claim_specs() -> list[str]:
+    return sorted(p.name for p in Path("/var/run/cdi").glob(f"{DRA_DRIVER}-*.json"))
+
+
+def slices(cluster: Cluster) -> list[dict[str, Any]]:
+    return cluster.json("resourceslices", "--field-selector", f"spec.driver={DRA_DRIVER}")["items"]  # type: ignore[no-any-return]
+
+
+def helm_config(cluster: Cluster) -> Any:
+    import helm_python
+
+    return helm_python.Config(kubeconfig_path=str(KUBE_DIR / "admin.kubeconfig"), namespace=NAMESPACE)
+
+
+def devinject_objects(cluster: Cluster) -> list[str]:
+    """What of devinject's own the API server still holds (DaemonSets, ConfigMaps, RBAC, classes, policy)."""
+    kinds = "daemonsets,configmaps,serviceaccounts,clusterroles,clusterrolebindings,deviceclasses," \
+            "validatingadmissionpolicies,validatingadmissionpolicybindings"
+    items = cluster.json(kinds, "-A", "-l", "app.kubernetes.io/part-of=devinject")["items"]
+    return sorted(f"{i['kind']}/{i['metadata']['name']}" for i in items)
+
+
+def test_kubectl_delete_k_removes_the_agent_and_its_sockets_and_keeps_running_pods(
+        cluster: Cluster, deployment: dict[str, Any]) -> None:
+    assert [s for s in agent_sockets() if "device-plugins" in s]
+    cluster.kubectl("delete", "-k", str(OVERLAY), "--wait=true", "--timeout=180s", timeout=200)
+    until(lambda: not cluster.json("pods", "-n", NAMESPACE)["items"], 120, "the agent's pod gone")
+    assert devinject_objects(cluster) == []
+    assert agent_sockets() == []  # the agent removed its own as its pod went (SIGTERM)
+    assert_still_running(cluster, deployment)  # the GPUs it handed out stay with their pods
+
+
+def published_gpus(cluster: Cluster) -> set[str]:
+    """The PCI addresses of the GPUs in the DRA driver's slices."""
+    return {pci for s in slices(cluster) for d in s["spec"].get("devices", [])
+            if (pci := d["attributes"].get("resource.kubernetes.io/pciBusID", {}).get("string")) in cluster.gpus}
+
+
+def claim_pod(name: str) -> list[dict[str, Any]]:
+    """A pod of one GPU through a claim of the chart's class, and its claim template."""
+    return [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+             "metadata": {"name": name, "namespace": "default"},
+             "spec": {"spec": {"devices": {"requests": [
+                 {"name": "gpu", "exactly": {"deviceClassName": "nvidia-gpu.devinject.io", "count": 1}}]}}}},
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default",
+                                                             "labels": {"app": name, "test": "helm"}},
+             "spec": {"terminationGracePeriodSeconds": 1,
+                      "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": name}],
+                      "containers": [{"name": "main", "image": BUSYBOX, "imagePullPolicy": "Never",
+                                      "command": SLEEPER, "resources": {"claims": [{"name": "gpu"}]}}]}}]
+
+
+def claimed_gpu(cluster: Cluster, pod: str) -> str:
+    """The PCI address of the GPU the claim of `pod` was allocated."""
+    (claim,) = [c for c in cluster.json("resourceclaims", "-n", "default")["items"]
+                if c["metadata"]["name"].startswith(f"{pod}-")]
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert result["driver"] == DRA_DRIVER
+    by_name = {d["name"]: d["attributes"].get("resource.kubernetes.io/pciBusID", {}).get("string")
+               for s in slices(cluster) if s["spec"]["pool"]["name"] == result["pool"] for d in s["spec"]["devices"]}
+    return str(by_name[result["device"]])
+
+
+def test_a_move_to_dra_gets_every_gpu_back_from_the_device_plugins_bookings(
+        cluster: Cluster, deployment: dict[str, Any]) -> None:
+    """The move in the usual order: the device plugin's DaemonSet deleted first (above), then its pods, then
+    the DRA driver alone from the chart, in its pod. The device plugin's bookings of those pods are in the
+    ledger with no device plugin left to release them: the driver does, and all 8 GPUs are in its slice and 8
+    one-GPU claims' pods Running within 60 s, each (where the runtime applies CDI) seeing its own GPU."""
+    assert cluster.allocated(deployment["metadata"]["uid"])  # the plugin's bookings, left in the ledger
+    cluster.kubectl("delete", "deployment", "-n", "default", "gpu-two", "--wait=true", timeout=120)
+    until(lambda: not cluster.pods("default", "app=gpu-two"), 120, "the device plugin's pods gone")
+    with helm_config(cluster) as config:
+        release = config.install(str(CHART), "devinject", {**CHART_VALUES, "devicePlugin": {"enabled": False}},
+                                 create_namespace=True, wait="watcher", timeout=300)
+    assert release["status"] == "deployed", {k: v for k, v in release.items() if k != "manifest"}
+    started = time.monotonic()
+    assert [d["metadata"]["name"] for d in cluster.json("daemonsets", "-n", NAMESPACE)["items"]] == ["devinject-dra"]
+    names = [f"moved-{n}" for n in range(8)]
+    cluster.apply(*[doc for name in names for doc in claim_pod(name)])
+    until(lambda: len(published_gpus(cluster)) == 8, 60, "all 8 GPUs in the DRA driver's slice")
+    record(cluster, "dra_start_to_8_gpus_in_slice_s", round(time.monotonic() - started, 2))
+    for name in names:
+        running_pod(cluster, name, timeout=max(1.0, 60 - (time.monotonic() - started)))
+    record(cluster, "dra_start_to_8_claims_running_s", round(time.monotonic() - started, 2))
+    claimed = {name: claimed_gpu(cluster, name) for name in names}
+    assert sorted(claimed.values()) == sorted(cluster.gpus), claimed  # never a GPU in two pods
+    if cluster.mode == "bundled":
+        for name in names:
+            assert devices_seen(cluster, name) == nodes_of(cluster, [claimed[name]])
+    for name in names:
+        cluster.kubectl("delete", "pod", "-n", "default", name, "--wait=false", timeout=60)
+    until(lambda: not cluster.pods("default", "test=helm"), 120, "the claims' pods gone")
+    cluster.kubectl("delete", "resourceclaimtemplates", "-n", "default", "--all", timeout=60)
+    until(lambda: claim_specs() == [], 60, "the claims' specs removed (unprepared)")
+
+
+def test_helm_upgrade_to_both_paths_gives_each_pod_exactly_its_devices(cluster: Cluster) -> None:
+    """`helm upgrade` turns the device plugin on beside the DRA driver: a device-plugin pod and a claim's pod
+    each get one GPU no other pod holds, and see exactly it (the claim's where the runtime applies CDI:
+    containerd 1.6 drops the claim's CDI names, so its pod runs and sees none)."""
+    started = time.monotonic()
+    with helm_config(cluster) as config:
+        release = config.upgrade(str(CHART), "devinject", CHART_VALUES, wait="watcher", timeout=300)
+    assert release["status"] == "deployed", {k: v for k, v in release.items() if k != "manifest"}
+    record(cluster, "helm_upgrade_to_ready_s", round(time.monotonic() - started, 2))
+    daemonsets = {d["metadata"]["name"]: d for d in cluster.json("daemonsets", "-n", NAMESPACE)["items"]}
+    assert sorted(daemonsets) == ["devinject", "devinject-dra"]
+    assert all(d["status"]["numberReady"] == 1 for d in daemonsets.values()), [d["status"] for d in daemonsets.values()]
+    cluster.await_allocatable(8, 120, "the chart's device plugin")
+
+    cluster.apply(deployment_manifest("gpu-helm", 1))
+    plugin_pod = running_pod(cluster, "gpu-helm")
+    mine = cluster.allocated(plugin_pod["metadata"]["uid"])
+    assert len(mine) == 1, mine
+    assert devices_seen(cluster, plugin_pod["metadata"]["name"]) == nodes_of(cluster, mine)
+    # the plugin's GPU leaves the DRA driver's slice (both paths share the node's ledger); the claim comes after,
+    # so that the scheduler does not place it on that GPU before the slice says so (a race docs/lifecycle.md
+    # describes, which tests/e2e/test_both_paths_live.py covers)
+    until(lambda: not set(mine) & published_gpus(cluster), 30, "the plugin's GPU out of the slice")
+    cluster.apply(*claim_pod("gpu-claim"))
+    running_pod(cluster, "gpu-claim")
+    claimed = claimed_gpu(cluster, "gpu-claim")
+    assert claimed not in mine, (claimed, mine)  # never a GPU in two running pods
+    (claim,) = [c for c in cluster.json("resourceclaims", "-n", "default")["items"]
+                if c["metadata"]["name"].startswith("gpu-claim-")]
+    assert claim_specs() == [f"{DRA_DRIVER}-{claim['metadata']['uid']}.json"]
+    seen = devices_seen(cluster, "gpu-claim")
+    assert seen == (nodes_of(cluster, [claimed]) if cluster.mode == "bundled" else {}), seen
+
+
+def test_helm_uninstall_leaves_no_slice_daemonset_socket_or_claim_spec(cluster: Cluster) -> None:
+    """Once the claims' pods are gone, `helm uninstall` leaves none of devinject's objects, slices, sockets
+    or claim specs; what stays on the node is what docs/deploy.md says (the state dir, the node's specs, the
+    node hook, the node's label)."""
+    cluster.kubectl("delete", "pod", "-n", "default", "gpu-claim", "--wait=true", timeout=120)
+    cluster.kubectl("delete", "resourceclaimtemplate", "-n", "default", "gpu-claim", timeout=60)
+    cluster.kubectl("delete", "deployment", "-n", "default", "gpu-helm", "--wait=true", timeout=120)
+    until(lambda: claim_specs() == [], 60, "the claim's spec removed (unprepared)")
+    started = time.monotonic()
+    with helm_config(cluster) as config:
+        config.uninstall("devinject", wait="watcher", timeout=180)
+    until(lambda: not cluster.json("pods", "-n", NAMESPACE)["items"], 120, "the agents' pods gone")
+    assert devinject_objects(cluster) == []
+    assert agent_sockets() == []
+    # the kubelet deletes a driver's slices once its registration has been gone a while (30 s)
+    until(lambda: not slices(cluster), 120, "no ResourceSlice of the driver")
+    record(cluster, "helm_uninstall_to_no_slice_s", round(time.monotonic() - started, 2))
+    assert claim_specs() == []
+    # what stays (docs/deploy.md, "Removing devinject")
+    assert (STATE / "ledger.json").exists()
+    assert sorted(p.name for p in Path("/var/run/cdi").glob("nvidia.com-*.yaml"))
+    assert (HOST / "opt" / "devinject" / "hook").is_dir()
+    assert cluster.json("node", cluster.node)["metadata"]["labels"].get("devinject.io/accelerators") == "true"

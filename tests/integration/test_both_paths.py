@@ -341,3 +341,46 @@ def test_a_lost_ledger_does_not_put_the_plugins_devices_back_in_the_slice(node: 
     Ledger(str(node.state)).sweep()  # rebuilt, without the plugin's booking (nothing shows it): released
     assert wait(lambda: "gpu-0000-ab-00-0" in node.published())
 
+
+
+def test_with_the_plugin_gone_the_driver_releases_a_booking_whose_pod_is_gone(node: Node) -> None:
+    """The move to DRA in the usual order: the device plugin's DaemonSet deleted first (the plugin stops with
+    its bookings in the ledger), then its pods. Nothing of the plugin's is left to release them: the driver
+    does, and the devices are back in its slice."""
+    node.allocate("0000:18:00.0", "0000:2a:00.0")
+    node.checkpoint({POD_A: ["0000:18:00.0", "0000:2a:00.0"]})
+    node.pod(POD_A)
+    assert wait(lambda: all(e["pods"] == [POD_A] for e in node.bookings().values()) and len(node.bookings()) == 2)
+    node.stop_plugin()
+    assert not {"gpu-0000-18-00-0", "gpu-0000-2a-00-0"} & node.published()
+    node.pod(POD_A, present=False)  # the kubelet is done with the pod
+    assert wait(lambda: not node.bookings()), "the bookings outlived their pod with the plugin gone"
+    assert wait(lambda: {"gpu-0000-18-00-0", "gpu-0000-2a-00-0"} <= node.published()), "not offered again"
+
+
+def test_a_state_dir_carried_over_from_a_rebuilt_cluster_holds_no_device_back(host_copy, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The node's state dir outlived its cluster (purged and rebuilt): the device plugin's bookings name pods
+    no kubelet has. A DRA driver started there (no device plugin) publishes every GPU in its first slice."""
+    from devinject.nodestate.ledger import Claim
+
+    state, pods = tmp_path / "state", tmp_path / "pods"
+    state.mkdir(mode=0o755)
+    pods.mkdir()  # the new kubelet's: none of the old pods
+    ledger = Ledger(str(state))
+    for n, address in enumerate(["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0", "0000:9a:00.0"]):
+        ledger.book_plugin("nvidia.com/gpu", {address: Claim(f"nvidia.com/gpu={n}", (f"c 195:{n}",))},
+                           pods={address: [f"5d4a77c7-0000-4000-8000-00000000000{n}"]}, policy={})
+    api = FakeApi()
+    gen = GenerateOptions(root=str(host_copy("hgx-h100")), hook_path="/usr/bin/devinject")
+    driver = DraDriver(DraOptions(generate=gen, node_name=NODE, plugin_dir=str(tmp_path / "plugins"),
+                                  registry_dir=str(tmp_path / "registry"), cdi_dir=str(tmp_path / "cdi"),
+                                  state_dir=str(state), rescan=3600), api)
+    driver.start()
+    try:
+        driver.refresh()
+        gpus = {d["name"] for s in api.slices for d in s["spec"].get("devices", []) if d["name"].startswith("gpu-")}
+        assert len(gpus) == 8, sorted(gpus)
+        allocations = json.loads((state / "ledger.json").read_text())["allocations"]
+        assert not [cid for cid in allocations if cid.startswith("device-plugin:")]
+    finally:
+        driver.servers.stop()

@@ -257,3 +257,21 @@ def test_mig_devices_are_offered_and_allocated_as_units(host_copy, tmp_path, plu
         running.stop.set()
         running.thread.join(timeout=10)
         kubelet.stop()
+
+
+def test_a_stopped_agent_leaves_no_socket_of_its_own(node) -> None:  # type: ignore[no-untyped-def]
+    """Its pod deleted (SIGTERM; an uninstall, a roll): the kubelet keeps a stopped plugin's socket in its
+    directory; the agent's servers remove their own as they stop (gRPC unlinks the socket it bound, while it
+    is the same file), and one made since in its place (a new agent's) stays."""
+    kubelet, running = node
+    plugin_dir = Path(kubelet.plugin_dir)
+    assert kubelet.wait_for(lambda: kubelet.latest("nvidia.com/rdma"))
+    ours = {"devinject-nvidia.com-gpu.sock", "devinject-nvidia.com-rdma.sock"}
+    assert ours <= {p.name for p in plugin_dir.iterdir()}
+    replaced = plugin_dir / "devinject-nvidia.com-rdma.sock"
+    replaced.unlink()
+    replaced.write_text("")  # another agent's now
+    running.stop.set()
+    running.thread.join(timeout=10)
+    assert not running.thread.is_alive()
+    assert sorted(p.name for p in plugin_dir.iterdir() if p.name.startswith("devinject-")) == [replaced.name]

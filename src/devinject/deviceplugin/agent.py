@@ -41,7 +41,7 @@ from devinject.core.errors import DevinjectError
 from devinject.deviceplugin.allocation import HEALTHY as HEALTHY_NAME
 from devinject.deviceplugin.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.deviceplugin.allocation import PluginDevice
-from devinject.deviceplugin.bookings import UNKNOWN_POD_GRACE, PluginBookings, held_by_claims
+from devinject.deviceplugin.bookings import PluginBookings, held_by_claims
 from devinject.deviceplugin.metrics import Metrics, serve
 from devinject.deviceplugin.service import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replica_id, replicated
@@ -51,6 +51,7 @@ from devinject.discovery.host import Host
 from devinject.discovery.node import Node
 from devinject.discovery.topology import Place, place_of
 from devinject.nodestate.ledger import PLUGIN_PREFIX, plugin_booking_id
+from devinject.nodestate.pluginrelease import UNKNOWN_POD_GRACE
 from devinject.nodestate.profilefacts import write_time_slicing
 
 log = logging.getLogger(__name__)
@@ -595,7 +596,7 @@ class DevicePluginAgent:
             supervisor.join(timeout=5)
             follower.join(timeout=5)
             for server in self.servers.values():
-                server.stop()
+                server.close()  # no socket of ours left in the kubelet's directory once the agent is gone
             if http is not None:
                 http.shutdown()
             served = sorted(server.service.state.resource for server in self.servers.values())

@@ -6,10 +6,9 @@ without the other: on one node both would hand one GPU to two pods. So the plugi
 `Allocate` hands out (`device-plugin:<resource>:<device ID>`, held for the node) and is refused what a
 claim holds; the DRA driver is refused what the plugin holds. The booking learns its pod from the kubelet's
 checkpoint (`kubelet_internal_checkpoint` in the plugin directory, written right after `Allocate` answers:
-the request itself names no pod) and ends when that pod's directory under the kubelet's `pods/` is gone
-(removed once its containers have ended and its volumes are torn down), or when no pod took the device within
-`UNKNOWN_POD_GRACE` seconds (an admission that failed after `Allocate`). The checkpoint is also what a lost
-booking is booked again from: every entry of a served resource whose pod still has its directory.
+the request itself names no pod) and ends as nodestate/pluginrelease.py says (its pod's directory gone, or no
+pod took it within the grace), a rule the DRA driver applies too. The checkpoint is also what a lost booking
+is booked again from: every entry of a served resource whose pod still has its directory.
 
 A device a claim holds is offered `Unhealthy` in ListAndWatch, so the kubelet's allocatable (and the
 scheduler's count) drops by it and the kubelet never picks it; released, it is healthy again.
@@ -34,15 +33,13 @@ from devinject.nodestate.ledger import (
     clashes,
     held_nodes,
     is_claim,
-    is_plugin,
     plugin_booking_id,
-    plugin_device_id,
 )
+from devinject.nodestate.pluginrelease import UNKNOWN_POD_GRACE, plugin_verdicts, pods_present
 
 log = logging.getLogger(__name__)
 
 KUBELET_CHECKPOINT = "kubelet_internal_checkpoint"
-UNKNOWN_POD_GRACE = 30.0  # seconds a booking waits for the kubelet's checkpoint to name a pod that exists
 MAX_CHECKPOINT = 16 << 20  # bytes read of the kubelet's checkpoint at most
 
 
@@ -81,15 +78,6 @@ def read_checkpoint(path: str) -> dict[tuple[str, str], set[str]] | None:
     try:
         return checkpoint_devices(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, AttributeError):
-        return None
-
-
-def pods_present(pods_dir: str) -> set[str] | None:
-    """The pod UIDs with a directory under the kubelet's `pods/`; None when that directory cannot be read
-    (then only the checkpoint says which pods hold devices)."""
-    try:
-        return set(os.listdir(pods_dir))
-    except OSError:
         return None
 
 
@@ -203,25 +191,7 @@ class PluginBookings:
         if present is None:
             self._say("pods", "%s: cannot read the kubelet's pod directories: the device plugin's bookings end "
                       "only when the kubelet's checkpoint forgets them", self.pods_dir)
-        now = time.time()
-        learned: dict[str, list[str]] = {}
-        released: list[str] = []
-        for booking_id, entry in allocations.items():
-            if not is_plugin(entry):
-                continue
-            resource, device_id = str(entry["plugin"]), plugin_device_id(booking_id)
-            named = given.get((resource, device_id), set()) if given is not None else set()
-            alive = named & present if present is not None else named
-            known: list[str] = list(entry.get("pods") or [])
-            if alive:
-                if sorted(alive) != known:
-                    learned[booking_id] = sorted(alive)
-            elif known and present is not None and not set(known) & present:
-                released.append(booking_id)  # its pod is gone
-            elif known and present is None and given is not None and not named:
-                released.append(booking_id)  # the kubelet forgot it
-            elif not known and now - float(entry.get("time", 0)) > self.grace:
-                released.append(booking_id)  # no pod took it: the admission failed after Allocate
+        learned, released = plugin_verdicts(allocations, given, present, time.time(), self.grace)
         if learned or released:
             try:
                 self.ledger.plugin_update(learned, released)

@@ -255,6 +255,19 @@ class ResourceServer:
             self.server.stop(grace).wait(grace + 1)
             self.server = None
 
+    def close(self, grace: float = 1.0) -> None:
+        """Stop serving for good (the agent exits: its pod deleted by an uninstall or a roll) and remove the
+        socket, which the kubelet leaves in its directory (gRPC's own unlink at shutdown did not happen in the
+        agent's pod: tests/e2e/test_cluster_live.py), while it is still the one this server made: one made
+        since in its place (a new agent's) is left alone."""
+        made, self.socket_ino = self.socket_ino, None
+        self.stop(grace)
+        try:
+            if made is not None and os.stat(self.path).st_ino == made:
+                os.unlink(self.path)
+        except OSError:
+            pass
+
 
 def register(plugin_dir: str, endpoint: str, resource: str, timeout: float = REGISTER_TIMEOUT) -> None:
     """Register `resource` served on `endpoint` with the kubelet (raises grpc.RpcError or

@@ -113,6 +113,9 @@ class DraOptions:
     contest_check: float = 5.0  # seconds between reads of the claims refused on a held device, while any is
     nfd_features_dir: str | None = None  # write NFD's feature file there (agent/nfd.py), as `watch` does
     device_metadata: bool = False  # KEP-5304's files for the claims' containers (dra/devicemetadata.py)
+    # the kubelet's pod directories (a device-plugin booking whose pod is gone is released here too:
+    # nodestate/pluginrelease.py); default: `pods` beside the plugin directory
+    pods_dir: str | None = None
 
     def watch_options(self) -> WatchOptions:
         """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own, and no
@@ -301,6 +304,11 @@ class DraDriver:
         self._ledger_seen: str | None = None
         self._held_desired: dict[tuple[str, str], PluginHolding] = {}  # what desired() last found held
         self._contested_shown: dict[tuple[str, str], str] = {}  # held devices kept tainted for a claim, logged
+        from devinject.nodestate.pluginrelease import GonePodReleaser
+
+        # the device plugin's bookings whose pods are gone, released with the device plugin gone too
+        self.releaser = GonePodReleaser(opts.state_dir, opts.pods_dir or os.path.join(
+            os.path.dirname(opts.plugin_dir.rstrip("/")), "pods"))
         self.preparer = Preparer(opts.driver, opts.cdi_dir, opts.state_dir, self.inventory,
                                  get_claim or publisher.get_claim, opts.generate,
                                  group_pods=publisher.group_pods if isinstance(publisher, GroupReader) else None,
@@ -615,6 +623,7 @@ class DraDriver:
                 self.hand_over_health_loop()
                 if self.loop is None and self._followed_health_changed():
                     self.wake.set()  # another agent's verdict: published now, not at the next rescan
+                self.releaser.release()  # a release changes the ledger: published just below
                 self.follow_ledger_once()
                 self.follow_contests_once()
             except DevinjectError as err:
@@ -640,6 +649,7 @@ class DraDriver:
         removed = self.preparer.clean_orphans()
         if removed:
             log.info("%d half-prepared claim(s) cleaned up", len(removed))
+        self.releaser.release()  # before the first slice: bookings of pods gone while no agent ran
         if self.opts.metrics_address:  # first: a port in use fails the start before any socket is made
             self.http = serve(self.opts.metrics_address, self.metrics, self.alive, self.ready)
             host, port = self.http.server_address[:2]
