@@ -13,8 +13,9 @@ LEAN_COMMANDS = ("hook", "cdi-hook")
 
 
 def worth_serving(args: list[str]) -> bool:
-    """Whether to offer this invocation to a server: every `hook`; a `cdi-hook` with a link (a device's too) or a
-    library folder to make (one with nothing to do returns at once in-process, and `--help` is printed here)."""
+    """Whether to offer this invocation to a server: every `hook`; a `cdi-hook` with a link (a device's too), a
+    library folder or an application profile's GPU to make (one with nothing to do returns at once in-process,
+    and `--help` is printed here)."""
     if args[:1] == ["hook"]:
         return True
     if args[:1] != ["cdi-hook"]:
@@ -23,7 +24,7 @@ def worth_serving(args: list[str]) -> bool:
     for arg in args[1:]:
         if arg in ("-h", "--help"):
             return False
-        work = work or arg.startswith(("--link", "--device-link", "--folder"))
+        work = work or arg.startswith(("--link", "--device-link", "--folder", "--application-profile"))
     return work
 
 

@@ -106,6 +106,30 @@ def test_a_served_cdi_hook_makes_what_the_in_process_one_makes(live_host: Path, 
     assert results["served"] == results["in-process"]
 
 
+@pytest.mark.parametrize("how", ["served", "in-process"])
+@pytest.mark.parametrize("variant", ["plain", "etc"])
+def test_a_cdi_hook_writes_the_application_profile_in_root(bundle: Bundle, spec_dir: Path, canary: Path,
+                                                           server: Server, variant: str, how: str) -> None:
+    """The application profile of the container's GPU, served and in-process: the same file, inside the
+    rootfs even when the image's /etc leads to /proc/1/root (the host's root)."""
+    from devinject.hook.plan import APPLICATION_PROFILE, application_profile
+
+    if variant == "etc":
+        hostile(bundle.rootfs, variant, canary)
+    cdi_container(bundle, spec_dir, server.socket if how == "served" else None)
+    (hook,) = bundle.config["hooks"]["createContainer"]
+    gpu = next(d for d in bundle.config["linux"]["devices"] if d["path"].removeprefix("/dev/nvidia").isdigit())
+    hook["args"][-2:-2] = ["--application-profile", gpu["path"]]  # as a spec where the driver ships EGL names it
+    bundle.save(["cat", APPLICATION_PROFILE] if variant == "plain" else ["true"])
+    done = bundle.run(container_name())
+    assert done.returncode == 0, done.stderr
+    assert server.served() == (how == "served"), server.log.read_text()
+    if variant == "plain":
+        assert done.stdout == application_profile((gpu["minor"],)).decode()
+    else:
+        assert untouched(canary), done.stderr
+
+
 @pytest.mark.parametrize("variant", ["etc", "libdir"])
 def test_a_served_cdi_hook_never_writes_through_proc_1_root(bundle: Bundle, spec_dir: Path, canary: Path,
                                                             server: Server, variant: str) -> None:

@@ -1,10 +1,12 @@
 """A full NVIDIA driver install in real containers (the dgx-a100-mig host with real nodes and ELF libraries):
 podman from the spec gets the Vulkan and OpenCL ICD files and `libcuda.so`, read-only; a MIG device gives
-exactly its parent GPU node and capability nodes; under runc the ledger refuses the whole GPU while one of
-its MIG instances is held."""
+exactly its parent GPU node and capability nodes; the driver's application profile names the container's
+GPUs only (podman running the spec's hook, and runc with the OCI hook); under runc the ledger refuses the
+whole GPU while one of its MIG instances is held."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from devinject.hook.plan import APPLICATION_PROFILE, application_profile
 from tests.e2e.conftest import DEVINJECT, PODMAN, Bundle, container_name, in_cdi_dir
 from tests.e2e.test_ledger_live import _start_detached
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_dgx_a100_mig
@@ -84,6 +87,41 @@ def test_a_mig_device_is_its_parent_node_and_capabilities(image: str, installed:
     listed = [line for line in out.splitlines() if line.startswith("nvidia")]
     assert listed == ["nvidia0", "nvidia-cap2", "nvidia-cap21", "nvidia-cap22"], out
     assert "can't open '/dev/nvidia0': No such device or address" in out  # the cgroup lets it reach the GPU
+
+
+def test_podman_s_container_gets_the_application_profile_of_its_own_gpus(image: str, installed: None) -> None:
+    """The spec's one createContainer hook names both GPUs; podman (on runc) runs it, and the container given
+    GPU 1 gets EGLVisibleDGPUDevices 0x2, read-only; given GPU 1 and a MIG device of GPU 0, 0x3."""
+    script = f"cat {APPLICATION_PROFILE}; echo; stat -c %a {APPLICATION_PROFILE}; echo finished"
+    for devices, minors in ((["nvidia.com/gpu=1"], (1,)), (["nvidia.com/gpu=1", "nvidia.com/gpu=0:1"], (0, 1))):
+        flags = [arg for device in devices for arg in ("--device", device)]
+        done = subprocess.run([*PODMAN, *flags, image, "sh", "-c", script], capture_output=True, text=True,
+                              timeout=180)
+        out = done.stdout + done.stderr
+        assert "finished" in out, out
+        assert out.splitlines()[:2] == [application_profile(minors).decode(), "444"], out
+
+
+def test_a_read_only_etc_nvidia_leaves_the_container_started_without_the_profile(image: str, installed: None,
+                                                                                 tmp_path: Path) -> None:
+    """A read-only /etc/nvidia (a ConfigMap there, as NVIDIA's device plugin mounts one) stops the profile,
+    not the container: NVIDIA's 1.20.0 hook failed its start (their issue 2026)."""
+    config = tmp_path / "etc-nvidia"
+    config.mkdir()
+    (config / "config").write_text("from a ConfigMap\n")
+    done = subprocess.run([*PODMAN, "--device", "nvidia.com/gpu=1", "-v", f"{config}:/etc/nvidia:ro", image, "sh",
+                           "-c", "ls /etc/nvidia; echo finished"], capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and out.splitlines() == ["config", "finished"], out
+    assert os.listdir(config) == ["config"]
+
+
+def test_runc_s_oci_hook_writes_the_application_profile_of_the_gpu_it_gives(dgx_specs: Path, tmp_path: Path) -> None:
+    bundle = Bundle(tmp_path / "bundle", dgx_specs, tmp_path / "state")
+    bundle.save(["cat", APPLICATION_PROFILE], annotations={"cdi.k8s.io/test": "nvidia.com/gpu=1"})
+    done = bundle.run(container_name())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == application_profile((1,)).decode()
 
 
 def test_runc_ledger_refuses_the_whole_gpu_while_a_mig_instance_is_held(dgx_specs: Path, tmp_path: Path) -> None:

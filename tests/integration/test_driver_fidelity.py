@@ -55,8 +55,9 @@ def test_every_library_of_the_driver_version_and_the_exceptions(gpu: Spec) -> No
     assert f"libvdpau_nvidia.so.550.54.14::{LIB}/vdpau/libvdpau_nvidia.so.1" in links
     (ldcache,) = [h.args for h in gpu.edits.hooks if "--folder" in h.args]
     assert ldcache[2] == "links-and-ldcache"  # the links and the cache: one hook, one process
-    assert ldcache[-6:] == ("--folder", LIB, "--folder", f"{LIB}/vdpau",
-                            "--forward-compat", "/usr/local/cuda/compat:libcuda.so:550.54.14")
+    assert ldcache[-10:] == ("--folder", LIB, "--folder", f"{LIB}/vdpau",
+                             "--forward-compat", "/usr/local/cuda/compat:libcuda.so:550.54.14",
+                             "--application-profile", "/dev/nvidia0", "--application-profile", "/dev/nvidia1")
 
 
 def test_graphics_as_nvidia_generates_them(gpu: Spec) -> None:

@@ -1,7 +1,8 @@
 """A spec's CDI hook as generate writes it by default (specs/generate.py hook_command): this interpreter on the
-hook launcher, `-IS`. Run as a runtime runs it, on a container state: one process makes the links and the
-linker cache, imports only what that needs (held here, as tests/e2e/test_hook_edges.py holds the OCI hook's),
-and one with nothing to make returns before it reads its state."""
+hook launcher, `-IS`. Run as a runtime runs it, on a container state: one process makes the links, the
+linker cache and the application profile of the container's GPUs, imports only what that needs (held here,
+as tests/e2e/test_hook_edges.py holds the OCI hook's), and one with nothing to make returns before it reads
+its state."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 from devinject.entry import worth_serving
+from devinject.hook.plan import APPLICATION_PROFILE
 from devinject.linux.ldcache import parse_ldcache
 from devinject.specs.generate import hook_command
 
@@ -40,7 +42,8 @@ def _container(tmp_path: Path) -> tuple[Path, Path]:
     libdir.mkdir(parents=True)
     libz = os.path.realpath(f"{LIBDIR}/libz.so.1")
     shutil.copy(libz, libdir / os.path.basename(libz))
-    (rootfs.parent / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"}}))
+    (rootfs.parent / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "linux": {
+        "devices": [{"path": "/dev/nvidia3", "type": "c", "major": 195, "minor": 3}]}}))
     state = tmp_path / "state.json"
     state.write_text(json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": os.getpid(),
                                  "bundle": str(rootfs.parent)}))
@@ -58,10 +61,12 @@ def test_one_process_makes_the_links_and_the_linker_cache_importing_only_what_it
     state, rootfs = _container(tmp_path)
     real = os.path.basename(os.path.realpath(f"{LIBDIR}/libz.so.1"))
     done = _run_as_the_spec_names_it(["links-and-ldcache", "--link", f"{real}::{LIBDIR}/libz.so.1",
-                                      "--folder", LIBDIR, "--server", str(tmp_path / "nobody-listens.sock")],
+                                      "--folder", LIBDIR, "--application-profile", "/dev/nvidia3",
+                                      "--server", str(tmp_path / "nobody-listens.sock")],
                                      state, "-X", "importtime")
     assert done.returncode == 0, done.stderr
     assert os.readlink(rootfs / LIBDIR.lstrip("/") / "libz.so.1") == real
+    assert b"EGLVisibleDGPUDevices\",0x8]" in (rootfs / APPLICATION_PROFILE.lstrip("/")).read_bytes()
     entries = {e.soname: e.path for e in parse_ldcache((rootfs / "etc/ld.so.cache").read_bytes())}
     assert entries == {"libz.so.1": f"{LIBDIR}/libz.so.1"}  # the link made first, then the cache read it
     imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
@@ -71,7 +76,8 @@ def test_one_process_makes_the_links_and_the_linker_cache_importing_only_what_it
 
 
 def test_a_cdi_hook_with_nothing_to_make_returns_before_reading_its_state(tmp_path: Path) -> None:
-    for args in (["links-and-ldcache"], ["create-symlinks"], ["update-ldcache", "--forward-compat", "/c:libx.so:1"]):
+    for args in (["links-and-ldcache"], ["create-symlinks"], ["update-ldcache", "--forward-compat", "/c:libx.so:1"],
+                 ["update-application-profile"]):
         done = _run_as_the_spec_names_it(args, None, "-X", "importtime")  # no state on stdin: not read
         assert (done.returncode, [line for line in done.stderr.splitlines() if "import time" not in line]) == (0, [])
         assert "devinject.hook.executor" not in done.stderr
@@ -84,6 +90,7 @@ def test_only_a_cdi_hook_with_something_to_make_is_offered_to_a_hook_server() ->
     assert worth_serving(["hook", "--spec-dir", "/x"])
     assert worth_serving(["cdi-hook", "links-and-ldcache", "--link", "a::/b"])
     assert worth_serving(["cdi-hook", "update-ldcache", "--folder=/usr/lib"])
+    assert worth_serving(["cdi-hook", "update-application-profile", "--application-profile", "/dev/nvidia0"])
     assert not worth_serving(["cdi-hook", "links-and-ldcache"])  # nothing to make: returns at once, here
     assert not worth_serving(["cdi-hook", "update-ldcache", "--forward-compat", "/c:libx.so:1"])
     assert not worth_serving(["cdi-hook", "links-and-ldcache", "--link", "a::/b", "--help"])  # printed here

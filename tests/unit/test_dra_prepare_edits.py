@@ -27,13 +27,13 @@ OPENCL = "libnvidia-opencl.so.550.54.14"
 def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Every read of a kind's spec-level edits (the driver's files) from the host, by profile."""
     calls: list[str] = []
-    real = generate_module.common_edits
+    real = generate_module.driver_edits
 
-    def counted(view, profile, sources, command, device_links=()):  # type: ignore[no-untyped-def]
+    def counted(view, profile, sources):  # type: ignore[no-untyped-def]
         calls.append(profile.name)
-        return real(view, profile, sources, command, device_links)
+        return real(view, profile, sources)
 
-    monkeypatch.setattr(generate_module, "common_edits", counted)
+    monkeypatch.setattr(generate_module, "driver_edits", counted)
     return calls
 
 

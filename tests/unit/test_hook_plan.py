@@ -185,7 +185,7 @@ def test_a_merged_cdi_hook_takes_both_commands_flags_and_the_single_ones_keep_th
                                       "--forward-compat", "/c:libx.so:1.0"])
     assert command == "links-and-ldcache"
     assert values == {"--link": ["a::/l"], "--device-link": [], "--folder": ["/usr/lib"],
-                      "--forward-compat": ["/c:libx.so:1.0"]}
+                      "--forward-compat": ["/c:libx.so:1.0"], "--application-profile": []}
     for single, foreign in (("create-symlinks", "--folder"), ("update-ldcache", "--link")):
         with pytest.raises(HookError, match="unexpected argument"):
             parse_cdi_hook([single, foreign, "/x"])
@@ -225,11 +225,12 @@ def test_the_oci_hook_makes_the_device_links_of_the_devices_it_gives_only():
 
 def _cdi_hook_container(tmp_path, devices):
     """A container as a runtime hands it to a createContainer hook: its bundle's config.json listing
-    `devices`, the OCI state on a pipe."""
+    `devices` (char nodes: paths, or their minors by path), the OCI state on a pipe."""
     rootfs = tmp_path / "bundle" / "rootfs"
     (rootfs / "dev" / "dri").mkdir(parents=True)
+    minors = devices if isinstance(devices, dict) else dict.fromkeys(devices, 1)
     config = {"ociVersion": "1.0.2", "root": {"path": "rootfs"},
-              "linux": {"devices": [{"path": p, "type": "c", "major": 226, "minor": 1} for p in devices]}}
+              "linux": {"devices": [{"path": p, "type": "c", "major": 226, "minor": m} for p, m in minors.items()]}}
     (rootfs.parent / "config.json").write_text(json.dumps(config))
     read, write = os.pipe()
     os.write(write, json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": os.getpid(),

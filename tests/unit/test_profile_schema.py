@@ -36,7 +36,8 @@ ACCEPTED = [
     ("admin-profile", ADMIN_PROFILE),
     ("minimal", HEAD),
     ("empty-values-are-not-given", HEAD + "description:\nvendor-name:\npriority:\ndriver-libraries:\n"
-                                         "partitions:\nforward-compat:\nchannels:\nuuid: {proc-file: , key: }\n"),
+                                         "partitions:\nforward-compat:\napplication-profile:\nchannels:\n"
+                                         "uuid: {proc-file: , key: }\n"),
     ("single-strings", HEAD + "libraries: libx.so.1\nmatch: {vendor: 10de, class: '0302', driver: nvidia}\n"),
     ("node-rule-every-source", HEAD + "device-nodes:\n- {class: drm, names: card*}\n"
                                       "- {proc-file: '/proc/x/{address}', proc-key: Minor, path: '/dev/x{minor}'}\n"
@@ -112,6 +113,12 @@ REFUSED = [
     ("forward-compat-colon", HEAD + "forward-compat: {directory: '/a:b', library: libx.so}\n"),
     ("forward-compat-library-path", HEAD + "forward-compat: {directory: /c, library: a/libx.so}\n"),
     ("forward-compat-without-library", HEAD + "forward-compat: {directory: /c}\n"),
+    ("application-profile-node-outside-dev", HEAD + "application-profile: {gpu-node: '/x{minor}', needs: [/a]}\n"),
+    ("application-profile-node-without-minor", HEAD + "application-profile: {gpu-node: /dev/x0, needs: [/a]}\n"),
+    ("application-profile-node-minor-twice", HEAD + "application-profile: {gpu-node: '/dev/x{minor}{minor}', "
+                                                    "needs: [/a]}\n"),
+    ("application-profile-needs-nothing", HEAD + "application-profile: {gpu-node: '/dev/x{minor}', needs: []}\n"),
+    ("application-profile-relative-need", HEAD + "application-profile: {gpu-node: '/dev/x{minor}', needs: [a]}\n"),
     ("channels-with-match", HEAD + "match: {vendor: ['10de']}\nchannels: {directory: /dev/x, prefix: c, region: x}\n"),
     ("channels-outside-dev", HEAD + "channels: {directory: /run/x, prefix: c, region: x}\n"),
     ("channels-without-prefix", HEAD + "channels: {directory: /dev/x, region: x}\n"),

@@ -106,6 +106,23 @@ class ConfigFile:
 
 
 @dataclass(frozen=True, slots=True)
+class ApplicationProfileRule:
+    """The driver's application profile that shows its EGL and Vulkan only the container's GPUs (NVIDIA's
+    EGLVisibleDGPUDevices): `gpu_node` names a GPU's node by its minor (`/dev/nvidia{minor}`); the spec's hook
+    writes it only where the driver's EGL or Vulkan is there to read it, one of `needs` (config files'
+    container paths) mounted."""
+
+    gpu_node: str
+    needs: tuple[str, ...]
+
+    def names_gpu(self, path: str) -> bool:
+        """Whether `path` is a GPU's node (`/dev/nvidia3`, not `/dev/nvidiactl`)."""
+        prefix, _, suffix = self.gpu_node.partition("{minor}")
+        middle = path[len(prefix):len(path) - len(suffix)] if len(path) > len(prefix) + len(suffix) else ""
+        return path.startswith(prefix) and path.endswith(suffix) and middle.isdigit()
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     name: str
     kind: str
@@ -136,6 +153,7 @@ class Profile:
     partitions: PartitionRule | None = None
     forward_compat: tuple[str, str] | None = None  # (directory in images, library name): newer ones win
     channels: Channels | None = None  # a family of char-node devices: matches no PCI function
+    application_profile: ApplicationProfileRule | None = None
     library_dirs: tuple[str, ...] = ()
     binaries: tuple[str, ...] = ()
     files: tuple[str, ...] = ()
@@ -330,6 +348,18 @@ def _forward_compat(raw: object, where: str) -> tuple[str, str] | None:
     return directory, library
 
 
+def _application_profile(raw: object, where: str) -> ApplicationProfileRule | None:
+    if raw is None:
+        return None
+    f = _Fields(raw, where, {"gpu-node", "needs"})
+    node, needs = f.text("gpu-node", required=True), f.strings("needs")
+    if not node.startswith("/dev/") or node.count("{minor}") != 1:
+        raise ConfigError(f"{where}.gpu-node: a /dev path with {{minor}} once")
+    if not needs or not all(path.startswith("/") for path in needs):
+        raise ConfigError(f"{where}.needs: one or more config files' container paths (absolute)")
+    return ApplicationProfileRule(node, needs)
+
+
 def _channels(raw: object, match: object, where: str) -> Channels | None:
     if raw is None:
         return None
@@ -378,7 +408,8 @@ def parse_profile(data: object, source: str) -> Profile:
                                "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
                                "library-dirs", "binaries", "files", "env", "models", "vendor-name",
                                "request-env", "uevents", "health", "mount-options", "driver-libraries",
-                               "links", "config-files", "partitions", "forward-compat", "channels"})
+                               "links", "config-files", "partitions", "forward-compat", "channels",
+                               "application-profile"})
     name = f.text("name", required=True)
     kind = f.text("kind", required=True)
     problem = kind_problem(kind)
@@ -439,6 +470,8 @@ def parse_profile(data: object, source: str) -> Profile:
         partitions=_partitions(f.data.get("partitions"), f"{source}.partitions"),
         forward_compat=_forward_compat(f.data.get("forward-compat"), f"{source}.forward-compat"),
         channels=_channels(f.data.get("channels"), f.data.get("match"), f"{source}.channels"),
+        application_profile=_application_profile(f.data.get("application-profile"),
+                                                 f"{source}.application-profile"),
         library_dirs=f.strings("library-dirs"),
         binaries=f.strings("binaries"),
         files=f.strings("files"),

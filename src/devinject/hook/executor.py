@@ -15,7 +15,16 @@ import stat
 from devinject.core import atomicfile
 from devinject.core.errors import HookError, UnsafePathError
 from devinject.hook import linkercache
-from devinject.hook.plan import BindMount, ForwardCompat, MakeNode, Plan, Symlink, newer_than
+from devinject.hook.plan import (
+    APPLICATION_PROFILE,
+    BindMount,
+    ForwardCompat,
+    MakeNode,
+    Plan,
+    Symlink,
+    application_profile,
+    newer_than,
+)
 from devinject.linux.safepath import _O_PATH, Created, Root
 
 TYPE_CHECKING = False  # `typing` and `collections` cost the hook milliseconds: type checkers only
@@ -51,8 +60,17 @@ class LinkerCache(NamedTuple):
     forward_compat: tuple[ForwardCompat, ...] = ()
 
 
+_PROFILE_DIRS = tuple(APPLICATION_PROFILE.split("/")[2:-1])  # nvidia, nvidia-application-profiles-rc.d
+
+
+class ApplicationProfile(NamedTuple):
+    """The driver's application profile in the container, for the GPUs of these minors."""
+
+    gpu_minors: tuple[int, ...]
+
+
 if TYPE_CHECKING:
-    Step = MakeNode | BindMount | Symlink | LinkerCache
+    Step = MakeNode | BindMount | Symlink | LinkerCache | ApplicationProfile
 
 
 def describe(step: Step) -> str:
@@ -63,12 +81,17 @@ def describe(step: Step) -> str:
         return f"bind {step.host_path} -> {step.container_path}{' (ro)' if step.readonly else ''}"
     if isinstance(step, Symlink):
         return f"symlink {step.link} -> {step.target}"
+    if isinstance(step, ApplicationProfile):
+        mask = sum(1 << minor for minor in step.gpu_minors)
+        return f"application profile {APPLICATION_PROFILE}: EGLVisibleDGPUDevices 0x{mask:x}"
     return f"ld.so.cache += {' '.join(step.folders)}"
 
 
 def plan_steps(plan: Plan) -> list[Step]:
     """Every step of `plan` the container's filesystem sees, in the order they are taken."""
     steps: list[Step] = [*plan.nodes, *plan.mounts, *plan.links]
+    if plan.gpu_minors:
+        steps.append(ApplicationProfile(plan.gpu_minors))
     if plan.ldcache_folders:
         steps.append(LinkerCache(plan.ldcache_folders, plan.forward_compat))
     return steps
@@ -94,6 +117,9 @@ class Steps:
     def update_ldcache(self, folders: tuple[str, ...], compat: tuple[ForwardCompat, ...] = ()) -> str | None:
         return None
 
+    def write_application_profile(self, gpu_minors: tuple[int, ...]) -> str | None:
+        return None
+
     def take(self, step: Step) -> None:
         if isinstance(step, MakeNode):
             how = self.make_node(step)
@@ -101,6 +127,8 @@ class Steps:
             how = self.bind_mount(step)
         elif isinstance(step, Symlink):
             how = self.symlink(step)
+        elif isinstance(step, ApplicationProfile):
+            how = self.write_application_profile(step.gpu_minors)
         else:
             how = self.update_ldcache(step.folders, step.forward_compat)
         self.log.append(describe(step) if how is None else f"{describe(step)}; {how}")
@@ -453,6 +481,43 @@ class Executor(Steps):
         else:
             self.undo.add(lambda: atomicfile.replace_at(etc_fd, name, previous))
         return ", ".join(hows) or None
+
+    def write_application_profile(self, gpu_minors: tuple[int, ...]) -> str | None:
+        """The profile file, replaced atomically (an image's file or link there is replaced, never written
+        through), its directories made in-root 0555 and itself 0444, as NVIDIA's hook makes them. A read-only
+        /etc or /etc/nvidia (a ConfigMap mounted there) leaves the container without it rather than unstarted:
+        EGL and Vulkan then see every GPU the container was given, which are its GPUs all the same."""
+        made = len(self.created.dirs)
+        try:
+            dir_fd, name = self.root.walk_parent(APPLICATION_PROFILE, create=True, created=self.created)
+        except UnsafePathError as err:
+            if os.strerror(errno.EROFS) in err.message:
+                return "not written: read-only file system"
+            raise
+        self.undo.keep(dir_fd)
+        for parent_fd, made_name in self.created.dirs[made:]:
+            if made_name in _PROFILE_DIRS:  # not an /etc made on the way, which the linker cache writes into
+                fd = os.open(made_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+                try:
+                    os.fchmod(fd, 0o555)
+                finally:
+                    os.close(fd)
+        previous_fd = linkercache.open_regular(dir_fd, name)
+        previous = None
+        if previous_fd is not None:
+            with os.fdopen(previous_fd, "rb") as handle:
+                previous = handle.read(1 << 16)
+        try:
+            atomicfile.replace_at(dir_fd, name, application_profile(gpu_minors), 0o444)
+        except OSError as err:
+            if err.errno == errno.EROFS:
+                return "not written: read-only file system"
+            raise
+        if previous is None:
+            self.undo.add(lambda: os.unlink(name, dir_fd=dir_fd))
+        else:
+            self.undo.add(lambda: atomicfile.replace_at(dir_fd, name, previous, 0o444))
+        return None
 
     def _write_musl_path(self, arch: str, folders: tuple[str, ...]) -> str:
         dir_fd, name = self.root.walk_parent(f"/etc/ld-musl-{arch}.path", create=True, created=self.created)

@@ -34,7 +34,8 @@ USAGE = """usage: devinject hook [--spec-dir DIR]... [--profile-dir DIR]... [--l
                       [--env-requests | --no-env-requests] [--no-ledger] [--dry-run]
                       [--server SOCKET | --no-server]
                       [--stage prestart|createRuntime|poststop] < state.json
-       devinject cdi-hook create-symlinks|update-ldcache|links-and-ldcache ... < state.json   (cdi-hook --help)"""
+       devinject cdi-hook create-symlinks|update-ldcache|update-application-profile|links-and-ldcache ...
+                          < state.json   (cdi-hook --help)"""
 FLAGS = f"""The OCI hook: reads the container's state on stdin and gives it the CDI devices it asks for (its
 cdi.k8s.io/* annotations; env requests only when turned on). Runtimes run it; `devinject install-hook` installs it.
 
@@ -407,25 +408,32 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
 
 def run_cdi_hook(args: list[str], stdin_fd: int = 0) -> list[str]:
     """A CDI createContainer hook: already inside the container's mount namespace, before pivot_root. One with
-    nothing to make (no link, device link or library directory) returns before it reads the container's state;
-    one whose device links name none of the container's devices, and nothing else, right after."""
-    from devinject.hook.plan import Plan, device_links, parse_cdi_hook, parse_forward_compat, parse_link
+    nothing to make (no link, device link, library directory or application profile's GPU) returns before it
+    reads the container's state; one whose device links and GPUs name none of the container's devices, and
+    nothing else, right after."""
+    from devinject.hook.plan import Plan, device_links, gpu_minors, parse_cdi_hook, parse_forward_compat, parse_link
 
     _, values = parse_cdi_hook(args)
     links = tuple(dict.fromkeys(parse_link(v) for v in values["--link"]))
     folders = tuple(dict.fromkeys(v for v in values["--folder"] if v.startswith("/")))
     compat = tuple(dict.fromkeys(parse_forward_compat(v) for v in values["--forward-compat"]))
-    if not links and not folders and not values["--device-link"]:
+    if not links and not folders and not values["--device-link"] and not values["--application-profile"]:
         return []
     from devinject.hook.executor import Executor
-    from devinject.hook.state import given_devices, load_bundle, parse_state, read_stdin
+    from devinject.hook.state import given_char_minors, given_devices, load_bundle, parse_state, read_stdin
 
     bundle = load_bundle(parse_state(read_stdin(stdin_fd)))
     if values["--device-link"]:
         links += tuple(s for s in device_links(values["--device-link"], given_devices(bundle)) if s not in links)
-        if not links and not folders:
-            return []  # none of the devices whose links the spec names is in this container
-    return Executor(bundle.rootfs).apply(Plan(links=links, ldcache_folders=folders, forward_compat=compat))
+    minors: tuple[int, ...] = ()
+    if values["--application-profile"]:
+        minors, dropped = gpu_minors(values["--application-profile"], given_char_minors(bundle))
+        for warning in dropped:
+            print(f"devinject: warning: {warning}", file=sys.stderr)
+    if not links and not folders and not minors:
+        return []  # none of the devices whose links or GPUs the spec names is in this container
+    return Executor(bundle.rootfs).apply(Plan(links=links, ldcache_folders=folders, forward_compat=compat,
+                                              gpu_minors=minors))
 
 
 def main(argv: list[str]) -> int:

@@ -74,6 +74,7 @@ class Plan(NamedTuple):
     warnings: tuple[str, ...] = ()
     net_devices: tuple[NetDevice, ...] = ()
     forward_compat: tuple[ForwardCompat, ...] = ()  # checked in the image at ldcache time
+    gpu_minors: tuple[int, ...] = ()  # the application profile's GPUs (EGLVisibleDGPUDevices): none, no file
 
     @property
     def size(self) -> int:
@@ -157,6 +158,9 @@ _DEVICE_LINK_FLAG = ("--device-link", "TARGET::LINK",
 _FOLDER_FLAG = ("--folder", "DIR", "a directory of the driver's libraries in the container")
 _FORWARD_COMPAT_FLAG = ("--forward-compat", "DIR:LIBRARY:VERSION",
                         "DIR first when the image's LIBRARY.<version> there is newer than VERSION, the host driver's")
+_APPLICATION_PROFILE_FLAG = ("--application-profile", "NODE",
+                             "a GPU's device node: the driver's application profile in the container lets EGL and "
+                             "Vulkan see only the GPUs of these the container was given")
 CDI_HOOK_COMMANDS = {  # subcommand -> (what it does, its flags: (flag, value, meaning)); parsing and --help read it
     "create-symlinks": ("Make symlinks in the container, as the host's driver has them (the soname links).", (
         _LINK_FLAG, _DEVICE_LINK_FLAG,
@@ -164,9 +168,13 @@ CDI_HOOK_COMMANDS = {  # subcommand -> (what it does, its flags: (flag, value, m
     "update-ldcache": ("Add library directories to the container's linker cache (ld.so.cache, or musl's path).", (
         _FOLDER_FLAG, _FORWARD_COMPAT_FLAG,
     )),
-    "links-and-ldcache": ("Make the symlinks, then add the library directories to the linker cache: "
-                          "create-symlinks and update-ldcache in one process.", (
-        _LINK_FLAG, _DEVICE_LINK_FLAG, _FOLDER_FLAG, _FORWARD_COMPAT_FLAG,
+    "update-application-profile": ("Write the driver's application profile for the container's GPUs "
+                                   "(EGLVisibleDGPUDevices), as NVIDIA's hook of that name.", (
+        _APPLICATION_PROFILE_FLAG,
+    )),
+    "links-and-ldcache": ("Make the symlinks, then add the library directories to the linker cache (and write "
+                          "the application profile): the other subcommands in one process.", (
+        _LINK_FLAG, _DEVICE_LINK_FLAG, _FOLDER_FLAG, _FORWARD_COMPAT_FLAG, _APPLICATION_PROFILE_FLAG,
     )),
 }
 
@@ -190,16 +198,19 @@ def cdi_hook_usage(command: str | None = None) -> str:
 
 
 def parse_cdi_hook(args: list[str]) -> tuple[str, dict[str, list[str]]]:
-    """`create-symlinks --link T::L ...`, `update-ldcache --folder F ... [--forward-compat DIR:LIB:VERSION]` or
-    `links-and-ldcache` with the flags of both -> (subcommand, values by flag: every flag of the table, a
-    subcommand's own flags or not, so that callers need not ask which it was)."""
+    """`create-symlinks --link T::L ...`, `update-ldcache --folder F ... [--forward-compat DIR:LIB:VERSION]`,
+    `update-application-profile --application-profile NODE ...` or `links-and-ldcache` with the flags of all
+    -> (subcommand, values by flag: every flag of the table, a subcommand's own flags or not, so that callers
+    need not ask which it was)."""
     if not args:
-        raise HookError("cdi-hook: subcommand missing (create-symlinks, update-ldcache or links-and-ldcache)")
+        raise HookError("cdi-hook: subcommand missing (create-symlinks, update-ldcache, update-application-profile "
+                        "or links-and-ldcache)")
     command, rest = args[0], args[1:]
     if command not in CDI_HOOK_COMMANDS:
         raise HookError(f"cdi-hook: unknown subcommand {command!r}")
     own = {flag for flag, _, _ in CDI_HOOK_COMMANDS[command][1]}
-    values: dict[str, list[str]] = {flag: [] for flag in ("--link", "--device-link", "--folder", "--forward-compat")}
+    values: dict[str, list[str]] = {flag: [] for flag in ("--link", "--device-link", "--folder", "--forward-compat",
+                                                          "--application-profile")}
     i = 0
     while i < len(rest):
         arg = rest[i]
@@ -263,6 +274,29 @@ def device_links(values: list[str], given: set[str]) -> list[Symlink]:
     return [s for s in links if posixpath.normpath(posixpath.join(posixpath.dirname(s.link), s.target)) in given]
 
 
+APPLICATION_PROFILE = "/etc/nvidia/nvidia-application-profiles-rc.d/10-container.conf"  # where the driver reads it
+APPLICATION_PROFILE_BITS = 64  # EGLVisibleDGPUDevices is a 64-bit mask: bit N for the GPU of minor N
+
+
+def gpu_minors(values: list[str], given: dict[str, int]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The minors of the `--application-profile` nodes the container was given (`given`: its char device
+    nodes' minors by normalized container path), sorted, and a warning for each that no mask can hold."""
+    named = {posixpath.normpath(v) for v in values if v.startswith("/")}
+    minors = sorted({minor for path, minor in given.items() if path in named})
+    dropped = tuple(f"application profile: GPU minor {m} left out (EGLVisibleDGPUDevices holds minors 0-"
+                    f"{APPLICATION_PROFILE_BITS - 1})" for m in minors if not 0 <= m < APPLICATION_PROFILE_BITS)
+    return tuple(m for m in minors if 0 <= m < APPLICATION_PROFILE_BITS), dropped
+
+
+def application_profile(minors: tuple[int, ...]) -> bytes:
+    """The driver's application profile that shows EGL and Vulkan only the GPUs of `minors`, byte for byte as
+    NVIDIA's `nvidia-cdi-hook update-application-profile` writes it (one rule for every program; the mask in
+    hex, which the driver's profile parser takes though JSON has no hex)."""
+    mask = sum(1 << minor for minor in set(minors))
+    return ('{"profiles":[{"name":"_container_","settings":["EGLVisibleDGPUDevices",0x' + format(mask, "x")
+            + ']}],"rules":[{"pattern":[],"profile":"_container_"}]}').encode()
+
+
 def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid: int = 0) -> Plan:
     nodes = tuple(_fill_node(n, stat_fn, uid, gid) for n in edits.device_nodes)
     mounts = [_bind(m.host_path, m.container_path, m.options, m.type) for m in edits.mounts]
@@ -270,6 +304,7 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
     links: list[Symlink] = []
     folders: list[str] = []
     compat: list[ForwardCompat] = []
+    profile_nodes: list[str] = []
     warnings = []
     # What only the runtime can apply: the process's env and groups and its resctrl class are fixed by now.
     if edits.env:
@@ -289,12 +324,15 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
         links += device_links(values["--device-link"], {posixpath.normpath(n.path) for n in edits.device_nodes})
         folders += [v for v in values["--folder"] if v.startswith("/")]
         compat += [parse_forward_compat(v) for v in values["--forward-compat"]]
+        profile_nodes += values["--application-profile"]
+    minors, dropped = gpu_minors(profile_nodes, {posixpath.normpath(n.path): n.minor for n in nodes if n.type == "c"})
+    warnings += dropped
     from devinject.linux.devcgroup import AllowDevice
 
     allow = tuple(dict.fromkeys(AllowDevice(n.type, n.major, n.minor, _access(d.permissions))
                                 for n, d in zip(nodes, edits.device_nodes, strict=True)))
     result = Plan(tuple(nodes), tuple(mounts), tuple(dict.fromkeys(links)), tuple(dict.fromkeys(folders)), allow,
-                  tuple(warnings), edits.net_devices, tuple(dict.fromkeys(compat)))
+                  tuple(warnings), edits.net_devices, tuple(dict.fromkeys(compat)), minors)
     if result.size > MAX_ACTIONS:
         raise HookError(f"{result.size} actions requested; at most {MAX_ACTIONS}")
     return result

@@ -118,3 +118,16 @@ def given_devices(bundle: BundleConfig) -> set[str]:
         return set()
     return {os.path.normpath(d["path"]) for d in devices
             if isinstance(d, dict) and isinstance(d.get("path"), str) and d["path"].startswith("/")}
+
+
+def given_char_minors(bundle: BundleConfig) -> dict[str, int]:
+    """The minor of each char device node the runtime gives the container (`linux.devices`, by normalized
+    container path): the numbers the runtime makes the node with, as NVIDIA's hook reads them from the
+    container's /dev."""
+    linux = bundle.raw.get("linux")
+    devices = linux.get("devices") if isinstance(linux, dict) else None
+    if not isinstance(devices, list):
+        return {}
+    return {os.path.normpath(d["path"]): d["minor"] for d in devices
+            if isinstance(d, dict) and d.get("type") == "c" and isinstance(d.get("path"), str)
+            and d["path"].startswith("/") and isinstance(d.get("minor"), int) and not isinstance(d["minor"], bool)}

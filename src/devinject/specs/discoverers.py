@@ -192,19 +192,48 @@ def forward_compat(profile: Profile, version: str | None, folders: list[str]) ->
     return [f"{compat_dir}:{compat_lib}:{version}"]
 
 
-def common_edits(view: HostView, profile: Profile, sources: FileSources, command: HookCommand,
-                 device_links: tuple[str, ...] = ()) -> ContainerEdits:
+@dataclass(frozen=True, slots=True)
+class DriverEdits:
+    """A kind's spec-level edits as the driver's files give them, before the hook that the container's own
+    devices complete (their links, their GPUs): what a server building a spec per claim keeps between claims."""
+
+    edits: ContainerEdits  # env, shared nodes, mounts
+    links: tuple[str, ...] = ()
+    folders: tuple[str, ...] = ()
+    forward_compat: tuple[str, ...] = ()
+    graphics: bool = False  # the driver's EGL or Vulkan is mounted (the profile's application-profile `needs`)
+
+
+def driver_edits(view: HostView, profile: Profile, sources: FileSources) -> DriverEdits:
     """The kind's spec-level edits, as the host names its paths: shared device nodes from the host; driver
-    files (libraries, binaries, firmware and other files) from a driver root or else the host too; the one
-    hook that makes their links and linker cache and the `device_links` of the container's devices."""
+    files (libraries, binaries, firmware and other files) from a driver root or else the host too; the links
+    and linker cache folders the hook makes of them."""
     libraries, version = discover_libraries(sources, profile)
     driver_files = discover_driver_files(sources, profile, version)
     mounts = discover_mounts(sources, profile, libraries, driver_files)
-    links = discover_links(sources, profile, libraries, driver_files, version)
     folders = discover_linker_folders(sources, profile, libraries, mounts)
-    return ContainerEdits(
-        env=profile.env,
-        device_nodes=tuple(shared_nodes(view, profile)),
-        mounts=tuple(mounts.values()),
-        hooks=library_hook(command, links, folders, forward_compat(profile, version, folders), device_links),
+    rule = profile.application_profile
+    return DriverEdits(
+        ContainerEdits(env=profile.env, device_nodes=tuple(shared_nodes(view, profile)),
+                       mounts=tuple(mounts.values())),
+        tuple(discover_links(sources, profile, libraries, driver_files, version)),
+        tuple(folders),
+        tuple(forward_compat(profile, version, folders)),
+        rule is not None and any(path in mounts for path in rule.needs),
     )
+
+
+def with_hook(found: DriverEdits, command: HookCommand, device_links: tuple[str, ...] = (),
+              gpu_nodes: tuple[str, ...] = ()) -> ContainerEdits:
+    """`found`'s edits with the one hook that makes their links and linker cache, the `device_links` of the
+    container's devices and the application profile of its GPUs (of `gpu_nodes`, where the driver's EGL or
+    Vulkan is there to read it; none for a compute-only install)."""
+    hooks = library_hook(command, list(found.links), list(found.folders), list(found.forward_compat), device_links,
+                         gpu_nodes if found.graphics else ())
+    return found.edits._replace(hooks=hooks)
+
+
+def common_edits(view: HostView, profile: Profile, sources: FileSources, command: HookCommand,
+                 device_links: tuple[str, ...] = (), gpu_nodes: tuple[str, ...] = ()) -> ContainerEdits:
+    """The kind's spec-level edits (`driver_edits`) with their hook (`with_hook`)."""
+    return with_hook(driver_edits(view, profile, sources), command, device_links, gpu_nodes)

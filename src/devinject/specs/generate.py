@@ -20,13 +20,14 @@ from devinject.discovery.host import Host
 from devinject.discovery.libraries import LDCACHE_PATH, read_ldcache
 from devinject.discovery.node import Node, device_names
 from devinject.discovery.profiles import Profile
-from devinject.specs.discoverers import FileSources, common_edits, driver_version
+from devinject.specs.discoverers import DriverEdits, FileSources, common_edits, driver_edits, driver_version, with_hook
 from devinject.specs.hooks import (
     HOOK_ENV,
     HOOK_TIMEOUT,
     HookCommand,
     default_hook_path,
     drm_by_path_links,
+    gpu_nodes,
     hook_command,
 )
 from devinject.specs.options import STRATEGIES, GenerateOptions
@@ -82,6 +83,12 @@ def _device_links(found: list[FoundDevice]) -> tuple[str, ...]:
     """Every device's own links (DRM by-path) for the spec-level hook, which makes those of the devices a
     container is given: one hook process per container, however many devices (partitioned ones have none)."""
     return tuple(link for item in found if not item.partitions for link in drm_by_path_links(item))
+
+
+def _gpu_nodes(found: list[FoundDevice]) -> tuple[str, ...]:
+    """Every device's GPU nodes for the spec-level hook, which writes the application profile of those a
+    container is given (as `_device_links`: one hook process, however many devices)."""
+    return tuple(dict.fromkeys(node for item in found for node in gpu_nodes(item)))
 
 
 def build_spec(profile: Profile, found: list[FoundDevice], common: ContainerEdits, transforms: tuple[Transform, ...],
@@ -141,7 +148,7 @@ class EditsMemo:
 
     def __init__(self) -> None:
         self._epoch: tuple[HostView, GenerateOptions, str | None] | None = None
-        self._edits: dict[tuple[str, tuple[str, ...]], ContainerEdits] = {}
+        self._edits: dict[str, DriverEdits] = {}  # by profile
         self._sources: dict[bool, FileSources] = {}  # by whether the linker cache is read
 
     def renew(self, view: HostView, opts: GenerateOptions, ldcache: str | None) -> None:
@@ -159,12 +166,13 @@ class EditsMemo:
         return sources
 
     def common_edits(self, view: HostView, profile: Profile, sources: FileSources, command: HookCommand,
-                     device_links: tuple[str, ...] = ()) -> ContainerEdits:
-        key = (profile.name, device_links)
-        edits = self._edits.get(key)
-        if edits is None:
-            edits = self._edits[key] = common_edits(view, profile, sources, command, device_links)
-        return edits
+                     device_links: tuple[str, ...] = (), gpu_nodes: tuple[str, ...] = ()) -> ContainerEdits:
+        """`common_edits`: the driver's files read once while the edits hold, the hook made for each claim's
+        devices (their links and GPUs) from what was read."""
+        found = self._edits.get(profile.name)
+        if found is None:
+            found = self._edits[profile.name] = driver_edits(view, profile, sources)
+        return with_hook(found, command, device_links, gpu_nodes)
 
 
 def linker_cache_identity(host: Host, opts: GenerateOptions) -> str | None:
@@ -192,7 +200,7 @@ def build_specs(host: Host, profiles: list[Profile], found: list[FoundDevice], o
     for profile in profiles:
         devices = by_kind.pop(profile.kind, [])
         if devices:
-            common = common_edits_of(view, profile, sources, command, _device_links(devices))
+            common = common_edits_of(view, profile, sources, command, _device_links(devices), _gpu_nodes(devices))
             spec = build_spec(profile, devices, common, spec_transforms(host, profile, opts), opts)
             specs += [spec] if spec is not None else []
     for profile in profiles:

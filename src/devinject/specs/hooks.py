@@ -1,6 +1,6 @@
 """The CDI hooks a spec runs: how they start devinject (`hook_command`) and the `cdi-hook` subcommands the
-spec pipeline asks for: one spec-level hook for the libraries' links, the linker cache and the devices' own
-links (a DRM device's by-path links)."""
+spec pipeline asks for: one spec-level hook for the libraries' links, the linker cache, the devices' own
+links (a DRM device's by-path links) and the driver's application profile for the container's GPUs."""
 
 from __future__ import annotations
 
@@ -80,19 +80,23 @@ def cdi_hook(command: HookCommand, subcommand: str, *flags: tuple[str, list[str]
 
 
 def library_hook(command: HookCommand, links: list[str], folders: list[str], forward_compat: list[str],
-                 device_links: tuple[str, ...] = ()) -> tuple[Hook, ...]:
+                 device_links: tuple[str, ...] = (), gpu_nodes: tuple[str, ...] = ()) -> tuple[Hook, ...]:
     """The spec-level hook: one process per container for the links, its devices' own links (`--device-link`,
-    made only for the devices the container was given) and the linker cache together (each hook is an
-    interpreter's start), the single-purpose subcommand when only links or only the cache are needed, none
-    when nothing is."""
+    made only for the devices the container was given), the linker cache and the application profile of its
+    GPUs (`--application-profile`: every GPU's node, the profile naming those the container was given)
+    together (each hook is an interpreter's start); the single-purpose subcommand when only one of them is
+    needed, none when nothing is."""
     linked = ("--link", links), ("--device-link", list(device_links))
-    if (links or device_links) and folders:
-        return (cdi_hook(command, "links-and-ldcache", *linked, ("--folder", folders),
-                         ("--forward-compat", forward_compat)),)
+    cached = ("--folder", folders), ("--forward-compat", forward_compat)
+    profiled = ("--application-profile", list(gpu_nodes))
+    if sum(map(bool, (links or device_links, folders, gpu_nodes))) > 1:
+        return (cdi_hook(command, "links-and-ldcache", *linked, *cached, profiled),)
     if links or device_links:
         return (cdi_hook(command, "create-symlinks", *linked),)
     if folders:
-        return (cdi_hook(command, "update-ldcache", ("--folder", folders), ("--forward-compat", forward_compat)),)
+        return (cdi_hook(command, "update-ldcache", *cached),)
+    if gpu_nodes:
+        return (cdi_hook(command, "update-application-profile", profiled),)
     return ()
 
 
@@ -112,3 +116,13 @@ def drm_by_path_links(item: FoundDevice) -> tuple[str, ...]:
             if name.startswith(prefix) and name[len(prefix):].isdigit():
                 links.append(f"../{name}::/dev/dri/by-path/pci-{item.address}-{suffix}")
     return tuple(links)
+
+
+def gpu_nodes(item: FoundDevice) -> tuple[str, ...]:
+    """The device's GPU nodes as its profile's `application-profile` names them (`/dev/nvidia3`), its
+    partitions' included (a MIG device's parent GPU): the spec-level hook's `--application-profile`s."""
+    rule = item.profile.application_profile
+    if rule is None:
+        return ()
+    nodes = [*item.nodes, *(node for partition in item.partitions for node in partition.nodes)]
+    return tuple(dict.fromkeys(node.path for node in nodes if rule.names_gpu(node.path)))
