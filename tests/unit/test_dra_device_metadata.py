@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,32 @@ def test_a_request_name_that_is_no_label_is_the_claims_error_and_nothing_is_left
         metadata_driver(dirs, api).preparer.prepare("default", "pair", UID)
     assert not Path(dirs["plugins"], DRIVER, "dra-device-metadata", UID).exists()
     assert not Path(dirs["cdi"], f"{DRIVER}-{UID}.json").exists()
+
+
+def test_the_driver_stopped_leaves_no_metadata_dir_once_its_claims_are_unprepared(dirs: dict[str, str]) -> None:
+    """An uninstall left `dra-device-metadata/` in the kubelet's plugin directory after the last claim was
+    unprepared (the chart's live uninstall test found it); a prepared claim's files stay for the next driver."""
+    import threading
+
+    api = FakeApi()
+    two_requests(api)
+    root = Path(dirs["plugins"], DRIVER, "dra-device-metadata")
+
+    def run_and_stop(driver: DraDriver) -> None:
+        stop = threading.Event()
+        thread = threading.Thread(target=driver.run, args=(stop,), daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        stop.set()
+        driver.wake.set()
+        thread.join(30)
+        assert not thread.is_alive()
+
+    driver = metadata_driver(dirs, api)
+    driver.preparer.prepare("default", "pair", UID)
+    run_and_stop(driver)
+    assert (root / UID / "gpu" / "metadata.json").exists()  # prepared: kept
+    driver = metadata_driver(dirs, api)
+    driver.preparer.unprepare(UID)
+    run_and_stop(driver)
+    assert not root.exists()

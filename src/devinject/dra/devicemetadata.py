@@ -105,6 +105,14 @@ class MetadataFiles:
     def remove(self, uid: str) -> None:
         shutil.rmtree(self.claim_dir(uid), ignore_errors=True)
 
+    def close(self) -> None:
+        """At the driver's stop: its directory goes when no claim's files are left in it (an uninstall leaves
+        nothing of devinject in the kubelet's plugin directory); a prepared claim's stay for the next driver."""
+        try:
+            os.rmdir(self.root)
+        except OSError:
+            pass  # not empty (claims prepared), or not made
+
     def orphans(self, known: Iterable[str]) -> list[str]:
         """The claim directories no prepared claim has (a crash mid-prepare), removed."""
         keep = set(known)

@@ -700,6 +700,8 @@ class DraDriver:
                 self.wake.clear()
         finally:
             self.servers.stop()
+            if self.preparer.metadata is not None:
+                self.preparer.metadata.close()
             if self.status is not None:
                 self.status.close()
             if self.http is not None:
