@@ -177,7 +177,8 @@ def test_device_nodes_get_their_exact_mode_and_a_swapped_name_is_never_followed(
 
 
 def test_statx_and_fdinfo_name_the_same_mount() -> None:
-    from devinject.hook import executor, syscalls
+    from devinject.hook import executor
+    from devinject.linux import syscalls
 
     for path in ("/", "/proc", "/dev", "/sys/fs/cgroup"):
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
