@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -539,10 +540,49 @@ def slices(cluster: Cluster) -> list[dict[str, Any]]:
     return cluster.json("resourceslices", "--field-selector", f"spec.driver={DRA_DRIVER}")["items"]  # type: ignore[no-any-return]
 
 
-def helm_config(cluster: Cluster) -> Any:
-    import helm_python
+# Helm's Go SDK runs in a child process: loaded into pytest's own, its Go runtime's threads stay for good, and
+# a multi-threaded process can no longer join a mount namespace (setns: EINVAL), which the hook's tests do.
+HELM_CALL = """
+import json, sys
+import helm_python
+kubeconfig, namespace, op, args, kwargs = json.loads(sys.argv[1])
+with helm_python.Config(kubeconfig_path=kubeconfig, namespace=namespace) as config:
+    answer = getattr(config, op)(*args, **kwargs)
+print(json.dumps(answer, default=str))
+"""
 
-    return helm_python.Config(kubeconfig_path=str(KUBE_DIR / "admin.kubeconfig"), namespace=NAMESPACE)
+
+class HelmConfig:
+    """helm_python.Config's install, upgrade and uninstall, each in a process of its own."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        self.kubeconfig = kubeconfig
+
+    def __enter__(self) -> HelmConfig:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+    def _call(self, op: str, *args: Any, timeout: float = 300, **kwargs: Any) -> Any:
+        call = [self.kubeconfig, NAMESPACE, op, list(args), {**kwargs, "timeout": timeout}]
+        done = subprocess.run([sys.executable, "-c", HELM_CALL, json.dumps(call)], capture_output=True, text=True,
+                              timeout=timeout + 60)
+        assert done.returncode == 0, f"helm {op}: {done.stderr[-2000:]}"
+        return json.loads(done.stdout.splitlines()[-1])
+
+    def install(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("install", *args, **kwargs)
+
+    def upgrade(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("upgrade", *args, **kwargs)
+
+    def uninstall(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("uninstall", *args, **kwargs)
+
+
+def helm_config(cluster: Cluster) -> HelmConfig:
+    return HelmConfig(str(KUBE_DIR / "admin.kubeconfig"))
 
 
 def devinject_objects(cluster: Cluster) -> list[str]:
