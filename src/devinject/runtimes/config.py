@@ -45,6 +45,7 @@ from devinject.runtimes.plan import NO_CDI_FIX as NO_CDI_FIX
 from devinject.runtimes.plan import Change as Change
 from devinject.runtimes.plan import Plan as Plan
 from devinject.runtimes.plan import binary_version as binary_version
+from devinject.runtimes.plan import in_root as in_root
 from devinject.runtimes.plan import major_minor
 
 _major_minor = major_minor
@@ -93,11 +94,6 @@ def _table(data: dict[str, Any], *keys: str) -> dict[str, Any]:
         value = data.get(key)
         data = value if isinstance(value, dict) else {}
     return data
-
-
-def in_root(root: str, path: str) -> str:
-    """`path` as the runtime sees it, under the host root `root` (an absolute path is the root's)."""
-    return os.path.join(root, path.lstrip("/")) if root != "/" else path
 
 
 def go_glob(pattern: str, root: str = "/") -> list[str]:

@@ -37,7 +37,7 @@ from typing import Any
 
 from devinject.core.errors import ConfigError
 from devinject.core.paths import DEFAULT_SPEC_DIRS
-from devinject.runtimes.plan import NO_CDI_FIX, Change, Plan, binary_version
+from devinject.runtimes.plan import NO_CDI_FIX, Change, Plan, binary_version, in_root
 from devinject.runtimes.plan import major_minor as _major_minor
 
 DEFAULT_CONFIG = "/etc/docker/daemon.json"
@@ -122,12 +122,8 @@ def exec_start(unit_texts: list[str]) -> list[str] | None:
     return words
 
 
-def _in(root: str, path: str) -> str:
-    return os.path.join(root, path.lstrip("/")) if root != "/" else path
-
-
 def _same(root: str, daemon_path: str, path: str) -> bool:
-    return os.path.realpath(_in(root, daemon_path)) == os.path.realpath(path)
+    return os.path.realpath(in_root(root, daemon_path)) == os.path.realpath(path)
 
 
 def _roots(path: str) -> bool:
@@ -153,7 +149,7 @@ def running_daemons(root: str) -> list[tuple[int, DaemonFlags]]:
     on /, of another pid namespace is not the node's dockerd, its flags are not taken and its binary never run."""
     found = []
     ours = _pid_namespace("/proc/self") if root == "/" else None
-    for cmdline in sorted(glob.glob(os.path.join(_in(root, "/proc"), "[0-9]*", "cmdline"))):
+    for cmdline in sorted(glob.glob(os.path.join(in_root(root, "/proc"), "[0-9]*", "cmdline"))):
         proc = os.path.dirname(cmdline)
         if not _roots(proc) or (root == "/" and _pid_namespace(proc) != ours):
             continue
@@ -169,12 +165,12 @@ def running_daemons(root: str) -> list[tuple[int, DaemonFlags]]:
 
 def unit_daemon(root: str) -> DaemonFlags | None:
     """dockerd's flags as its systemd unit (docker.service and its drop-ins) under `root` starts it."""
-    unit = next((p for d in UNIT_DIRS if os.path.isfile(p := os.path.join(_in(root, d), UNIT))), None)
+    unit = next((p for d in UNIT_DIRS if os.path.isfile(p := os.path.join(in_root(root, d), UNIT))), None)
     if unit is None or not _roots(unit):  # a unit others could write names no binary devinject may run
         return None
     drop_ins: dict[str, str] = {}
     for directory in UNIT_DIRS:
-        for path in glob.glob(os.path.join(_in(root, directory), UNIT + ".d", "*.conf")):
+        for path in glob.glob(os.path.join(in_root(root, directory), UNIT + ".d", "*.conf")):
             if _roots(path):
                 drop_ins.setdefault(os.path.basename(path), path)
     files = [unit, *(drop_ins[name] for name in sorted(drop_ins))]
@@ -635,5 +631,5 @@ def _daemon_config(root: str) -> str:
     unit = unit_daemon(root)
     found = {f.config_file for _, f in running_daemons(root)} | ({unit.config_file} if unit is not None else set())
     if len(found) == 1:
-        return _in(root, found.pop())
-    return _in(root, DEFAULT_CONFIG)
+        return in_root(root, found.pop())
+    return in_root(root, DEFAULT_CONFIG)

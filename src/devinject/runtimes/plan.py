@@ -4,6 +4,7 @@ how a runtime's version is known (given, or asked of its binary, bounded): share
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import shutil
 import subprocess
@@ -43,6 +44,11 @@ class Plan:
     runtime: str
     changes: tuple[Change, ...]
     notes: tuple[str, ...] = ()  # what the admin does next (restart the runtime)
+
+
+def in_root(root: str, path: str) -> str:
+    """`path` as the runtime sees it, under the host root `root` (an absolute path is the root's)."""
+    return os.path.join(root, path.lstrip("/")) if root != "/" else path
 
 
 def binary_version(name: str, *, timeout: float = 5.0, binary: str | None = None) -> str | None:

@@ -19,6 +19,7 @@ from devinject.runtimes.config import (
     annotations_passed_through,
     binary_version,
     containerd_version_problem,
+    in_root,
     read_containerd,
     toml_layers,
 )
@@ -41,16 +42,13 @@ class RuntimeStatus:
     restart: str | None = None  # what makes the runtime read a changed config
 
 
-def _in(root: str, path: str) -> str:
-    return os.path.join(root, path.lstrip("/")) if root != "/" else path
-
-
 def detect(root: str) -> list[str]:
     """The runtimes whose configuration (or, for podman and docker, binary) is on the node, containerd first."""
-    found = [name for name, path in DEFAULT_CONFIG.items() if os.path.exists(_in(root, path))]
-    if "podman" not in found and os.path.exists(_in(root, "/usr/bin/podman")):
+    found = [name for name, path in DEFAULT_CONFIG.items() if os.path.exists(in_root(root, path))]
+    if "podman" not in found and os.path.exists(in_root(root, "/usr/bin/podman")):
         found.append("podman")
-    if "docker" not in found and any(os.path.exists(_in(root, p)) for p in ("/usr/bin/dockerd", "/usr/sbin/dockerd")):
+    dockerd = ("/usr/bin/dockerd", "/usr/sbin/dockerd")
+    if "docker" not in found and any(os.path.exists(in_root(root, p)) for p in dockerd):
         found.append("docker")  # docker 28.2+ needs no daemon.json: a stock node has none
     return found
 
@@ -68,7 +66,7 @@ def runtime_status(root: str, runtime: str | None = None, *, hooks_dir: str | No
 
 
 def _hook_installed(root: str, hooks_dir: str) -> bool:
-    return os.path.exists(os.path.join(_in(root, hooks_dir), HOOK_FILE))
+    return os.path.exists(os.path.join(in_root(root, hooks_dir), HOOK_FILE))
 
 
 def _status(root: str, name: str, hooks_dir: str, version: str | None = None) -> RuntimeStatus:
@@ -159,15 +157,15 @@ def _containerd(root: str, version: str | None, main: str = DEFAULT_CONFIG["cont
     named = f"containerd {version}" if version else ("containerd 2.x" if (found.version or 0) >= 3 else "containerd")
     problem = containerd_version_problem(found.version, version) if version else None
     if problem:
-        return RuntimeStatus("containerd", False, f"{_in(root, main)}: {problem}: {named} does not start on it",
+        return RuntimeStatus("containerd", False, f"{in_root(root, main)}: {problem}: {named} does not start on it",
                              f"rewrite it for {named} (containerd config default prints its own), then {fix}")
     if found.newer and (version is None or REFUSES_NEWER_DROP_INS[0] <= _patch_version(version)
                         <= REFUSES_NEWER_DROP_INS[1]):
         path, newer = found.newer[0]
         ours = os.path.basename(path) == DROP_IN + ".toml"  # an older devinject's: configure rewrites it
-        return RuntimeStatus("containerd", False, f"{_in(root, path)} is a version {newer} drop-in, above the root "
+        return RuntimeStatus("containerd", False, f"{in_root(root, path)} is a version {newer} drop-in, above the root "
                              f"config's version {found.version}: containerd 2.3.0-2.3.4 refuse to start on it",
-                             None if ours else f"make {_in(root, path)} version {found.version} (its keys in that "
+                             None if ours else f"make {in_root(root, path)} version {found.version} (its keys in that "
                              "version's names) or remove it", configure=configure if ours else None,
                              restart=RESTART_CONTAINERD)
     if version is not None:
@@ -175,14 +173,14 @@ def _containerd(root: str, version: str | None, main: str = DEFAULT_CONFIG["cont
     elif found.version is not None:
         two = found.version >= 3
     else:
-        return RuntimeStatus("containerd", False, f"no {_in(root, main)} and containerd's version unknown: 2.x "
+        return RuntimeStatus("containerd", False, f"no {in_root(root, main)} and containerd's version unknown: 2.x "
                              f"applies CDI from {', '.join(DEFAULT_SPEC_DIRS)} without one, 1.7 applies none",
                              "give --runtime-version (containerd --version)")
     enabled, dirs, setter = found.cri(two)
-    read = ", ".join(_in(root, f) for f in found.files) or f"no {_in(root, main)}: its defaults"
+    read = ", ".join(in_root(root, f) for f in found.files) or f"no {in_root(root, main)}: its defaults"
     read += f"; pid {pid}'s --config" if pid is not None and named_config else ""
     if not enabled:
-        return RuntimeStatus("containerd", False, f"{named}: enable_cdi is off ({_in(root, setter or main)})", fix,
+        return RuntimeStatus("containerd", False, f"{named}: enable_cdi is off ({in_root(root, setter or main)})", fix,
                              configure=configure, restart=RESTART_CONTAINERD)
     passed = annotations_passed_through(found.data)
     warning = (f"pod annotations reach the OCI spec ({'; '.join(passed)}): a pod's own cdi.k8s.io/* annotation "
