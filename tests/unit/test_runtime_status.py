@@ -157,3 +157,45 @@ def test_configure_on_this_machine_writes_where_the_running_runtime_reads(tmp_pa
     done = CliRunner().invoke(cli, ["runtime", "configure", "--runtime", "containerd", "--spec-dir", "/opt/cdi"])
     assert done.exit_code == 0, done.output
     assert tomllib.loads((tmp_path / "conf.d/99-devinject.toml").read_text())["version"] == 2  # 2.3.4's drop-in
+
+
+def test_a_containerd_of_another_pid_namespace_is_a_containers_never_the_nodes(tmp_path: Path) -> None:
+    """A kind node's or docker-in-docker's `containerd` runs as root in a pid namespace of its own: its binary
+    is the image's, and devinject asked it `--version` as root (and took its --config). docker's scan already
+    refused such a process; the shared one (runtimes/daemons.py) now does too."""
+    import shutil
+    import subprocess
+    import time
+
+    from devinject.runtimes import daemons
+
+    fake = tmp_path / "containerd"
+    shutil.copy("/bin/sleep", fake)
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", str(fake), "30"])
+    inner = None
+    try:
+        for _ in range(200):  # unshare forks the fake as pid 1 of the new namespace
+            children = Path(f"/proc/{outer.pid}/task/{outer.pid}/children")
+            kids = children.read_text().split() if children.exists() else []
+            if kids and Path(f"/proc/{kids[0]}/comm").read_text().strip() == "containerd":
+                inner = int(kids[0])
+                break
+            time.sleep(0.02)
+        assert inner is not None, "the fake containerd did not start"
+        assert daemons.running_daemon("containerd", "/proc", [inner]) is None
+        assert daemons.running_containerd("/proc", [inner]) is None
+        here = subprocess.Popen([str(fake), "30"])  # the same binary in this pid namespace is the node's
+        try:
+            for _ in range(200):
+                if Path(f"/proc/{here.pid}/comm").read_text().strip() == "containerd":
+                    break
+                time.sleep(0.02)
+            assert daemons.running_daemon("containerd", "/proc", [inner, here.pid]) == (here.pid, ["30"])
+        finally:
+            here.kill()
+            here.wait()
+    finally:
+        outer.terminate()  # --kill-child: the namespace's pid 1 goes with it
+        outer.wait()
+        if inner is not None and Path(f"/proc/{inner}").exists():
+            os.kill(inner, 9)

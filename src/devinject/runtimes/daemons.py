@@ -27,12 +27,25 @@ def crio_paths(argv: list[str]) -> tuple[str, str]:
     return found["config"], found["dir"]
 
 
+def pid_namespace(proc: str) -> int | None:
+    """The pid namespace of the process whose /proc dir is `proc` (its inode); None when it cannot be read."""
+    try:
+        return os.stat(os.path.join(proc, "ns", "pid")).st_ino
+    except OSError:
+        return None
+
+
 def running_daemon(name: str, proc: str = "/proc", pids: list[int] | None = None) -> tuple[int, list[str]] | None:
     """The running daemon `name` (the lowest pid of that name that root runs: anyone can name a process so, of
-    `pids` alone when given) and its command line's arguments; None when none runs."""
+    `pids` alone when given) and its command line's arguments; None when none runs. On this machine's own /proc
+    a process of another pid namespace is a container's (a kind node's containerd, docker-in-docker), never the
+    node's: its binary is not the node's to ask its version as root."""
+    ours = pid_namespace("/proc/self") if proc == "/proc" else None
     for pid in pids if pids is not None else sorted(int(entry) for entry in os.listdir(proc) if entry.isdigit()):
         try:
             if os.stat(os.path.join(proc, str(pid))).st_uid != 0:
+                continue
+            if ours is not None and pid_namespace(os.path.join(proc, str(pid))) != ours:
                 continue
             with open(os.path.join(proc, str(pid), "comm"), encoding="utf-8", errors="replace") as handle:
                 if handle.read(64).strip() != name:

@@ -37,6 +37,7 @@ from typing import Any
 
 from devinject.core.errors import ConfigError
 from devinject.core.paths import DEFAULT_SPEC_DIRS
+from devinject.runtimes.daemons import pid_namespace
 from devinject.runtimes.plan import NO_CDI_FIX, Change, Plan, binary_version, in_root
 from devinject.runtimes.plan import major_minor as _major_minor
 
@@ -136,22 +137,15 @@ def _roots(path: str) -> bool:
     return st.st_uid in (0, os.geteuid()) and not st.st_mode & 0o022
 
 
-def _pid_namespace(proc: str) -> int | None:
-    try:
-        return os.stat(os.path.join(proc, "ns", "pid")).st_ino
-    except OSError:
-        return None
-
-
 def running_daemons(root: str) -> list[tuple[int, DaemonFlags]]:
     """Each dockerd running as root under `root`'s /proc with its flags (its pid for asking its binary). Any user
     can name a process dockerd, and so can a container's image (docker-in-docker): a process of another user or,
     on /, of another pid namespace is not the node's dockerd, its flags are not taken and its binary never run."""
     found = []
-    ours = _pid_namespace("/proc/self") if root == "/" else None
+    ours = pid_namespace("/proc/self") if root == "/" else None
     for cmdline in sorted(glob.glob(os.path.join(in_root(root, "/proc"), "[0-9]*", "cmdline"))):
         proc = os.path.dirname(cmdline)
-        if not _roots(proc) or (root == "/" and _pid_namespace(proc) != ours):
+        if not _roots(proc) or (root == "/" and pid_namespace(proc) != ours):
             continue
         try:
             with open(cmdline, "rb") as handle:
