@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -264,7 +265,7 @@ class _Context:
         path = f"/sys/bus/pci/devices/{s.pci.address}"
         if not self.node.host.is_dir(path):
             raise _Broken(f"{self.node.host.real(path)} is gone", "check the card is seated; rescan: echo 1 > "
-                          "/sys/bus/pci/rescan")
+                          f"{self.node.host.real('/sys/bus/pci/rescan')}")
         model = s.profile.model(s.pci) or "unknown model"
         gpu = self.node.gpu_facts(s.found) if s.found is not None else None
         return (f"{s.pci.address} {model} ({s.pci.vendor:04x}:{s.pci.device:04x}), NUMA node "
@@ -274,14 +275,14 @@ class _Context:
         expected = "/".join(s.profile.drivers) or "any driver"
         module = s.profile.driver_module
         load = f"modprobe {module}; " if module else ""
-        bind = s.profile.drivers[0] if s.profile.drivers else "DRIVER"
+        # the fixes write sysfs as this machine sees it: under --root, the root's own
+        bind = self.node.host.real(f"/sys/bus/pci/drivers/{s.profile.drivers[0] if s.profile.drivers else 'DRIVER'}")
+        unbind = self.node.host.real(f"/sys/bus/pci/devices/{s.pci.address}/driver/unbind")
         if s.pci.driver is None:
-            raise _Broken(f"no driver bound (expected {expected})",
-                          f"{load}echo {s.pci.address} > /sys/bus/pci/drivers/{bind}/bind")
+            raise _Broken(f"no driver bound (expected {expected})", f"{load}echo {s.pci.address} > {bind}/bind")
         if s.profile.drivers and s.pci.driver not in s.profile.drivers:
             raise _Broken(f"bound to {s.pci.driver}, not {expected}",
-                          f"echo {s.pci.address} > /sys/bus/pci/devices/{s.pci.address}/driver/unbind; "
-                          f"{load}echo {s.pci.address} > /sys/bus/pci/drivers/{bind}/bind")
+                          f"echo {s.pci.address} > {unbind}; {load}echo {s.pci.address} > {bind}/bind")
         if module and not self.node.host.is_dir(f"/sys/module/{module}"):
             raise _Broken(f"bound to {s.pci.driver}, but module {module} is not loaded", f"modprobe {module}")
         return f"bound to {s.pci.driver}" + (f" (module {module})" if module else ""), None
@@ -295,19 +296,18 @@ class _Context:
         for dev in s.found.nodes:
             st = self.node.host.lstat(dev.path)
             real = self.node.host.real(dev.path)
+            # the fixes name the node as this machine sees it: under --root, the root's own path
             if st is None:
                 raise _Broken(f"{real} is missing", "the driver makes it: reload it, or udevadm trigger "
-                              f"(mknod {dev.path} c {dev.major} {dev.minor} by hand)")
-            import stat as stat_module
-
-            if not stat_module.S_ISCHR(st.st_mode):
+                              f"(mknod {real} c {dev.major} {dev.minor} by hand)")
+            if not stat.S_ISCHR(st.st_mode):
                 raise _Broken(f"{real} is not a char device", f"rm it and let the driver make it (mknod "
-                              f"{dev.path} c {dev.major} {dev.minor})")
+                              f"{real} c {dev.major} {dev.minor})")
             numbers = (os.major(st.st_rdev), os.minor(st.st_rdev))
             if numbers != (dev.major, dev.minor):
                 raise _Broken(f"{real} is {numbers[0]}:{numbers[1]}, the driver's is {dev.major}:{dev.minor}",
-                              f"rm {dev.path}; mknod {dev.path} c {dev.major} {dev.minor}")
-            shown.append(f"{dev.path} {dev.major}:{dev.minor} {stat_module.S_IMODE(st.st_mode):04o}")
+                              f"rm {real}; mknod {real} c {dev.major} {dev.minor}")
+            shown.append(f"{dev.path} {dev.major}:{dev.minor} {stat.S_IMODE(st.st_mode):04o}")
         return ", ".join(shown), None
 
     def _generated(self) -> dict[str, Spec]:

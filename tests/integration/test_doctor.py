@@ -115,11 +115,16 @@ def _remake(path: Path, minor: int) -> None:
 
 BREAKS: list[tuple[str, Callable[[Live], None], str, str]] = [
     ("driver", lambda h: (h.root / GPU / "driver").unlink(), "no driver bound (expected nvidia)",
-     "/sys/bus/pci/drivers/nvidia/bind"),
+     "> {root}/sys/bus/pci/drivers/nvidia/bind"),
     ("driver", lambda h: shutil.rmtree(h.root / "sys/module/nvidia"), "module nvidia is not loaded",
      "modprobe nvidia"),
-    ("nodes", lambda h: (h.root / "dev/nvidia2").unlink(), "dev/nvidia2 is missing", "mknod /dev/nvidia2 c 195 2"),
-    ("nodes", lambda h: _remake(h.root / "dev/nvidia2", 7), "is 195:7, the driver's is 195:2", "mknod"),
+    # the fixes name the node under the root doctor was given, not the machine's own /dev
+    ("nodes", lambda h: (h.root / "dev/nvidia2").unlink(), "dev/nvidia2 is missing",
+     "mknod {root}/dev/nvidia2 c 195 2"),
+    ("nodes", lambda h: _remake(h.root / "dev/nvidia2", 7), "is 195:7, the driver's is 195:2",
+     "rm {root}/dev/nvidia2; mknod {root}/dev/nvidia2 c 195 2"),
+    ("nodes", lambda h: _write(h.root / "dev/nvidia2", ""), "dev/nvidia2 is not a char device",
+     "(mknod {root}/dev/nvidia2 c 195 2)"),
     ("libraries", lambda h: _write(h.root / "proc/driver/nvidia/version",
                                    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  560.35.03  Tue\n"),
      "libraries are 550.54.14, the running module is 560.35.03", "reboot"),
@@ -150,7 +155,8 @@ def test_each_broken_link_is_named_with_its_fix(live: Live, link: str, breaks: C
     assert len(found) == 1 and not found[0].ok
     broken = found[0].broken
     assert broken is not None and broken.link == link, [(c.link, c.ok, c.detail) for c in found[0].checks]
-    assert detail.format(cdi=live.cdi) in broken.detail and fix.format(cdi=live.cdi) in (broken.fix or "")
+    assert detail.format(cdi=live.cdi) in broken.detail
+    assert fix.format(cdi=live.cdi, root=live.root) in (broken.fix or ""), broken.fix
     after = [c for c in found[0].checks][[c.link for c in found[0].checks].index(link) + 1:]
     assert all(c.ok is None for c in after)
 
