@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 from devinject.runtimes.plan import CRIO_CONFIG_DIR, DEFAULT_CONFIG, binary_version
 
@@ -35,26 +36,44 @@ def pid_namespace(proc: str) -> int | None:
         return None
 
 
-def running_daemon(name: str, proc: str = "/proc", pids: list[int] | None = None) -> tuple[int, list[str]] | None:
-    """The running daemon `name` (the lowest pid of that name that root runs: anyone can name a process so, of
-    `pids` alone when given) and its command line's arguments; None when none runs. On this machine's own /proc
-    a process of another pid namespace is a container's (a kind node's containerd, docker-in-docker), never the
-    node's: its binary is not the node's to ask its version as root."""
+def root_processes(name: str, proc: str = "/proc", pids: list[int] | None = None) -> Iterator[tuple[int, list[str]]]:
+    """Each process named `name` that root runs (or this user, who runs devinject), by pid (of `pids` alone when
+    given), with its command line's arguments. The name is the process's `comm`, else (a fixture's /proc) its
+    argv[0]'s. Anyone can name a process so, and so can a container's image: a process of another user or, on
+    this machine's own /proc, of another pid namespace (a kind node's containerd, docker-in-docker) is never the
+    node's; its flags are not taken and its binary never run as root."""
     ours = pid_namespace("/proc/self") if proc == "/proc" else None
-    for pid in pids if pids is not None else sorted(int(entry) for entry in os.listdir(proc) if entry.isdigit()):
+    owners = {0, os.geteuid()}
+    if pids is None:
         try:
-            if os.stat(os.path.join(proc, str(pid))).st_uid != 0:
+            pids = sorted(int(entry) for entry in os.listdir(proc) if entry.isdigit())
+        except OSError:
+            return  # a root with no /proc: nothing runs there
+    for pid in pids:
+        here = os.path.join(proc, str(pid))
+        try:
+            if os.stat(here).st_uid not in owners:
                 continue
-            if ours is not None and pid_namespace(os.path.join(proc, str(pid))) != ours:
+            if ours is not None and pid_namespace(here) != ours:
                 continue
-            with open(os.path.join(proc, str(pid), "comm"), encoding="utf-8", errors="replace") as handle:
-                if handle.read(64).strip() != name:
-                    continue
-            with open(os.path.join(proc, str(pid), "cmdline"), "rb") as handle:
+            with open(os.path.join(here, "cmdline"), "rb") as handle:
                 argv = handle.read(64 << 10).decode(errors="replace").split("\0")
+            try:
+                with open(os.path.join(here, "comm"), encoding="utf-8", errors="replace") as handle:
+                    comm = handle.read(64).strip()
+            except FileNotFoundError:
+                comm = os.path.basename(argv[0])
         except OSError:
             continue  # gone meanwhile, or not ours to read
-        return pid, [arg for arg in argv[1:] if arg]
+        if comm == name:
+            yield pid, [arg for arg in argv if arg]
+
+
+def running_daemon(name: str, proc: str = "/proc", pids: list[int] | None = None) -> tuple[int, list[str]] | None:
+    """The running daemon `name` (the lowest pid of root_processes) and its command line's arguments (argv[0]
+    left out); None when none runs."""
+    for pid, argv in root_processes(name, proc, pids):
+        return pid, argv[1:]
     return None
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from devinject.core.errors import ConfigError
 from devinject.core.paths import DEFAULT_SPEC_DIRS
-from devinject.runtimes.daemons import pid_namespace
+from devinject.runtimes.daemons import root_processes
 from devinject.runtimes.plan import NO_CDI_FIX, Change, Plan, binary_version, in_root
 from devinject.runtimes.plan import major_minor as _major_minor
 
@@ -138,23 +138,11 @@ def _roots(path: str) -> bool:
 
 
 def running_daemons(root: str) -> list[tuple[int, DaemonFlags]]:
-    """Each dockerd running as root under `root`'s /proc with its flags (its pid for asking its binary). Any user
-    can name a process dockerd, and so can a container's image (docker-in-docker): a process of another user or,
-    on /, of another pid namespace is not the node's dockerd, its flags are not taken and its binary never run."""
-    found = []
-    ours = pid_namespace("/proc/self") if root == "/" else None
-    for cmdline in sorted(glob.glob(os.path.join(in_root(root, "/proc"), "[0-9]*", "cmdline"))):
-        proc = os.path.dirname(cmdline)
-        if not _roots(proc) or (root == "/" and pid_namespace(proc) != ours):
-            continue
-        try:
-            with open(cmdline, "rb") as handle:
-                args = [a.decode("utf-8", "replace") for a in handle.read(65536).split(b"\0") if a]
-        except OSError:
-            continue  # gone meanwhile
-        if args and os.path.basename(args[0]) == "dockerd":
-            found.append((int(os.path.basename(os.path.dirname(cmdline))), parse_flags(args, cmdline)))
-    return found
+    """Each dockerd running as root under `root`'s /proc with its flags (its pid for asking its binary), as
+    daemons.root_processes finds the node's containerd and CRI-O."""
+    proc = in_root(root, "/proc")
+    return [(pid, parse_flags(args, os.path.join(proc, str(pid), "cmdline")))
+            for pid, args in root_processes("dockerd", proc)]
 
 
 def unit_daemon(root: str) -> DaemonFlags | None:
