@@ -90,6 +90,12 @@ class NvmlFacts:
 NO_FACTS = NvmlFacts()
 
 
+def mig_resource(kind: str, profile: str) -> str:
+    """`nvidia.com/mig-1g.10gb`: the name NVIDIA's device plugin and GPU feature discovery give the MIG devices
+    of a profile, in the kind's vendor domain."""
+    return f"{kind.partition('/')[0]}/mig-{profile}"
+
+
 class NvmlAnswerError(ValueError):
     """The probe's answer is not what it writes (a field named)."""
 
