@@ -1201,14 +1201,15 @@ def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_na
 @profile_dir_option
 @click.option("--write", "directory", default=None, metavar="DIRECTORY",
               help="Write the feature file into DIRECTORY (NFD's features.d) instead of printing it.")
-def labels(root: str, profile_dirs: tuple[str, ...], directory: str | None) -> None:
+@nvml_option
+def labels(root: str, profile_dirs: tuple[str, ...], directory: str | None, nvml: bool | None) -> None:
     """The node's labels for Node Feature Discovery's local source: per kind its count, product, driver
-    version, partitions and NUMA nodes, under devinject.io/ (watch and device-plugin write them with
-    --nfd-features-dir)."""
+    version, partitions and NUMA nodes, and NVML's memory, compute capability, family and MIG profiles' counts,
+    under devinject.io/ (watch and device-plugin write them with --nfd-features-dir)."""
     from devinject.agent.nfd import FEATURE_FILE, features, write_features
 
-    node = _node(root=root, profile_dirs=profile_dirs)
-    lines = features(node.host, node.devices())
+    node = _node(root=root, profile_dirs=profile_dirs, nvml=nvml)
+    lines = features(node.host, node.devices(), gpu_facts=node.gpu_facts)
     if directory is None:
         click.echo("\n".join(lines))
         return
