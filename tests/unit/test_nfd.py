@@ -191,3 +191,23 @@ def test_labels_command_asks_nvml(nvml_host):
     assert done.exit_code == 0 and "devinject.io/nvidia.com-gpu.memory=81559" in done.output
     done = CliRunner().invoke(cli, ["labels", "--root", str(root), "--no-nvml"])
     assert done.exit_code == 0 and ".memory=" not in done.output
+
+
+def test_a_dra_only_node_gets_nvmls_labels_too(nvml_host, tmp_path: Path):
+    """The DRA driver writes the same file from its own discovery and NVML's facts (`--nfd-features-dir`)."""
+    from devinject.dra.driver import DraDriver, DraOptions
+    from devinject.specs.generate import GenerateOptions
+    from tests.integration.test_dra_driver import NODE, FakeApi
+
+    features_dir = tmp_path / "features.d"
+    features_dir.mkdir()
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    gen = GenerateOptions(root=str(nvml_host("dgx-a100-mig")), hook_path="/usr/bin/devinject", nvml=True)
+    opts = DraOptions(generate=gen, node_name=NODE, plugin_dir=str(tmp_path / "plugins"),
+                      registry_dir=str(tmp_path / "registry"), cdi_dir=str(tmp_path / "cdi"), state_dir=str(state),
+                      rescan=3600, health="follow", nfd_features_dir=str(features_dir))
+    DraDriver(opts, FakeApi()).refresh()
+    labels = parse((features_dir / FEATURE_FILE).read_text())
+    assert labels["devinject.io/nvidia.com-mig-3g.40gb.count"] == "2"
+    assert labels["devinject.io/nvidia.com-gpu.compute.major"] == "8"
