@@ -155,3 +155,12 @@ def test_the_cli_refuses_mixed_with_sharing_and_an_unknown_strategy(tmp_path) ->
         "nvidia.com/gpu); use single"]
     done = subprocess.run([*base, "--mig-strategy", "none"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "'none' is not one of 'single', 'mixed'" in done.stderr
+
+
+def test_resource_name_renames_the_whole_gpus_resource_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    opts = replace(options(tmp_path, tmp_path, tmp_path, MIXED), resource_names={GPU: "example.com/gpu"})
+    assert opts.resource_of(GPU) == "example.com/gpu"
+    assert opts.resource_of(profile_key(GPU, "1g.10gb")) == "nvidia.com/mig-1g.10gb"
+    assert opts.time_sliced(profile_key(GPU, "1g.10gb")) is None
