@@ -838,8 +838,11 @@ def _sharing_section(ctx: click.Context, path: str, key: str, value: object) -> 
 @click.option("--metrics-address", default="127.0.0.1:9400", show_default=True, metavar="HOST:PORT",
               help="HOST:PORT for /metrics, /healthz and /readyz (the DaemonSet: the node's address; "
                    "'' to turn them off).")
+@click.option("--mig-strategy", type=click.Choice(["single", "mixed"]), default="single", show_default=True,
+              help="single: MIG devices offered as their GPU's kind (nvidia.com/gpu); mixed: as one resource per "
+                   "MIG profile, nvidia.com/mig-<profile> (profiles from NVML; docs/sharing.md).")
 def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: str, metrics_address: str,
-                  **options: Any) -> None:
+                  mig_strategy: str, **options: Any) -> None:
     """Kubernetes node agent: a kubelet device plugin per kind, with watch's health loop and specs."""
     from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
 
@@ -855,7 +858,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 
     sharing = click.get_current_context().meta.get("devinject.sharing", SharingConfig())
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
-                         metrics_address=metrics_address or None, sharing=sharing)
+                         metrics_address=metrics_address or None, sharing=sharing, mig_strategy=mig_strategy)
     stop = _stop_on_signals()
     DevicePluginAgent(opts, node=node).run(stop)
     stop.exit()
@@ -1198,14 +1201,15 @@ def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_na
 @profile_dir_option
 @click.option("--write", "directory", default=None, metavar="DIRECTORY",
               help="Write the feature file into DIRECTORY (NFD's features.d) instead of printing it.")
-def labels(root: str, profile_dirs: tuple[str, ...], directory: str | None) -> None:
+@nvml_option
+def labels(root: str, profile_dirs: tuple[str, ...], directory: str | None, nvml: bool | None) -> None:
     """The node's labels for Node Feature Discovery's local source: per kind its count, product, driver
-    version, partitions and NUMA nodes, under devinject.io/ (watch and device-plugin write them with
-    --nfd-features-dir)."""
+    version, partitions and NUMA nodes, and NVML's memory, compute capability, family and MIG profiles' counts,
+    under devinject.io/ (watch and device-plugin write them with --nfd-features-dir)."""
     from devinject.agent.nfd import FEATURE_FILE, features, write_features
 
-    node = _node(root=root, profile_dirs=profile_dirs)
-    lines = features(node.host, node.devices())
+    node = _node(root=root, profile_dirs=profile_dirs, nvml=nvml)
+    lines = features(node.host, node.devices(), gpu_facts=node.gpu_facts)
     if directory is None:
         click.echo("\n".join(lines))
         return

@@ -121,3 +121,93 @@ def test_the_node_feature_rule_matches_every_shipped_profile():
     shipped = {(tuple(f"{v:04x}" for v in p.vendors), p.class_prefixes) for p in load_profiles(Host("/tmp"))
                if p.vendors}
     assert matched == shipped
+
+
+def test_nvmls_labels_on_the_hgx_with_the_stub_library(nvml_host):
+    node = Node(str(nvml_host("hgx-h100")), nvml=True)
+    labels = parse("\n".join(features(node.host, node.devices(), gpu_facts=node.gpu_facts)))
+    assert {k: v for k, v in labels.items() if k.startswith("devinject.io/nvidia.com-gpu.")} == {
+        "devinject.io/nvidia.com-gpu.count": "8", "devinject.io/nvidia.com-gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "devinject.io/nvidia.com-gpu.driver": "550.54.14",
+        "devinject.io/nvidia.com-gpu.numa0": "4", "devinject.io/nvidia.com-gpu.numa1": "4",
+        "devinject.io/nvidia.com-gpu.memory": "81559",  # MiB, as GFD's nvidia.com/gpu.memory
+        "devinject.io/nvidia.com-gpu.compute.major": "9", "devinject.io/nvidia.com-gpu.compute.minor": "0",
+        "devinject.io/nvidia.com-gpu.family": "hopper"}
+    assert not any(".memory" in k or ".family" in k for k in labels if "rdma" in k)  # NICs: no NVML facts
+    # without NVML (the fixture's own library does not answer): the labels of before, none of NVML's
+    plain = Node(str(HOSTS / "hgx-h100"), nvml=True)
+    assert parse("\n".join(features(plain.host, plain.devices(), gpu_facts=plain.gpu_facts))) == parse(
+        "\n".join(features(plain.host, plain.devices())))
+
+
+def test_mig_profiles_counts_on_the_dgx_with_the_stub_library(nvml_host):
+    node = Node(str(nvml_host("dgx-a100-mig")), nvml=True)
+    labels = parse("\n".join(features(node.host, node.devices(), gpu_facts=node.gpu_facts)))
+    assert labels["devinject.io/nvidia.com-mig-3g.40gb.count"] == "2"
+    assert labels["devinject.io/nvidia.com-mig-3g.40gb.memory"] == "40192"
+    assert (labels["devinject.io/nvidia.com-gpu.memory"], labels["devinject.io/nvidia.com-gpu.family"]) == (
+        "81920", "ampere")
+    assert (labels["devinject.io/nvidia.com-gpu.compute.major"], labels["devinject.io/nvidia.com-gpu.compute.minor"]
+            ) == ("8", "0")
+    # a taken-out MIG GPU's profiles are not counted, as its devices are not
+    from devinject.cdi.identity import device_key
+
+    mig_gpu = next(f for f in node.devices() if f.partitions)
+    out = frozenset({device_key(mig_gpu.profile.kind, mig_gpu.address)})
+    left = parse("\n".join(features(node.host, node.devices(), out=out, gpu_facts=node.gpu_facts)))
+    assert not any(k.startswith("devinject.io/nvidia.com-mig-") for k in left)
+
+
+def test_families_as_gpu_feature_discovery_names_them():
+    from devinject.discovery.nvml import GpuFacts, architecture_family
+
+    def family(cc: tuple[int, int] | None, arch: str | None = None) -> str | None:
+        return architecture_family(GpuFacts("0000:01:00.0", compute_capability=cc, architecture=arch))
+
+    assert [family(cc) for cc in ((7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (6, 1))] == [
+        "volta", "turing", "ampere", "ampere", "ada-lovelace", "hopper", "pascal"]
+    assert family((10, 0), "Blackwell") == "blackwell" and family(None, "Hopper") == "hopper"
+    assert family((10, 0), "Unknown") is None and family(None) is None
+
+
+def test_the_watch_loop_writes_nvmls_labels(nvml_host, tmp_path: Path):
+    root = nvml_host("dgx-a100-mig")
+    nfd = tmp_path / "features.d"
+    nfd.mkdir()
+    opts = options(root, tmp_path)
+    opts = replace(opts, nfd_features_dir=str(nfd), generate=replace(opts.generate, nvml=True))
+    watcher = Watcher(opts)
+    watcher.rescan()
+    watcher.check()
+    watcher.write()
+    labels = parse((nfd / FEATURE_FILE).read_text())
+    assert labels["devinject.io/nvidia.com-mig-3g.40gb.count"] == "2"
+    assert labels["devinject.io/nvidia.com-gpu.family"] == "ampere"
+
+
+def test_labels_command_asks_nvml(nvml_host):
+    root = nvml_host("hgx-h100")
+    done = CliRunner().invoke(cli, ["labels", "--root", str(root), "--nvml"])
+    assert done.exit_code == 0 and "devinject.io/nvidia.com-gpu.memory=81559" in done.output
+    done = CliRunner().invoke(cli, ["labels", "--root", str(root), "--no-nvml"])
+    assert done.exit_code == 0 and ".memory=" not in done.output
+
+
+def test_a_dra_only_node_gets_nvmls_labels_too(nvml_host, tmp_path: Path):
+    """The DRA driver writes the same file from its own discovery and NVML's facts (`--nfd-features-dir`)."""
+    from devinject.dra.driver import DraDriver, DraOptions
+    from devinject.specs.generate import GenerateOptions
+    from tests.integration.test_dra_driver import NODE, FakeApi
+
+    features_dir = tmp_path / "features.d"
+    features_dir.mkdir()
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    gen = GenerateOptions(root=str(nvml_host("dgx-a100-mig")), hook_path="/usr/bin/devinject", nvml=True)
+    opts = DraOptions(generate=gen, node_name=NODE, plugin_dir=str(tmp_path / "plugins"),
+                      registry_dir=str(tmp_path / "registry"), cdi_dir=str(tmp_path / "cdi"), state_dir=str(state),
+                      rescan=3600, health="follow", nfd_features_dir=str(features_dir))
+    DraDriver(opts, FakeApi()).refresh()
+    labels = parse((features_dir / FEATURE_FILE).read_text())
+    assert labels["devinject.io/nvidia.com-mig-3g.40gb.count"] == "2"
+    assert labels["devinject.io/nvidia.com-gpu.compute.major"] == "8"

@@ -19,6 +19,7 @@ from devinject.cdi.model import Spec
 from devinject.discovery.channels import ChannelDevice
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.host import Host
+from devinject.discovery.node import Node
 from devinject.discovery.profiles import Profile
 from devinject.nodestate import healthverdicts
 from devinject.nodestate.healthverdicts import DeviceVerdict, HealthVerdicts
@@ -42,6 +43,8 @@ class Round(Protocol):
     def tracks(self) -> dict[str, DeviceTrack]: ...  # by device key: each device's published health
     @property
     def specs(self) -> list[Spec]: ...  # as the spec files publisher last wrote them (none without it)
+    @property
+    def scanned(self) -> Node: ...  # the node as the round's rescan read it (NVML's facts: Node.gpu_facts)
 
     def unhealthy(self) -> frozenset[str]: ...  # the keys of the devices taken out
 
@@ -122,7 +125,8 @@ class NfdFeatures:
         from devinject.agent.nfd import features, write_features
 
         try:
-            if write_features(self.features_dir, features(result.host, result.found, out=result.unhealthy())):
+            lines = features(result.host, result.found, out=result.unhealthy(), gpu_facts=result.scanned.gpu_facts)
+            if write_features(self.features_dir, lines):
                 log.info("wrote the node's labels for NFD in %s", self.features_dir)
         except OSError as err:
             log.warning("%s: cannot write NFD's feature file: %s", self.features_dir, err.strerror)

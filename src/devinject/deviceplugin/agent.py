@@ -37,12 +37,23 @@ from devinject.agent.watch import Watcher, WatchOptions
 from devinject.cdi.identity import DeviceKey, QualifiedName, device_key, node_id_of, qualified
 from devinject.cdi.model import DeviceNode
 from devinject.core import jsonlite
-from devinject.core.errors import DevinjectError
+from devinject.core.errors import DevinjectError, UsageError
 from devinject.deviceplugin.allocation import HEALTHY as HEALTHY_NAME
 from devinject.deviceplugin.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.deviceplugin.allocation import PluginDevice
 from devinject.deviceplugin.bookings import PluginBookings, held_by_claims
 from devinject.deviceplugin.metrics import Metrics, serve
+from devinject.deviceplugin.migstrategy import (
+    MIG_STRATEGIES,
+    MIXED,
+    SINGLE,
+    kind_of,
+    mig_resource,
+    offer_keys,
+    partition_profiles,
+    profile_of,
+    single_mismatch,
+)
 from devinject.deviceplugin.service import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replica_id, replicated
 from devinject.discovery.channels import ChannelDevice
@@ -143,14 +154,30 @@ class PluginOptions:
     ledger_poll: float = 0.5  # seconds between looks at the ledger, the kubelet's checkpoint and its pods
     pod_grace: float = UNKNOWN_POD_GRACE  # seconds a booking waits for the checkpoint to name its pod
     sharing: SharingConfig = field(default_factory=SharingConfig)  # time-slicing (deviceplugin/sharing.py)
+    mig_strategy: str = SINGLE  # deviceplugin/migstrategy.py: single or mixed
+
+    def __post_init__(self) -> None:
+        if self.mig_strategy not in MIG_STRATEGIES:
+            raise UsageError(f"--mig-strategy {self.mig_strategy!r}: expected one of {', '.join(MIG_STRATEGIES)}")
+        if self.mig_strategy == MIXED and self.sharing.resources:
+            # the ledger books a device shared or not by its kind: a profile's MIG devices, never replicated,
+            # would be booked as their time-sliced kind's, shared with a DRA claim's exclusive booking
+            raise UsageError("--mig-strategy mixed: not with a sharing: section (time-slicing or MPS of "
+                             f"{self.sharing.resources[0].name}); use single")
 
     def resource_of(self, kind: str) -> str:
-        """The resource a kind is served as: --resource-name's, then renamed when time-sliced."""
+        """The resource a kind is served as: --resource-name's, then renamed when time-sliced; a MIG profile's
+        key (mixed) as `nvidia.com/mig-<profile>`."""
+        profile = profile_of(kind)
+        if profile is not None:
+            return mig_resource(kind_of(kind), profile)
         resource = self.resource_names.get(kind, kind)
         return self.sharing.served_as(resource, kind)
 
     def time_sliced(self, kind: str) -> TimeSliced | None:
-        """The time-slicing entry of a kind's resource, if it is time-sliced."""
+        """The time-slicing entry of a kind's resource, if it is time-sliced (a MIG profile's resource never is)."""
+        if profile_of(kind) is not None:
+            return None
         return self.sharing.time_sliced(self.resource_names.get(kind, kind), kind)
 
 
@@ -196,6 +223,7 @@ class DevicePluginAgent:
         gen = opts.watch.generate
         self.mps = MpsDaemons(opts.watch.state_dir, os.path.join(gen.root, (gen.driver_root or "/").lstrip("/")))
         self.mps_replicas: dict[str, str] = {}  # replica -> the holder of its MPS daemon, running now
+        self.mig_said: set[str] = set()  # MIG strategy warnings, said once for the agent's life
 
     # --- from the health loop --------------------------------------------------------------------------
     def _published(self, watcher: Round) -> None:
@@ -203,6 +231,8 @@ class DevicePluginAgent:
         self.last_round = time.monotonic()
         specs = {spec.kind: spec for spec in watcher.specs}
         by_kind = self._devices_by_kind(watcher)
+        if self.opts.mig_strategy == SINGLE:
+            self._say_single_mismatch(watcher)
         self._mps_round(watcher)
         changes: list[str] = []
         if not self.started.is_set():  # the first list the kubelet gets already leaves out what claims hold
@@ -211,17 +241,17 @@ class DevicePluginAgent:
                 self.held = {kind: held_by_claims(data, devices) for kind, devices in by_kind.items()}
         with self.lock:
             self.base = by_kind
-            for kind, devices in by_kind.items():
-                if self.opts.watch.generate.kinds and kind not in self.opts.watch.generate.kinds:
+            for kind, devices in by_kind.items():  # a kind, or a MIG profile's key (deviceplugin/migstrategy.py)
+                if self.opts.watch.generate.kinds and kind_of(kind) not in self.opts.watch.generate.kinds:
                     continue
                 devices = self._with_held(kind, devices)
                 state = self.states.get(kind)
                 if state is None:
                     state = self.states[kind] = ResourceState(self.opts.resource_of(kind), kind)
-                    self.metrics.served(kind, state.resource, (HEALTHY, UNHEALTHY))
+                    self.metrics.served(kind_of(kind), state.resource, (HEALTHY, UNHEALTHY))
                     self.due.setdefault(kind, (time.time(), "it was found"))
                 listed = state.devices
-                if state.update(devices, specs.get(kind)) and self.started.is_set():
+                if state.update(devices, specs.get(kind_of(kind))) and self.started.is_set():
                     changes += stream_changes(state.resource, listed, devices)
             for kind, state in self.states.items():
                 if kind not in by_kind:  # every device of the kind is gone: an empty list, not a stale one
@@ -240,13 +270,16 @@ class DevicePluginAgent:
         the take-out, put-back, probe timeout and device gauges counted on the way."""
         by_kind: dict[str, dict[str, PluginDevice]] = {}
         counts: dict[tuple[str, str], int] = {}
-        served = [pci_offers(f, watcher.host) for f in watcher.found] + [channel_offers(c) for c in watcher.channels]
-        for kind, key, offers in served:
+        served = ([(pci_offers(f, watcher.host), self._offer_keys(f)) for f in watcher.found]
+                  + [(channel_offers(c), [c.profile.kind]) for c in watcher.channels])
+        for (kind, key, offers), keys in served:
             track = watcher.tracks.get(key)
             healthy = track is None or track.published == HEALTHY
-            offered = by_kind.setdefault(kind, {})
-            for device_id, cdi_name, place, nodes, shared in offers:
-                offered[device_id] = PluginDevice(device_id, cdi_name, healthy, place, nodes, shared)
+            by_kind.setdefault(kind, {})  # a kind whose devices all went to MIG profiles' resources is still known
+            for (device_id, cdi_name, place, nodes, shared), served_as in zip(offers, keys, strict=True):
+                if served_as is not None:
+                    by_kind.setdefault(served_as, {})[device_id] = PluginDevice(
+                        device_id, cdi_name, healthy, place, nodes, shared)
             health = HEALTHY if healthy else UNHEALTHY
             counts[(kind, health)] = counts.get((kind, health), 0) + 1
             before = self.health_seen.get(key)
@@ -265,6 +298,39 @@ class DevicePluginAgent:
             if sliced is not None:  # each device as its replicas, with its health
                 by_kind[kind] = replicated(devices, sliced.replicas)
         return by_kind
+
+    def _offer_keys(self, found: FoundDevice) -> list[str | None]:
+        """Under which served key each of a device's offers goes (deviceplugin/migstrategy.py); under mixed, a
+        MIG device NVML gives no profile for is left out, said once per GPU."""
+        kind = found.profile.kind
+        if self.opts.mig_strategy == SINGLE or not found.partitions:
+            return [kind] * max(1, len(found.partitions))
+        keys = offer_keys(self.opts.mig_strategy, kind, found.partitions, self.watcher.scanned.gpu_facts(found))
+        unknown = sum(1 for k in keys if k is None)
+        if unknown and found.address not in self.mig_said:
+            self.mig_said.add(found.address)
+            log.warning("%s %s: NVML gives no profile for %d of its MIG devices (no NVML facts: --nvml, the driver "
+                        "root's libnvidia-ml); under --mig-strategy mixed they are not offered", kind,
+                        found.address, unknown)
+        return keys
+
+    def _say_single_mismatch(self, watcher: Round) -> None:
+        """Under single, once: a node NVIDIA's single strategy refuses (MIG beside whole GPUs, several
+        profiles), served all the same."""
+        by_kind: dict[str, tuple[int, list[str | None]]] = {}
+        for found in watcher.found:
+            if not any(p.kind == "mig" for p in found.partitions):
+                whole, profiles = by_kind.get(found.profile.kind, (0, []))
+                by_kind[found.profile.kind] = (whole + (not found.partitions), profiles)
+                continue
+            gpu = self.watcher.scanned.gpu_facts(found)  # asked once per rescan, as the specs' UUIDs ask it
+            whole, profiles = by_kind.get(found.profile.kind, (0, []))
+            by_kind[found.profile.kind] = (whole, profiles + partition_profiles(found.partitions, gpu))
+        for kind, (whole, profiles) in sorted(by_kind.items()):
+            problem = single_mismatch(kind, whole, profiles)
+            if problem is not None and problem not in self.mig_said:
+                self.mig_said.add(problem)
+                log.warning("%s", problem)
 
     def _mps_round(self, watcher: Round) -> None:
         """One MPS control daemon per replica of a whole GPU of a resource shared through MPS (agent/mps.py:

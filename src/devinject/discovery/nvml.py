@@ -89,6 +89,31 @@ class NvmlFacts:
 
 NO_FACTS = NvmlFacts()
 
+# GPU feature discovery's `gpu.family` by CUDA compute capability major (and minor where it splits a major)
+_FAMILIES = {1: "tesla", 2: "fermi", 3: "kepler", 5: "maxwell", 6: "pascal", 7: "volta", 8: "ampere", 9: "hopper"}
+
+
+def architecture_family(gpu: GpuFacts) -> str | None:
+    """`ampere`, as NVIDIA's GPU feature discovery labels `nvidia.com/gpu.family`: from the compute capability
+    (7.5 and up `turing`, 8.9 and up `ada-lovelace`), else NVML's architecture name in lower case (a GPU newer
+    than the table: `blackwell`); None when NVML gives neither."""
+    if gpu.compute_capability is not None:
+        major, minor = gpu.compute_capability
+        if major == 7 and minor >= 5:
+            return "turing"
+        if major == 8 and minor >= 9:
+            return "ada-lovelace"
+        if major in _FAMILIES:
+            return _FAMILIES[major]
+    known = gpu.architecture not in (None, "Unknown")
+    return gpu.architecture.lower().replace(" ", "-") if gpu.architecture and known else None
+
+
+def mig_resource(kind: str, profile: str) -> str:
+    """`nvidia.com/mig-1g.10gb`: the name NVIDIA's device plugin and GPU feature discovery give the MIG devices
+    of a profile, in the kind's vendor domain."""
+    return f"{kind.partition('/')[0]}/mig-{profile}"
+
 
 class NvmlAnswerError(ValueError):
     """The probe's answer is not what it writes (a field named)."""

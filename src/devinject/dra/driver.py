@@ -456,11 +456,12 @@ class DraDriver:
 
         out = frozenset(self._health_now().reasons)
         with self.lock:
-            host, found = self._host, list(self._found)
+            host, found, node = self._host, list(self._found), self.node
         if host is None:
             return False
         try:
-            written = write_features(self.opts.nfd_features_dir, features(host, found, out=out))
+            written = write_features(self.opts.nfd_features_dir,
+                                     features(host, found, out=out, gpu_facts=node.gpu_facts))
         except OSError as err:
             log.warning("%s: cannot write NFD's feature file: %s", self.opts.nfd_features_dir, err.strerror)
             return False
