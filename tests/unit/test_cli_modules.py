@@ -40,3 +40,31 @@ def test_each_command_module_is_small() -> None:
     sizes = {path.name: len(path.read_text().splitlines()) for path in CLI_MODULES}
     assert len(sizes) > 20  # the commands are there, one module each
     assert not {name: size for name, size in sizes.items() if size > LARGEST}, sizes
+
+
+def _runtime_literals(path: Path, runtimes: set[str]) -> list[str]:
+    """Places in `path` that spell two or more runtimes' names in one list, tuple or set."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+            named = {e.value for e in node.elts if isinstance(e, ast.Constant)} & runtimes
+            if len(named) > 1:
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_the_runtimes_are_listed_once_in_runtimes_names(tmp_path: Path) -> None:
+    """`runtime configure --runtime` and `doctor --runtime` take runtimes/names.py's list; no module of the CLI
+    spells one of its own (cli.py had it twice, and runtimes/config.py a third copy nobody read)."""
+    from devinject.runtimes.names import CONFIGURABLE, RUNTIMES
+    from devinject.runtimes.plan import DEFAULT_CONFIG
+
+    configure = cli.cli.commands["runtime"].commands["configure"]  # type: ignore[attr-defined]
+    for command in (cli.cli.commands["doctor"], configure):
+        (option,) = [p for p in command.params if p.name == "runtime_name"]
+        assert tuple(option.type.choices) == RUNTIMES  # type: ignore[attr-defined]
+    assert set(DEFAULT_CONFIG) == set(CONFIGURABLE) < set(RUNTIMES)
+    assert [line for path in CLI_MODULES for line in _runtime_literals(path, set(RUNTIMES))] == []
+    bad = tmp_path / "bad.py"
+    bad.write_text('CHOICES = ["containerd", "crio"]\n')
+    assert _runtime_literals(bad, set(RUNTIMES)) == ["bad.py:1"]

@@ -21,6 +21,7 @@ from devinject.core.paths import (
     DYNAMIC_SPEC_DIR,
     STATIC_SPEC_DIR,
 )
+from devinject.runtimes.names import RUNTIMES
 
 
 @cli.command()
@@ -29,7 +30,7 @@ from devinject.core.paths import (
 @click.option("--spec-dir", "spec_dirs", multiple=True, metavar="DIRECTORY",
               help=f"A CDI spec directory to look in (repeatable) [default: {STATIC_SPEC_DIR}, {DYNAMIC_SPEC_DIR}].")
 @click.option("--runtime", "runtime_name", default=None,
-              type=click.Choice(["containerd", "crio", "docker", "podman", "runc"]),
+              type=click.Choice(RUNTIMES),
               help="The runtime that starts the containers [default: the one whose configuration is on the node].")
 @click.option("--runtime-version", default=None, metavar="VERSION",
               help="The runtime's version [default: asked of its binary when --root is /].")

@@ -10,6 +10,7 @@ from devinject.core.paths import (
     DYNAMIC_SPEC_DIR,
     STATIC_SPEC_DIR,
 )
+from devinject.runtimes.names import RUNTIMES
 
 
 @cli.group()
@@ -18,8 +19,7 @@ def runtime() -> None:
 
 
 @runtime.command("configure")
-@click.option("--runtime", "runtime_name", required=True, type=click.Choice(["containerd", "crio", "docker", "podman",
-                                                                             "runc"]),
+@click.option("--runtime", "runtime_name", required=True, type=click.Choice(RUNTIMES),
               help="The runtime to configure.")
 @click.option("--config", "config", default=None, metavar="FILE",
               help="Its main config file [default: the runtime's own, e.g. /etc/containerd/config.toml].")
