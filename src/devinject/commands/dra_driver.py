@@ -15,6 +15,7 @@ from devinject.commands.common import (
 from devinject.commands.configfile import _load_config
 from devinject.commands.group import cli
 from devinject.commands.options import (
+    RenamedOption,
     driver_root_option,
     kernel_log_option,
     node_hook_option,
@@ -56,8 +57,9 @@ from devinject.core.paths import (
 @click.option("--registry-dir", default="/var/lib/kubelet/plugins_registry", show_default=True,
               type=click.Path(file_okay=False), metavar="DIRECTORY",
               help="The kubelet's plugin registration directory.")
-@click.option("--cdi-dir", default=DYNAMIC_SPEC_DIR, show_default=True, type=click.Path(file_okay=False),
-              metavar="DIRECTORY", help="Where the claim-scoped CDI specs go.")
+@click.option("--output-dir", "cdi_dir", cls=RenamedOption, renamed_from=("--cdi-dir",), default=DYNAMIC_SPEC_DIR,
+              show_default=True, type=click.Path(file_okay=False), metavar="DIRECTORY",
+              help="Where the claim-scoped CDI specs go.")
 @click.option("--rescan", default=30.0, show_default=True, type=click.FloatRange(0.05, 3600),
               help="Seconds between rediscoveries (and slice updates; a health verdict is published at once).")
 @click.option("--health", "health_mode", type=click.Choice(["auto", "check", "follow"]), default="auto",

@@ -6,13 +6,14 @@ import click
 
 from devinject.commands.common import _check_roots
 from devinject.commands.group import cli, note
-from devinject.commands.options import root_option
+from devinject.commands.options import RenamedOption, root_option
 from devinject.core.errors import DevinjectError
 
 
 @cli.command("install-node-hook")
 @root_option
-@click.option("--dir", "directory", default="/opt/devinject/hook", show_default=True, metavar="DIRECTORY",
+@click.option("--output-dir", "directory", cls=RenamedOption, renamed_from=("--dir",), default="/opt/devinject/hook",
+              show_default=True, metavar="DIRECTORY",
               help="Where the bundle goes, as the host names it (its parent must be writable here).")
 @click.option("--check", is_flag=True, help="Install nothing: say whether the node hook there is ready (exit 1 "
                                             "and why when it is not).")

@@ -8,14 +8,15 @@ import click
 
 from devinject.commands.common import _node
 from devinject.commands.group import cli, note
-from devinject.commands.options import profile_dir_option, root_option
+from devinject.commands.options import RenamedOption, profile_dir_option, root_option
 from devinject.core.errors import DevinjectError, UsageError
 
 
 @cli.command()
 @root_option
 @profile_dir_option
-@click.option("--write", "directory", default=None, metavar="DIRECTORY",
+@click.option("--nfd-features-dir", "directory", cls=RenamedOption, renamed_from=("--write",), default=None,
+              metavar="DIRECTORY",
               help="Write the feature file into DIRECTORY (NFD's features.d) instead of printing it.")
 def labels(root: str, profile_dirs: tuple[str, ...], directory: str | None) -> None:
     """The node's labels for Node Feature Discovery's local source: per kind its count, product, driver
@@ -29,7 +30,7 @@ def labels(root: str, profile_dirs: tuple[str, ...], directory: str | None) -> N
         click.echo("\n".join(lines))
         return
     if not os.path.isdir(directory):
-        raise UsageError(f"--write {directory}: no such directory")
+        raise UsageError(f"--nfd-features-dir {directory}: no such directory")
     try:
         written = write_features(directory, lines)
     except OSError as err:

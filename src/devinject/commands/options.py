@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from devinject.core.paths import (
     DEFAULT_KERNEL_LOG,
     DEFAULT_STATE_DIR,
 )
+
+
+class RenamedOption(click.Option):
+    """An option that had another spelling: the old one (`renamed_from`) is still parsed, also as a --config
+    key, and is left out of --help and of click's error hints, so that one meaning has one spelling on every
+    command (docs/lifecycle.md, "Option names")."""
+
+    def __init__(self, *args: Any, renamed_from: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.renamed_from = renamed_from
+        self.opts = [*self.opts, *renamed_from]
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        every = self.opts
+        self.opts = [name for name in every if name not in self.renamed_from]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = every
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        return " / ".join(f"'{name}'" for name in self.opts if name not in self.renamed_from)
+
 
 bundles_option = click.option(
     "--bundles", "bundles", multiple=True, type=click.Choice(["gpu-nic"]),

@@ -30,7 +30,7 @@ def runtime() -> None:
 @click.option("--config-dir", default=None, metavar="DIRECTORY",
               help="CRI-O: the drop-in directory it reads (its --config-dir) [default: /etc/crio/crio.conf.d, "
                    "whatever --config says].")
-@click.option("--root", "host_root", default="/", show_default=True, metavar="DIRECTORY",
+@click.option("--host-root", "--root", "host_root", default="/", show_default=True, metavar="DIRECTORY",
               help="The host's / (the agent's /host): --config, --config-dir and the config's imports are "
                    "read and written under it, as the runtime names them.")
 @click.option("--dry-run", is_flag=True, help="Print the change as a diff; write nothing.")
