@@ -27,7 +27,7 @@ from devinject.core.paths import (
 
 if TYPE_CHECKING:
     from devinject.agent.watch import WatchOptions
-    from devinject.api import Node
+    from devinject.api import LiveNode
 
 
 def watch_options(command: Callable[..., None]) -> Callable[..., None]:
@@ -83,7 +83,7 @@ def _watch_options(root: str, output_dir: str, state_dir: str, fmt: str, interva
                    kinds: tuple[str, ...], uevents: bool, bundles: tuple[str, ...],
                    target_root: str | None, driver_root: str | None, node_hook: str | None = None,
                    profile_dirs: tuple[str, ...] = (), nfd_features_dir: str | None = None,
-                   nvml: bool | None = None) -> tuple[WatchOptions, Node]:
+                   nvml: bool | None = None) -> tuple[WatchOptions, LiveNode]:
     """The loop's options, and the node it watches (its roots checked once, here)."""
     from devinject.agent.watch import WatchOptions
     from devinject.linux.trusteddir import trusted_dir

@@ -11,7 +11,7 @@ import click
 from devinject.core.errors import DevinjectError, UsageError
 
 if TYPE_CHECKING:
-    from devinject.api import Node
+    from devinject.api import LiveNode
     from devinject.specs.hooks import HookCommand
 
 
@@ -69,16 +69,16 @@ def _bundle_command(node_hook: str | None, hook_path: str | None) -> HookCommand
 
 def _node(*, root: str = "/", target_root: str | None = None, profile_dirs: tuple[str, ...] = (),
           state_dir: str | None = None, kernel_log: str | None = None, nvml: bool | None = None,
-          driver_root: str | None = None) -> Node:
+          driver_root: str | None = None) -> LiveNode:
     """The node a command was pointed at (devinject.api), its roots checked once before it reads anything: a
     wrong one is one line naming it (discovery/roots.py). The kernel log may be missing only when it was not
     asked for."""
     from click.core import ParameterSource
 
-    from devinject.api import Node
+    from devinject.api import LiveNode
 
     source = click.get_current_context().get_parameter_source("kernel_log")
-    return Node(root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
+    return LiveNode(root, target_root=target_root, profile_dirs=profile_dirs, state_dir=state_dir,
                 kernel_log=kernel_log, kernel_log_explicit=source not in (None, ParameterSource.DEFAULT),
                 nvml=nvml, driver_root=driver_root)
 
@@ -94,7 +94,7 @@ def _missing_kinds(asked: tuple[str, ...], found: set[str]) -> tuple[str, ...]:
     return tuple(kind for kind in dict.fromkeys(asked) if kind not in found)
 
 
-def _check_kinds(node: Node, kinds: tuple[str, ...]) -> None:
+def _check_kinds(node: LiveNode, kinds: tuple[str, ...]) -> None:
     """`--kind` of a command whose rows are not the devices themselves (who, events, doctor): a kind the node
     has no device of is one line why, exit 1, as for `list`."""
     if kinds:
