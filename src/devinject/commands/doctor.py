@@ -11,6 +11,7 @@ from devinject.commands.common import _check_kubeconfig, _node
 from devinject.commands.group import cli, note
 from devinject.commands.options import (
     driver_root_option,
+    json_option,
     nvml_option,
     profile_dir_option,
     root_option,
@@ -46,7 +47,7 @@ from devinject.runtimes.names import RUNTIMES
 @click.option("--dra-metrics", default="127.0.0.1:9401", show_default=True, metavar="HOST:PORT",
               help="The DRA driver's /metrics, read for the publishes it counts as failed ('' not to; the "
                    "shipped DaemonSet serves it on the node's IP).")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 @nvml_option
 @driver_root_option
 def doctor(device: str | None, root: str, spec_dirs: tuple[str, ...], runtime_name: str | None,

@@ -9,17 +9,14 @@ import click
 
 from devinject.commands.common import _device_order, _missing_kinds, _node
 from devinject.commands.group import cli, note
-from devinject.commands.options import kernel_log_option, kind_option, profile_dir_option, root_option, state_dir_option
+from devinject.commands.options import (
+    inventory_options,
+)
 from devinject.core.errors import DevinjectError
 
 
 @cli.command()
-@root_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@kind_option
-@profile_dir_option
-@state_dir_option
-@kernel_log_option
+@inventory_options
 @click.option("--probe-timeout", default=2.0, show_default=True, type=click.FloatRange(0.1, 60),
               help="Seconds each device's probe may take before it counts as failed.")
 def health(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs: tuple[str, ...], state_dir: str,

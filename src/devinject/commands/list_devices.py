@@ -11,12 +11,8 @@ from devinject.commands.common import _device_order, _missing_kinds, _node
 from devinject.commands.group import cli, note
 from devinject.commands.options import (
     driver_root_option,
-    kernel_log_option,
-    kind_option,
+    inventory_options,
     nvml_option,
-    profile_dir_option,
-    root_option,
-    state_dir_option,
 )
 from devinject.core.errors import DevinjectError
 
@@ -32,12 +28,7 @@ def _sharing_cell(record: Any) -> str:
 
 
 @cli.command("list")
-@root_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@kind_option
-@profile_dir_option
-@state_dir_option
-@kernel_log_option
+@inventory_options
 @nvml_option
 @driver_root_option
 def list_devices(root: str, as_json: bool, kinds: tuple[str, ...], profile_dirs: tuple[str, ...], state_dir: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -89,3 +90,22 @@ kernel_log_option = click.option(
     "--kernel-log", default="auto", show_default=True, metavar="SOURCE",
     help="Where the kernel's messages (NVIDIA Xids) are read, under --root: auto, kmsg (/dev/kmsg), journal "
          f"(journalctl), a syslog FILE; auto: kmsg if it can be opened, else the journal, else {DEFAULT_KERNEL_LOG}.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def stacked(*options: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Several options as one decorator, listed by --help in the order given."""
+
+    def apply(command: Any) -> Any:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+# what the commands that read the node's devices and their state take, in --help's order
+inventory_options = stacked(root_option, json_option, kind_option, profile_dir_option, state_dir_option,
+                            kernel_log_option)  # list, health
+device_state_options = stacked(click.argument("device", required=False), root_option, state_dir_option,
+                               profile_dir_option, kind_option, json_option)  # events, who

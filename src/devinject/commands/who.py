@@ -9,16 +9,13 @@ import click
 
 from devinject.commands.common import _check_kinds, _node
 from devinject.commands.group import cli, note
-from devinject.commands.options import kind_option, profile_dir_option, root_option, state_dir_option
+from devinject.commands.options import (
+    device_state_options,
+)
 
 
 @cli.command()
-@click.argument("device", required=False)
-@root_option
-@state_dir_option
-@profile_dir_option
-@kind_option
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@device_state_options
 def who(device: str | None, root: str, state_dir: str, profile_dirs: tuple[str, ...], kinds: tuple[str, ...],
         as_json: bool) -> None:
     """Processes holding device nodes open (pid, command, container if known)."""
