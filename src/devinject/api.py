@@ -1,4 +1,4 @@
-"""The library's one way in: a `Node` made from the roots a command was pointed at (host root, target root,
+"""The library's one way in: a `LiveNode` made from the roots a command was pointed at (host root, target root,
 profile dirs, state dir, kernel log), checked once, its profiles loaded and its devices discovered once, that
 answers what the commands show: `devices()`, `channels()` (IMEX channels: char nodes, no PCI function),
 `topology()`, `health()`, `specs(options)`, `holders()`, `inventory()`, `events()`, `find()`,
@@ -6,8 +6,9 @@ answers what the commands show: `devices()`, `channels()` (IMEX channels: char n
 vocabulary of docs/json.md.
 
 Discovery's half of it is `devinject.discovery.node.Node` (what the layers below the agent take: discovery,
-nodestate, specs); this one adds what needs the layers above (health, specs, the ledger). It sits at the top
-beside the commands (docs/architecture.md), so that `cli.py` is parse, call, render.
+nodestate, specs: the devices found); `LiveNode` adds what needs the layers above, the node's live state
+(health, specs, the ledger). `Node` is the name it had, kept for scripts that import it: deprecated. It sits
+at the top beside the commands (docs/architecture.md), so that each command is parse, call, render.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
     from devinject.results import DeviceHealth, DeviceRecord, HeldNode
     from devinject.specs.generate import GenerateOptions
 
-class Node(discovery_node.Node):
-    """A node, as every command reads it: see discovery/node.py for the roots and their checks."""
+class LiveNode(discovery_node.Node):
+    """A node, as every command reads it: its devices (discovery/node.py: the roots and their checks) and
+    their live state."""
 
     def health(self, *, timeout: float = PROBE_TIMEOUT) -> list[DeviceHealth]:
         """Every device's verdict, bound to its driver or not (an unbound one by its key)."""
@@ -73,3 +75,6 @@ class Node(discovery_node.Node):
         from devinject.discovery.devchar import missing_links
 
         return missing_links(self)
+
+
+Node = LiveNode  # deprecated: the name LiveNode had (it read as discovery.node.Node, its base)

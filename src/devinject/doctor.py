@@ -43,7 +43,7 @@ from devinject.core.errors import DevinjectError, SpecError
 from devinject.core.paths import DEFAULT_SPEC_DIRS
 
 if TYPE_CHECKING:
-    from devinject.api import Node
+    from devinject.api import LiveNode
     from devinject.cdi.model import Device, Spec
     from devinject.discovery.discover import FoundDevice
     from devinject.discovery.nvml import GpuFacts
@@ -119,6 +119,24 @@ class _Broken(Exception):
 
 
 @dataclass
+class LinkFacts:
+    """What a link learnt that a later one reads, one typed field each (the link that sets it in a comment):
+    a link that reads one is checked after that link, also when it is checked alone (`check_link`: NEEDS)."""
+
+    spec_path: str | None = None  # spec: the file that names the device; runtime reads its directory
+
+    def spec_dir(self) -> str:
+        """The directory of the spec file that names the device (what the runtime link checks it reads)."""
+        if self.spec_path is None:
+            raise _Broken("needs the spec link's file: check the spec link first", None)
+        return os.path.dirname(self.spec_path)
+
+
+# link -> the links whose facts it reads (LinkFacts), checked before it when it is checked alone
+NEEDS = {"runtime": ("spec",)}
+
+
+@dataclass
 class _Subject:
     """One device as the doctor walks it: discovered, or a function of a known family discovery did not offer."""
 
@@ -127,10 +145,10 @@ class _Subject:
     pci: PciDevice
     found: FoundDevice | None
     names: tuple[str, ...] = ()
-    facts: dict[str, Any] = field(default_factory=dict)  # what a link learnt that a later one reads
+    facts: LinkFacts = field(default_factory=LinkFacts)
 
 
-def _subjects(node: Node) -> list[_Subject]:
+def _subjects(node: LiveNode) -> list[_Subject]:
     from devinject.agent.health import unbound_functions
     from devinject.discovery.discover import family_of
     from devinject.discovery.profiles import select_profile
@@ -183,22 +201,27 @@ def slice_api(kubeconfig: str | None, environ: dict[str, str] | None = None) -> 
     return kubeapi.ResourceApi(creds, timeout=API_TIMEOUT, budget=API_BUDGET)
 
 
-def check_link(node: Node, device: str, link: str, options: DoctorOptions = DoctorOptions()) -> Check:
+def check_link(node: LiveNode, device: str, link: str, options: DoctorOptions = DoctorOptions()) -> Check:
     """One link of the first device `device` names, checked whatever the links before it say (the walk stops
-    at the first broken one); a link that reads what an earlier one learnt (runtime: the spec's dir) reads
-    nothing of it here."""
+    at the first broken one). A link that reads what an earlier one learnt (runtime: the spec's dir) has
+    that link checked first (NEEDS); when it does not hold, the link says so: it needs it."""
     if link not in LINKS:
         raise DevinjectError(f"no link {link!r} (links: {', '.join(LINKS)})")
     subject = _select(node, device)[0]
-    check = getattr(_Context(node, options), link)
+    context = _Context(node, options)
     try:
-        detail, fix = check(subject)
+        for need in NEEDS.get(link, ()):
+            try:
+                getattr(context, need)(subject)
+            except _Broken as err:
+                raise _Broken(f"needs the {need} link, which does not hold: {err.detail}", err.fix) from None
+        detail, fix = getattr(context, link)(subject)
     except _Broken as err:
         return Check(link, False, err.detail, err.fix)
     return Check(link, True, detail, fix)
 
 
-def _select(node: Node, device: str | None) -> list[_Subject]:
+def _select(node: LiveNode, device: str | None) -> list[_Subject]:
     subjects = _subjects(node)
     if device is not None:
         from devinject.discovery.resolve import UnknownDevice, resolve
@@ -216,7 +239,7 @@ def _select(node: Node, device: str | None) -> list[_Subject]:
     return subjects
 
 
-def diagnose(node: Node, device: str | None = None, options: DoctorOptions = DoctorOptions()) -> list[Diagnosis]:
+def diagnose(node: LiveNode, device: str | None = None, options: DoctorOptions = DoctorOptions()) -> list[Diagnosis]:
     """The chain of every device of the node (or of those `device` names: an index or CDI name, a UUID, a key
     `kind=PCI address`, a PCI address), in kind then address order."""
     context = _Context(node, options)
@@ -226,7 +249,7 @@ def diagnose(node: Node, device: str | None = None, options: DoctorOptions = Doc
 class _Context:
     """What every device's walk shares: the node's inventory, health, generated specs and spec files, read once."""
 
-    def __init__(self, node: Node, options: DoctorOptions) -> None:
+    def __init__(self, node: LiveNode, options: DoctorOptions) -> None:
         self.node = node
         self.options = options
         self._specs: dict[str, Spec] | None = None
@@ -378,7 +401,7 @@ class _Context:
         last_dir = os.path.dirname(named[-1][0])  # the last directory wins, as CDI reads them
         named = [n for n in named if os.path.dirname(n[0]) == last_dir]
         path, device = min(named, key=lambda n: s.names.index(f"{s.profile.kind}={n[1].name}"))
-        s.facts["spec_path"] = path
+        s.facts.spec_path = path
         now = self._generated().get(s.profile.kind)
         fresh = next((d for d in now.devices if d.name == device.name), None) if now is not None else None
         if fresh is not None:
@@ -407,10 +430,10 @@ class _Context:
 
         status = runtime_status(self.node.root, self.options.runtime, hooks_dir=self.options.hooks_dir,
                                 version=self.options.runtime_version)
-        spec_dir = os.path.dirname(s.facts.get("spec_path", "")) or None
+        spec_dir = s.facts.spec_dir()
         if not status.applies:
             raise _Broken(status.detail, self._configure_fix(status, (), spec_dir) or status.fix)
-        if spec_dir is not None and status.spec_dirs is not None and not any(
+        if status.spec_dirs is not None and not any(
                 os.path.realpath(spec_dir) == os.path.realpath(d) for d in status.spec_dirs):
             fix = (status.spec_dir_fix.replace("{spec_dir}", spec_dir) if status.spec_dir_fix else
                    self._configure_fix(status, status.spec_dirs, spec_dir)

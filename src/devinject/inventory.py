@@ -132,13 +132,8 @@ def _pairs(node: Node) -> dict[str, list[tuple[str, str]]]:
     """device key -> the devices it is paired with for `--bundles gpu-nic` (a GPU: its NIC; a NIC: its GPUs),
     each as (CDI name, relation)."""
     topo = node.topology()
-    paired: dict[str, list[tuple[str, str]]] = {}
-    for pair in topo.pairs():
-        for one, other in ((pair.gpu, pair.nic), (pair.nic, pair.gpu)):
-            device = topo.devices[one]
-            paired.setdefault(device_key(device.profile.kind, device.address), []).append(
-                (topo.name(other), pair.relation))
-    return paired
+    return {device_key(topo.devices[i].profile.kind, topo.devices[i].address): found
+            for i, found in topo.paired_with().items()}
 
 
 def _command(pid: int) -> str:

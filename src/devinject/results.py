@@ -1,4 +1,4 @@
-"""The records the library answers with (`devinject.api.Node`'s `health()`, `inventory()`, `holders()`,
+"""The records the library answers with (`devinject.api.LiveNode`'s `health()`, `inventory()`, `holders()`,
 `events()`), in one module as psutil keeps its result types: each with its `to_json()`, the one vocabulary of
 docs/json.md (`name`, `kind`, `pci_address`, `numa_node`, `health`, `reasons`, `holders`). A device that is a char
 node and no PCI function (an IMEX channel: Node.channels) has `pci_address` null. inventory.py computes them."""

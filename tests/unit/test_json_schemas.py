@@ -181,3 +181,19 @@ def test_the_list_schema_ties_a_null_pci_address_to_a_device_without_pci_fields(
     for wrong in ({**channel, "functions": [gpu["pci_address"]]}, {**channel, "pci_id": gpu["pci_id"]},
                   {**channel, "numa_node": 0}, {**gpu, "functions": []}, {**gpu, "pci_id": None}):
         assert not validator.is_valid([wrong]), wrong
+
+
+def test_list_and_topo_name_a_devices_pairs_alike(every_output: dict[str, dict[str, Any]]) -> None:
+    """One vocabulary for GPU-NIC pairs: `topo --json`'s devices and `list --json`'s rows both say
+    `paired_with: [{name, relation}]`, and the same pairs (topo said only `gpu_name`/`nic_name`, now deprecated)."""
+    compared = 0
+    for host, out in sorted(every_output.items()):
+        listed = {row["name"]: row["paired_with"] for row in out["list"]}
+        for device in out["topo"]["devices"].values():
+            assert device["paired_with"] == listed[device["name"]], (host, device["name"])
+            compared += bool(device["paired_with"])
+        for pair in out["topo"]["pairs"]:  # the deprecated keys still say the same names
+            devices = out["topo"]["devices"]
+            assert (pair["gpu_name"], pair["nic_name"]) == (devices[pair["gpu"]]["name"], devices[pair["nic"]]["name"])
+            assert {"name": pair["nic_name"], "relation": pair["relation"]} in devices[pair["gpu"]]["paired_with"]
+    assert compared >= 16  # hgx-h100 alone: 8 GPUs and 8 NICs, each paired

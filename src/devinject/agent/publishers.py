@@ -49,8 +49,9 @@ class Round(Protocol):
     def unhealthy(self) -> frozenset[str]: ...  # the keys of the devices taken out
 
 
-class Publisher(Protocol):
-    """Told after every round that changed what is published (and after the first)."""
+class RoundPublisher(Protocol):
+    """Told after every round that changed what is published (and after the first): spec files, health file,
+    NFD labels (not dra/driver.py's SliceApi, the API server the DRA driver publishes slices to)."""
 
     def __call__(self, result: Round, /) -> None: ...
 
@@ -133,10 +134,10 @@ class NfdFeatures:
 
 
 def default_publishers(generate: GenerateOptions, output_dir: Path | None, fmt: str, health: HealthFile,
-                       nfd_features_dir: str | None) -> list[Publisher]:
+                       nfd_features_dir: str | None) -> list[RoundPublisher]:
     """The node's files, in order: the specs in `output_dir` (none: the loop writes no spec, the DRA
     driver's), `health`, NFD's feature file when asked for."""
-    publishers: list[Publisher] = [SpecFiles(generate, output_dir, fmt)] if output_dir is not None else []
+    publishers: list[RoundPublisher] = [SpecFiles(generate, output_dir, fmt)] if output_dir is not None else []
     publishers.append(health)
     if nfd_features_dir:
         publishers.append(NfdFeatures(nfd_features_dir))

@@ -30,7 +30,7 @@ from devinject.agent.channels import channel_verdicts
 from devinject.agent.health import AerBaseline, HealthChecker, Verdict, unbound_functions, unbound_verdict
 from devinject.agent.healthtracker import DeviceTrack, HealthTracker
 from devinject.agent.kernelmsg import AUTO, describe
-from devinject.agent.publishers import HealthFile, Publisher, SpecFiles, default_publishers
+from devinject.agent.publishers import HealthFile, RoundPublisher, SpecFiles, default_publishers
 from devinject.cdi.identity import device_key
 from devinject.cdi.model import Spec
 from devinject.core.errors import LedgerError
@@ -117,7 +117,7 @@ class Watcher:
                                      baseline=baseline)
         self.tracker = HealthTracker(opts.state_dir, opts.threshold, self.profiles, self.checker, baseline)
         self.health_file = HealthFile(opts.state_dir)
-        self.publishers: list[Publisher] = default_publishers(
+        self.publishers: list[RoundPublisher] = default_publishers(
             opts.generate, opts.output_dir if opts.specs else None, opts.fmt, self.health_file, opts.nfd_features_dir)
         self.rescan_requested = threading.Event()
         self.wake = threading.Event()  # set by the uevent and kernel-log threads: something to look at now

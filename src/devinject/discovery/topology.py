@@ -85,17 +85,30 @@ class Topology:
         return f"{device.profile.kind}={device.index}"
 
     def to_json(self) -> dict[str, object]:
-        """docs/json.md (`topo`): `devices` ties each matrix label to its CDI name and PCI address."""
+        """docs/json.md (`topo`): `devices` ties each matrix label to its CDI name and PCI address, and names
+        the devices it is paired with as `list --json` does (`paired_with`); `pairs` by label (`gpu_name` and
+        `nic_name` are deprecated: the same names, under `devices`)."""
         pairs = self.pairs()
+        paired = self.paired_with(pairs)
         return {
             "devices": {label: {"name": self.name(i), "kind": d.profile.kind, "pci_address": p.address,
-                                "numa_node": p.numa, "cpus": p.cpus, "path": list(p.path)}
+                                "numa_node": p.numa, "cpus": p.cpus, "path": list(p.path),
+                                "paired_with": [{"name": name, "relation": rel} for name, rel in paired.get(i, ())]}
                         for i, (label, d, p) in enumerate(zip(self.labels, self.devices, self.places, strict=True))},
             "matrix": {a: {b: self.relation(i, j) for j, b in enumerate(self.labels)}
                        for i, a in enumerate(self.labels)},
             "pairs": [{"gpu": self.labels[pair.gpu], "nic": self.labels[pair.nic], "gpu_name": self.name(pair.gpu),
                        "nic_name": self.name(pair.nic), "relation": pair.relation} for pair in pairs],
         }
+
+    def paired_with(self, pairs: list[Pair] | None = None) -> dict[int, list[tuple[str, str]]]:
+        """Index into `devices` -> the devices it is paired with (a GPU: its NIC; a NIC: its GPUs), each as
+        (CDI name, relation): what `topo --json` and `list --json` both call `paired_with`."""
+        paired: dict[int, list[tuple[str, str]]] = {}
+        for pair in self.pairs() if pairs is None else pairs:
+            for one, other in ((pair.gpu, pair.nic), (pair.nic, pair.gpu)):
+                paired.setdefault(one, []).append((self.name(other), pair.relation))
+        return paired
 
     def pairs(self) -> list[Pair]:
         """Each GPU with its closest RDMA NIC: see `pair_gpus_with_nics`."""

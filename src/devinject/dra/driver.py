@@ -75,7 +75,10 @@ HELD_CAUSE = "held-by-device-plugin"  # the taint on a device the plugin holds t
 TAKEN_OUT = "taken out by the node's health checks"  # a device health.json names by its nodes alone
 
 
-class Publisher(Protocol):
+class SliceApi(Protocol):
+    """The API server as the driver uses it: publishes the node's ResourceSlices, reads a claim (not
+    agent/publishers.py's RoundPublisher, which is told each rescan's result)."""
+
     def publish(self, desired: list[dict[str, Any]]) -> dict[str, int]: ...
     def get_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
 
@@ -270,7 +273,7 @@ def contest_stands(claim: dict[str, Any] | None, uid: str, driver: str, contest:
 
 
 class DraDriver:
-    def __init__(self, opts: DraOptions, publisher: Publisher,
+    def __init__(self, opts: DraOptions, publisher: SliceApi,
                  get_claim: Callable[[str, str], dict[str, Any]] | None = None, node: Node | None = None) -> None:
         if opts.health not in HEALTH_MODES:
             raise DevinjectError(f"health {opts.health!r}: expected one of {', '.join(HEALTH_MODES)}")

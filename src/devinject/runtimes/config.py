@@ -37,6 +37,7 @@ from typing import Any
 
 from devinject.core.errors import ConfigError
 from devinject.core.paths import DEFAULT_SPEC_DIRS
+from devinject.runtimes.names import CONFIGURABLE
 
 # the plan's types and the version helpers live in plan.py (docker.py shares them); named here as before
 from devinject.runtimes.plan import CRIO_CONFIG_DIR as CRIO_CONFIG_DIR
@@ -50,8 +51,6 @@ from devinject.runtimes.plan import major_minor
 
 _major_minor = major_minor
 
-RUNTIMES = ("containerd", "crio", "docker", "podman", "runc")
-CONFIGURABLE = ("containerd", "crio", "docker", "podman")
 DROP_IN = "99-devinject"
 MARK = "# devinject runtime configure"
 CRI_17 = "io.containerd.grpc.v1.cri"

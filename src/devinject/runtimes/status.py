@@ -23,6 +23,7 @@ from devinject.runtimes.config import (
     read_containerd,
     toml_layers,
 )
+from devinject.runtimes.names import CONFIGURABLE
 
 HOOKS_DIR = "/etc/containers/oci/hooks.d"  # install/hooksd.py's default: the hooks.d files install-hook writes
 HOOK_FILE = "10-devinject.json"
@@ -61,7 +62,7 @@ def runtime_status(root: str, runtime: str | None = None, *, hooks_dir: str | No
     if not names:
         return RuntimeStatus("none", False, f"no container runtime's configuration under {root} "
                              f"({', '.join(DEFAULT_CONFIG.values())})", "give --runtime, or "
-                             "devinject runtime configure --runtime containerd|crio|docker|podman")
+                             f"devinject runtime configure --runtime {'|'.join(CONFIGURABLE)}")
     return _status(root, names[0], hooks_dir or HOOKS_DIR, version)
 
 

@@ -1,0 +1,79 @@
+"""One spelling per meaning (docs/lifecycle.md, "Option names"): the directory options of every command are
+named from one list, and the spellings they replaced still work, out of --help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from devinject.agent.nfd import FEATURE_FILE
+from devinject.cli import cli
+from tests.conftest import HOSTS
+
+# (command, its name now, the spelling it replaced, the parameter both fill)
+RENAMED = [("dra-driver", "--output-dir", "--cdi-dir", "cdi_dir"),
+           ("install-node-hook", "--output-dir", "--dir", "directory"),
+           ("labels", "--nfd-features-dir", "--write", "directory")]
+# every directory an option names, by meaning: where a command makes its product, then the directories other
+# programs read, named as they name them, then devinject's own state and profiles and the roots
+DIRECTORY_OPTIONS = {"--output-dir", "--spec-dir", "--hooks-dir", "--unit-dir", "--plugin-dir", "--registry-dir",
+                     "--nfd-features-dir", "--config-dir", "--state-dir", "--profile-dir", "--host-root",
+                     "--target-root", "--driver-root", "--node-hook"}
+
+
+def _commands(group: click.Group = cli, prefix: str = "") -> dict[str, click.Command]:
+    found: dict[str, click.Command] = {}
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found.update(_commands(command, f"{prefix}{name} "))
+        else:
+            found[prefix + name] = command
+    return found
+
+
+def _shown(command: click.Command, ctx: click.Context) -> list[str]:
+    """The option names --help shows."""
+    return [name for p in command.params if (record := p.get_help_record(ctx))
+            for name in record[0].split(" ")[0].replace("/", ",").split(",") if name.startswith("--")]
+
+
+@pytest.mark.parametrize(("command", "new", "old", "param"), RENAMED)
+def test_the_new_spelling_and_the_old_one_set_the_same_option(command: str, new: str, old: str, param: str,
+                                                              tmp_path: Path) -> None:
+    parse = cli.commands[command]
+    for spelling in (new, old):
+        params = parse.make_context(command, [spelling, str(tmp_path)], default_map={"node_name": "n"}).params
+        assert params[param] == str(tmp_path), spelling
+    shown = CliRunner().invoke(cli, [command, "--help"]).output
+    assert f"{new} DIRECTORY" in shown and f"{old} " not in shown and f"{old}," not in shown
+
+
+def test_labels_writes_its_file_under_either_spelling(tmp_path: Path) -> None:
+    for spelling in ("--nfd-features-dir", "--write"):
+        target = tmp_path / spelling.strip("-")
+        target.mkdir()
+        done = CliRunner().invoke(cli, ["labels", "--root", str(HOSTS / "gaudi2"), spelling, str(target)])
+        assert done.exit_code == 0 and (target / FEATURE_FILE).is_file(), done.output
+    done = CliRunner().invoke(cli, ["labels", "--root", str(HOSTS / "gaudi2"), "--write", str(tmp_path / "no")])
+    assert done.exit_code == 2 and "--nfd-features-dir" in done.output and "no such directory" in done.output
+
+
+def test_every_directory_option_has_its_meanings_one_name() -> None:
+    """A DIRECTORY option of any command is spelled from DIRECTORY_OPTIONS (a new meaning: add its name here and
+    to docs/lifecycle.md); --output-dir, --dir and --cdi-dir were three spellings of where a command writes."""
+    odd = {}
+    for name, command in _commands().items():
+        ctx = click.Context(command, info_name=name)
+        directories = [p for p in command.params if isinstance(p, click.Option) and p.metavar == "DIRECTORY"]
+        shown = set(_shown(command, ctx))
+        for option in directories:
+            names = [n for n in option.opts if n.startswith("--") and n in shown]
+            if not set(names) <= DIRECTORY_OPTIONS or not names:
+                odd[f"{name} {option.name}"] = names
+    assert not odd, odd
+    shown_anywhere = {n for name, c in _commands().items() for n in _shown(c, click.Context(c, info_name=name))}
+    assert {"--output-dir", "--spec-dir", "--nfd-features-dir"} <= shown_anywhere
+    assert not {"--dir", "--cdi-dir", "--write"} & shown_anywhere
