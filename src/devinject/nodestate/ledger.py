@@ -31,7 +31,7 @@ from devinject.nodestate.statefile import StateFileError, UnreadableStateFile, p
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
+    from collections.abc import Callable, Collection, Iterable, Mapping
     from typing import Any, NamedTuple
 
     from devinject.cdi.identity import NodeId, QualifiedName
@@ -336,8 +336,7 @@ class Ledger:
         out: dict[str, LedgerEntry] = {}
         now = time.time()
         for cid, booked in missing.items():
-            exclusive, shared = split_claims(tuple(Claim(name, tuple(nodes), tuple(shared_nodes))  # type: ignore[arg-type]
-                                                   for name, nodes, shared_nodes in booked), policy)
+            exclusive, shared = split_claims(booked, policy)
             out[cid] = LedgerEntry(tuple(b[0] for b in booked), tuple(sorted(exclusive)), tuple(sorted(shared)),
                                    NODE_PID, started, "active", now, own_pid_ns, pods=tuple(sorted(set(pods[cid]))))
             if shares.get(cid):  # consumable-capacity shares: shared, their amounts counted again
@@ -617,18 +616,19 @@ class Ledger:
             return {"allocations": allocations_json(allocations)}
 
 
-def split_claims(claims: tuple[Claim, ...], policy: Mapping[str, str]) -> tuple[set[str], set[str]]:
-    """The nodes `claims` hold (exclusive, shared) as their kinds' sharing `policy` says: a shared kind's
-    every node shared; an exclusive claim's own nodes exclusive but those it names shared (a MIG parent GPU
-    that others may hold too)."""
+def split_claims(claims: Iterable[tuple[str, Collection[str], Collection[str]]],
+                 policy: Mapping[str, str]) -> tuple[set[str], set[str]]:
+    """The nodes `claims` (Claims, or a DRA checkpoint's [name, nodes, shared]) hold, (exclusive, shared), as
+    their kinds' sharing `policy` says: a shared kind's every node shared; an exclusive claim's own nodes
+    exclusive but those it names shared (a MIG parent GPU that others may hold too)."""
     exclusive: set[str] = set()
     shared: set[str] = set()
-    for claim in claims:
-        if policy.get(claim.name.partition("=")[0], "exclusive") == "shared":
-            shared.update(str(n) for n in claim.nodes)
+    for name, nodes, shared_nodes in claims:
+        if policy.get(name.partition("=")[0], "exclusive") == "shared":
+            shared.update(nodes)
         else:
-            shared.update(str(n) for n in claim.shared)
-            exclusive.update(str(n) for n in claim.nodes if n not in claim.shared)
+            shared.update(shared_nodes)
+            exclusive.update(n for n in nodes if n not in shared_nodes)
     return exclusive, shared
 
 
