@@ -581,15 +581,12 @@ class _Context:
         if s.found is None or not self.node.state_dir:
             return None
         from devinject.cdi.identity import node_id_of
-        from devinject.nodestate.ledger import Ledger, describe, is_plugin
+        from devinject.nodestate.clashrule import describe
+        from devinject.nodestate.ledger import Ledger, is_plugin
 
-        data = Ledger(self.node.state_dir).read()
-        if not data:
-            return None
-        mine = {node_id_of(n) for n in s.found.nodes if n.major is not None and n.minor is not None}
-        for booking, entry in data.get("allocations", {}).items():
-            if isinstance(entry, dict) and is_plugin(entry) and \
-                    mine & (set(entry.get("exclusive", ())) | set(entry.get("shared", ()))):
+        mine: set[str] = {node_id_of(n) for n in s.found.nodes if n.major is not None and n.minor is not None}
+        for booking, entry in (Ledger(self.node.state_dir).read() or {}).items():
+            if is_plugin(entry) and entry.holds(mine):
                 return describe(booking, entry)
         return None
 

@@ -99,7 +99,7 @@ def test_the_plugins_bookings_are_kept_beside_the_ledger_for_a_rebuild(tmp_path:
     ledger = Ledger(str(tmp_path))
     ledger.book_plugin(RESOURCE, {"0000:18:00.0": gpu(0)}, policy=POLICY)
     ledger.plugin_update({"device-plugin:nvidia.com/gpu:0000:18:00.0": [POD]})
-    assert list(claim_bookings({"allocations": bookings(tmp_path)})) == ["device-plugin:nvidia.com/gpu:0000:18:00.0"]
+    assert list(claim_bookings(ledger.read() or {})) == ["device-plugin:nvidia.com/gpu:0000:18:00.0"]
     (tmp_path / "ledger.json").write_text("{broken")
     with pytest.raises(LedgerError, match="held by the device plugin"):
         Ledger(str(tmp_path)).book(CLAIM, 1, (gpu(0),), POLICY, for_pods=(OTHER,))

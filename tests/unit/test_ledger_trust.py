@@ -150,19 +150,19 @@ def test_events_file_is_rotated_not_grown_forever(tmp_path: Path, monkeypatch: p
 
 def test_the_lock_is_released_whatever_fails_after_it_is_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) \
         -> None:
-    """A failure between taking the lock and handing the contents over (here the snapshot of what was read)
+    """A failure between taking the lock and handing the contents over (here the check of what was read)
     released nothing: a long-lived agent then held the node's ledger lock and every hook timed out."""
     from devinject.nodestate import ledger as ledger_module
 
     Ledger(str(tmp_path)).book("c1", os.getpid(), claim("c 195:0"), POLICY)
-    real = ledger_module.jsonlite.dumps
+    real = ledger_module.ledger_problem
 
-    def failing(obj: object, *, sort_keys: bool = False) -> str:
-        raise ValueError("the snapshot failed")
+    def failing(data: object) -> str | None:
+        raise ValueError("the check failed")
 
-    monkeypatch.setattr(ledger_module.jsonlite, "dumps", failing)
-    with pytest.raises(ValueError, match="the snapshot failed"), Ledger(str(tmp_path)).locked():
+    monkeypatch.setattr(ledger_module, "ledger_problem", failing)
+    with pytest.raises(ValueError, match="the check failed"), Ledger(str(tmp_path)).locked():
         pass
-    monkeypatch.setattr(ledger_module.jsonlite, "dumps", real)
+    monkeypatch.setattr(ledger_module, "ledger_problem", real)
     taker = subprocess.run(["flock", "--nonblock", str(tmp_path / "ledger.lock"), "true"], timeout=10)
     assert taker.returncode == 0, "the ledger lock is still held"

@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from devinject.nodestate.ledger import Claim, Ledger
+from devinject.nodestate.ledger import Claim, Ledger, LedgerEntry
 from devinject.nodestate.pluginrelease import GonePodReleaser, plugin_verdicts
 
 POD_A = "6f1c2d3e-0000-4000-8000-00000000000a"
@@ -16,9 +16,8 @@ POD_B = "6f1c2d3e-0000-4000-8000-00000000000b"
 GPU = "nvidia.com/gpu"
 
 
-def booking(pods: list[str], at: float) -> dict[str, object]:
-    return {"pid": 1, "start": 0, "devices": [f"{GPU}=0"], "exclusive": ["c 195:0"], "plugin": GPU, "pods": pods,
-            "time": at}
+def booking(pods: list[str], at: float) -> LedgerEntry:
+    return LedgerEntry((f"{GPU}=0",), ("c 195:0",), (), 1, 0, time=at, plugin=GPU, pods=tuple(pods))
 
 
 def test_the_rule_for_each_booking() -> None:
@@ -28,7 +27,7 @@ def test_the_rule_for_each_booking() -> None:
         f"device-plugin:{GPU}:0000:2a:00.0": booking([POD_B], now - 500),  # its pod there
         f"device-plugin:{GPU}:0000:3a:00.0": booking([], now - 31),  # no pod took it within the grace
         f"device-plugin:{GPU}:0000:5d:00.0": booking([], now - 5),  # no pod yet, within the grace
-        "container-1": {"pid": 42, "devices": [f"{GPU}=1"], "exclusive": ["c 195:1"]},  # the hook's: not ours
+        "container-1": LedgerEntry((f"{GPU}=1",), ("c 195:1",), (), 42, 0),  # the hook's: not ours
     }
     learned, released = plugin_verdicts(allocations, None, {POD_B}, now)  # the DRA driver's view: no checkpoint
     assert learned == {}

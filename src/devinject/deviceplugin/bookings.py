@@ -19,22 +19,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Mapping
 
 from devinject.cdi.identity import path_identity
 from devinject.core import jsonlite
 from devinject.core.errors import LedgerError
 from devinject.deviceplugin.allocation import AllocationError, PluginDevice
+from devinject.nodestate.clashrule import clashes
 from devinject.nodestate.ledger import (
     LEDGER_FILE,
     Claim,
     ForeignLedgerError,
     Ledger,
-    clashes,
     held_nodes,
     is_claim,
     plugin_booking_id,
 )
+from devinject.nodestate.ledgerrecords import LedgerEntry
 from devinject.nodestate.pluginrelease import UNKNOWN_POD_GRACE, plugin_verdicts, pods_present
 
 log = logging.getLogger(__name__)
@@ -98,20 +99,20 @@ def device_claim(device: PluginDevice) -> Claim:
     return Claim(device.cdi_name, device.nodes, device.shared)  # type: ignore[arg-type]
 
 
-def held_by_claims(data: dict[str, Any], devices: dict[str, PluginDevice]) -> dict[str, str]:
-    """Device ID -> why it is not offered: a DRA claim holds one of its nodes."""
-    allocations: dict[str, dict[str, Any]] = data.get("allocations", {})
+def held_by_claims(allocations: Mapping[str, LedgerEntry], devices: dict[str, PluginDevice]) -> dict[str, str]:
+    """Device ID -> why it is not offered: a DRA claim (among the ledger's `allocations`) holds one of its
+    nodes."""
     claims = {cid: e for cid, e in allocations.items() if is_claim(e)}
     if not claims:
         return {}
     held: dict[str, str] = {}
-    everything = held_nodes(data, is_claim)
+    everything = held_nodes(claims, is_claim)
     for device_id, device in devices.items():
         exclusive = set(device.nodes) - set(device.shared)
         if not clashes(exclusive, device.shared, everything):
             continue
         for cid, entry in claims.items():
-            one = (set(entry["exclusive"]), set(entry.get("shared", [])))
+            one = (set(entry.exclusive), set(entry.shared))
             if clashes(exclusive, device.shared, one):
                 held[device_id] = f"held by DRA claim {cid}"
                 break
@@ -156,7 +157,8 @@ class PluginBookings:
         except LedgerError as err:
             raise AllocationError(err.message) from None
 
-    def read(self) -> dict[str, Any] | None:
+    def read(self) -> dict[str, LedgerEntry] | None:
+        """The ledger's bookings (Ledger.read)."""
         return self.ledger.read()
 
     def beside_dra(self) -> bool:
@@ -184,8 +186,7 @@ class PluginBookings:
         """Learn the pods of the plugin's bookings, release those whose pods are gone, book again what the
         kubelet's checkpoint gives a pod that exists and the ledger lacks (a restart, a rebuilt ledger).
         `served`: resource -> its devices now."""
-        data = self.ledger.read()
-        allocations: dict[str, dict[str, Any]] = data.get("allocations", {}) if data is not None else {}
+        allocations = self.ledger.read() or {}
         given = read_checkpoint(self.checkpoint_path)
         present = pods_present(self.pods_dir)
         if present is None:

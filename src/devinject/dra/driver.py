@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -63,8 +63,9 @@ from devinject.dra.slices import (
     shareable,
 )
 from devinject.nodestate import healthverdicts
+from devinject.nodestate.clashrule import clashes, describe
 from devinject.nodestate.healthverdicts import HEALTH_FILE
-from devinject.nodestate.ledger import LEDGER_FILE, Ledger, clashes, describe, held_nodes, is_plugin
+from devinject.nodestate.ledger import LEDGER_FILE, Ledger, LedgerEntry, held_nodes, is_plugin
 from devinject.nodestate.statefile import StateFileError
 from devinject.specs.generate import GenerateOptions, driver_version
 
@@ -206,22 +207,22 @@ class PluginHolding:
     who: str
 
 
-def plugin_held(data: dict[str, Any], offered: list[Offer],
+def plugin_held(allocations: Mapping[str, LedgerEntry], offered: list[Offer],
                 policy: dict[str, str]) -> dict[tuple[str, str], PluginHolding]:
     """(pool, device) -> who holds it through the device plugin: the offers a claim could not be prepared on
     now, left out of the slices so that the scheduler places claims elsewhere."""
-    held = held_nodes(data, is_plugin)
+    held = held_nodes(allocations, is_plugin)
     if not held[0] and not held[1]:
         return {}
-    plugin = {cid: e for cid, e in data.get("allocations", {}).items() if is_plugin(e)}
+    plugin = {cid: e for cid, e in allocations.items() if is_plugin(e)}
     out: dict[tuple[str, str], PluginHolding] = {}
     for offer in offered:
         exclusive, shared = offer_holding(offer, policy)
         if not clashes(exclusive, shared, held):
             continue
         for cid, entry in plugin.items():
-            if clashes(exclusive, shared, (set(entry["exclusive"]), set(entry.get("shared", [])))):
-                out[(offer.pool, offer.name)] = PluginHolding(str(entry["plugin"]), describe(cid, entry))
+            if clashes(exclusive, shared, (set(entry.exclusive), set(entry.shared))):
+                out[(offer.pool, offer.name)] = PluginHolding(str(entry.plugin), describe(cid, entry))
                 break
     return out
 

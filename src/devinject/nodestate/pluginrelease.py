@@ -16,12 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 from devinject.cdi.identity import path_identity
 from devinject.core.errors import LedgerError
-from devinject.nodestate.ledger import LEDGER_FILE, Ledger, is_plugin, plugin_device_id
+from devinject.nodestate.clashrule import plugin_device_id
+from devinject.nodestate.ledger import LEDGER_FILE, Ledger, is_plugin
+from devinject.nodestate.ledgerrecords import LedgerEntry
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def pods_present(pods_dir: str) -> set[str] | None:
         return None
 
 
-def plugin_verdicts(allocations: dict[str, dict[str, Any]], given: dict[tuple[str, str], set[str]] | None,
+def plugin_verdicts(allocations: Mapping[str, LedgerEntry], given: dict[tuple[str, str], set[str]] | None,
                     present: set[str] | None, now: float,
                     grace: float = UNKNOWN_POD_GRACE) -> tuple[dict[str, list[str]], list[str]]:
     """For the device plugin's bookings among `allocations`: the pods each was given to that are still there
@@ -48,10 +49,10 @@ def plugin_verdicts(allocations: dict[str, dict[str, Any]], given: dict[tuple[st
     for booking_id, entry in allocations.items():
         if not is_plugin(entry):
             continue
-        resource, device_id = str(entry["plugin"]), plugin_device_id(booking_id)
+        resource, device_id = str(entry.plugin), plugin_device_id(booking_id)
         named = given.get((resource, device_id), set()) if given is not None else set()
         alive = named & present if present is not None else named
-        known: list[str] = list(entry.get("pods") or [])
+        known = list(entry.pods or ())
         if alive:
             if sorted(alive) != known:
                 learned[booking_id] = sorted(alive)
@@ -59,7 +60,7 @@ def plugin_verdicts(allocations: dict[str, dict[str, Any]], given: dict[tuple[st
             released.append(booking_id)  # its pod is gone
         elif known and present is None and given is not None and not named:
             released.append(booking_id)  # the kubelet forgot it
-        elif not known and now - float(entry.get("time", 0)) > grace:
+        elif not known and now - entry.time > grace:
             released.append(booking_id)  # no pod took it: the admission failed after Allocate
     return learned, released
 
@@ -89,8 +90,7 @@ class GonePodReleaser:
         if signature == self.seen and now - self.last < self.every:
             return []
         self.seen, self.last = signature, now
-        data = self.ledger.read()
-        allocations = data.get("allocations", {}) if data is not None else {}
+        allocations = self.ledger.read() or {}
         if not any(is_plugin(entry) for entry in allocations.values()):
             return []
         present = pods_present(self.pods_dir)
