@@ -28,8 +28,11 @@ from devinject.core.errors import UsageError
 @click.option("--metrics-address", default="127.0.0.1:9400", show_default=True, metavar="HOST:PORT",
               help="HOST:PORT for /metrics, /healthz and /readyz (the DaemonSet: the node's address; "
                    "'' to turn them off).")
+@click.option("--mig-strategy", type=click.Choice(["single", "mixed"]), default="single", show_default=True,
+              help="single: MIG devices offered as their GPU's kind (nvidia.com/gpu); mixed: as one resource per "
+                   "MIG profile, nvidia.com/mig-<profile> (profiles from NVML; docs/sharing.md).")
 def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: str, metrics_address: str,
-                  **options: Any) -> None:
+                  mig_strategy: str, **options: Any) -> None:
     """Kubernetes node agent: a kubelet device plugin per kind, with watch's health loop and specs."""
     from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
 
@@ -45,7 +48,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 
     sharing = click.get_current_context().meta.get("devinject.sharing", SharingConfig())
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
-                         metrics_address=metrics_address or None, sharing=sharing)
+                         metrics_address=metrics_address or None, sharing=sharing, mig_strategy=mig_strategy)
     stop = _stop_on_signals()
     DevicePluginAgent(opts, node=node).run(stop)
     stop.exit()
