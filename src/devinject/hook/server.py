@@ -50,7 +50,7 @@ log = logging.getLogger("devinject.hook-server")
 PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.request", "devinject.hook.registry",
            "devinject.hook.plan", "devinject.hook.nsenter", "devinject.hook.executor", "devinject.hook.cgroup",
            "devinject.hook.bpf", "devinject.nodestate.ledger", "devinject.nodestate.profilefacts",
-           "devinject.nodestate.evidence")
+           "devinject.nodestate.evidence", "devinject.core.asciitext")
 RECEIVE_TIMEOUT = 5.0
 SPARES = 3  # workers waiting for a request: container starts come in bursts, and a poststop takes one too
 REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one
@@ -282,8 +282,8 @@ def _serve_requests(server: socket.socket, taken_w: int, own: Namespaces, *,
     one, the pid negated when it is back waiting). It comes back only from a request that left nothing behind:
     a probe, a refusal, or a cdi-hook that succeeded and after which `Home.restore` put its mount namespace,
     root, working directory, umask, standard streams, signals and file descriptors back as they were and
-    checked them so; it exits after an OCI `hook` (the in-process hook's full run), after any request that
-    failed, and after MAX_REQUESTS."""
+    checked them so (and it imported no module); it exits after an OCI `hook` (the in-process hook's full
+    run), after any request that failed, and after MAX_REQUESTS."""
     home = Home()
     me = os.getpid()
 
@@ -306,7 +306,9 @@ def _serve_requests(server: socket.socket, taken_w: int, own: Namespaces, *,
 class Home:  # pragma: no cover - runs in a worker
     """What a worker is when it waits for a request, saved to return to after serving a cdi-hook in a container's
     mount namespace: its own mount namespace, root and working directory (held open), its umask, its standard
-    streams (the server's), its open file descriptors."""
+    streams (the server's), its open file descriptors, and the modules it has loaded: a module imported during
+    a request was read in the peer's mount namespace, whose files are not necessarily the host's, so a worker
+    that imported one serves nothing more (PRELOAD has what a cdi-hook imports)."""
 
     def __init__(self) -> None:
         flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
@@ -318,6 +320,7 @@ class Home:  # pragma: no cover - runs in a worker
         os.umask(self.umask)
         self.fds = _open_fds()
         self.identity = _identity()
+        self.modules = set(sys.modules)
 
     def close(self) -> None:
         for fd in (self.mnt, self.root, self.cwd, *self.streams):
@@ -347,7 +350,7 @@ class Home:  # pragma: no cover - runs in a worker
                 os.close(fd)
             except OSError:
                 pass
-        return _identity() == self.identity and _open_fds() == self.fds
+        return _identity() == self.identity and _open_fds() == self.fds and sys.modules.keys() == self.modules
 
 
 def _open_fds() -> set[int]:  # pragma: no cover - runs in a worker
