@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -338,3 +338,40 @@ def test_a_worker_goes_back_from_a_containers_namespace_and_serves_nothing_after
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
     importlib.import_module(next(name for name in ("colorsys", "sndhdr", "wave") if name not in sys.modules))
     assert not home.restore()
+
+
+def test_workers_forked_while_every_worker_is_busy_serve_and_go_once_the_burst_is_over(server) -> None:  # type: ignore[no-untyped-def]
+    """Workers serve one request after another, so the server forks more only when none waits: with all of its
+    workers held (connections that have not sent their request yet), a request is served by one forked for it,
+    and once the held ones are back, the workers forked for the burst exit after RETIRE_AFTER without a request."""
+    import socket
+
+    from devinject.hook.client import encode_request
+    from devinject.hook.server import RETIRE_AFTER, SPARES
+
+    process, path = server
+    listing = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+
+    def workers() -> set[int]:
+        return {int(pid) for pid in listing.read_text().split()}
+
+    def until(done: Callable[[], bool], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    until(lambda: len(workers()) >= SPARES, 10)
+    first = workers()
+    assert len(first) == SPARES
+    held = [socket.socket(socket.AF_UNIX) for _ in range(SPARES)]
+    try:
+        for connection in held:
+            connection.connect(str(path))
+        until(lambda: len(workers() - first) >= SPARES, 10)
+        assert len(workers() - first) == SPARES, "no worker was forked while all were busy"
+        assert _raw_request(path, encode_request(["cdi-hook", "create-symlinks"])) == b"\x00"  # served
+    finally:
+        for connection in held:
+            connection.close()  # a connection that sent nothing: a probe, and its worker waits again
+    until(lambda: workers() == first, RETIRE_AFTER + 10)
+    assert workers() == first

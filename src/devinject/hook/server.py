@@ -110,9 +110,10 @@ def listen(path: str) -> socket.socket:
 def serve(path: str, *, spares: int = SPARES) -> None:
     """Serve hook requests on `path` until SIGTERM (from the main thread).
 
-    Pre-forking: `spares` workers wait in accept() on the socket. A worker serves cdi-hooks (the spec's
-    createContainer hook, on every container start of a runtime that applies CDI) one after another: it
-    joins each peer's mount namespace, root and working directory and goes back to its own after answering.
+    Pre-forking: `spares` workers wait for a connection on the socket (epoll, exclusive wake-ups). A worker
+    serves cdi-hooks (the spec's createContainer hook, on every container start of a runtime that applies
+    CDI) one after another: it joins each peer's mount namespace, root and working directory and goes back
+    to its own after answering.
     Forking a worker per request cost each one ~3-4 ms of CPU in the fork, the exit and the copy-on-write
     faults of a fresh copy of the heap: more than the hook's imports the server spares (bench_cdi_hooks:
     the server's CPU per request 6.5-7.2 ms, now 3.0-3.5). A worker exits after an OCI `hook` (its
@@ -135,6 +136,7 @@ def serve(path: str, *, spares: int = SPARES) -> None:
     STARTED_CODE = code_identity()  # the workers, forked from here, compare with it
     own = namespaces_of("self")
     server = listen(path)
+    server.setblocking(False)  # the workers wait in epoll, and one woken for a connection another took goes on
     gc.freeze()  # what preloading made is never collected: no collection in a worker touches (copies) it
     background = _may_leave_idle_priority()
     taken_r, taken_w = os.pipe()  # a worker says with its pid that it took a request, negated that it is back
@@ -284,23 +286,46 @@ def _serve_requests(server: socket.socket, taken_w: int, own: Namespaces, *,
     root, working directory, umask, standard streams, signals and file descriptors back as they were and
     checked them so (and it imported no module); it exits after an OCI `hook` (the in-process hook's full
     run), after any request that failed, and after MAX_REQUESTS."""
-    home = Home()
+    waiting = select.epoll()  # exclusive: a connection wakes one waiting worker, not all of them
+    waiting.register(server.fileno(), select.EPOLLIN | select.EPOLLEXCLUSIVE)
+    home = Home()  # after the epoll: its descriptor is the worker's own, not a request's
     me = os.getpid()
 
     def let_go() -> None:  # of the server's socket and pipe, before a request this worker exits after
+        waiting.close()
         server.close()
         os.close(taken_w)
 
     for _ in range(MAX_REQUESTS):
-        if temporary and not select.select([server], [], [], RETIRE_AFTER)[0]:
+        conn = _next_connection(server, waiting, RETIRE_AFTER if temporary else None)
+        if conn is None:
             return  # a burst's extra worker, no longer needed
-        conn, _ = server.accept()
         os.write(taken_w, me.to_bytes(4, sys.byteorder, signed=True))
         with conn:
             again = _take(conn, own, home, last=let_go)
         if not again or not home.restore():
             return
         os.write(taken_w, (-me).to_bytes(4, sys.byteorder, signed=True))
+
+
+def _next_connection(server: socket.socket, waiting: select.epoll,
+                     patience: float | None) -> socket.socket | None:  # pragma: no cover - runs in a worker
+    """The next connection on the (non-blocking) server socket, or None once `patience` seconds pass without
+    one. Non-blocking, so that a worker woken for a connection another one took waits again rather than
+    blocking in accept() past its patience."""
+    deadline = None if patience is None else time.monotonic() + patience
+    while True:
+        left = -1.0 if deadline is None else deadline - time.monotonic()
+        if deadline is not None and left <= 0:
+            return None
+        if not waiting.poll(left):
+            continue
+        try:
+            conn, _ = server.accept()
+        except BlockingIOError:
+            continue  # another worker took it
+        conn.setblocking(True)
+        return conn
 
 
 class Home:  # pragma: no cover - runs in a worker
