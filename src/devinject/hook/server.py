@@ -116,7 +116,7 @@ def serve(path: str, *, spares: int = SPARES) -> None:
     to its own after answering.
     Forking a worker per request cost each one ~3-4 ms of CPU in the fork, the exit and the copy-on-write
     faults of a fresh copy of the heap: more than the hook's imports the server spares (bench_cdi_hooks:
-    the server's CPU per request 6.5-7.2 ms, now 3.0-3.5). A worker exits after an OCI `hook` (its
+    the server's CPU per request 6.5-7.2 ms, now 3.0-3.8). A worker exits after an OCI `hook` (its
     full run, cgroups, the ledger and all, is left as it was: one process per request), after any request that
     failed, and after MAX_REQUESTS; the server forks replacements once requests have paused for
     REPLACE_AFTER (at once when none waits: those exit again after RETIRE_AFTER without a request), so a
