@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -291,3 +292,123 @@ def test_a_server_whose_devinject_was_replaced_refuses_and_exits_for_its_service
     finally:
         terminate(process, timeout=10)
         shutil.rmtree(socket.parent, ignore_errors=True)
+
+
+def served_by(server: Server) -> list[int]:
+    """The worker that served each cdi-hook, in order (the server's `-v` log)."""
+    return [int(worker) for worker in re.findall(rf"{SERVED} \d+ by worker (\d+)", server.log.read_text())]
+
+
+def _place(pid: int) -> tuple[object, ...]:
+    """Process `pid`'s mount namespace, root, working directory and umask."""
+    found: list[object] = [(st.st_dev, st.st_ino) for st in (os.stat(f"/proc/{pid}/{what}")
+                                                             for what in ("ns/mnt", "root", "cwd"))]
+    status = Path(f"/proc/{pid}/status").read_text()
+    return (*found, re.search(r"^Umask:\s*(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
+
+
+def workers_back_home(server: Server) -> list[str]:
+    """What any of the server's workers kept of the requests it served (its mount namespace, root, working
+    directory or umask not the server's), once each has had its time to go back (answered, a worker goes back
+    right after): empty when nothing."""
+    own = _place(server.process.pid)
+    deadline = time.monotonic() + 5
+    while True:
+        children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+        kept = []
+        for worker in children:
+            try:
+                place = _place(int(worker))
+            except (OSError, AttributeError):
+                continue  # gone: exiting after its request
+            kept += [f"worker {worker}: {what}" for what, mine, its in
+                     zip(("mount namespace", "root", "working directory", "umask"), own, place, strict=True)
+                     if mine != its]
+        if not kept or time.monotonic() > deadline:
+            return kept
+        time.sleep(0.05)
+
+
+def test_a_served_container_leaves_nothing_to_the_next_served_by_the_same_worker(spec_dir: Path, tmp_path: Path,
+                                                                                canary: Path, server: Server) -> None:
+    """A worker serves one container start after another, joining each one's mount namespace, root and working
+    directory: a hostile image's start (its /etc leading to the host's root) is served, and then plain ones
+    until the same worker serves one. That one gets its own links and cache, and after each start every worker
+    is back in the server's mount namespace, root, working directory and umask."""
+    bundle = Bundle(tmp_path / "hostile", spec_dir, tmp_path / "state")
+    hostile(bundle.rootfs, "etc", canary)
+    cdi_container(bundle, spec_dir, server.socket)
+    bundle.save(["true"])
+    done = bundle.run(container_name())
+    assert done.returncode == 0 and untouched(canary), done.stderr
+    assert workers_back_home(server) == []
+    (hostile_worker,) = served_by(server)
+    for i in range(8):  # the waiting workers take requests in turn: the same one comes round within SPARES
+        bundle = Bundle(tmp_path / f"plain-{i}", spec_dir, tmp_path / "state")
+        cdi_container(bundle, spec_dir, server.socket)
+        bundle.save(["sh", "-c", f"readlink /{LIBDIR}/libcuda.so.1; readlink /dev/dri/by-path/pci-0000:01:00.0-card"])
+        done = bundle.run(container_name())
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["libcuda.so.550.54.14", "../card1"]
+        assert ("libcuda.so.1", f"/{LIBDIR}/libcuda.so.1") in made(bundle.rootfs)[1]
+        assert workers_back_home(server) == []
+        if served_by(server)[-1] == hostile_worker:
+            break
+    assert served_by(server).count(hostile_worker) == 2, server.log.read_text()
+    assert untouched(canary)
+
+
+def test_a_request_from_a_mount_namespace_of_its_own_leaves_the_worker_where_it_was(tmp_path: Path,
+                                                                                   server: Server) -> None:
+    """The peer's own mount namespace has a tmpfs over the bundle's directory and its working directory in it:
+    the served hook makes its links there, and the worker that served it, serving the same path for a peer in
+    the host's namespace next, makes them on the host's side (had it stayed in the other namespace, they would
+    go to the tmpfs, where nobody sees them)."""
+    state, rootfs = _hook_state(tmp_path)
+    bundle = rootfs.parent
+    real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
+    path, argv, _ = hook_command(None)
+    command = [path, *argv[1:], "cdi-hook", "links-and-ldcache", "--link", f"{real}::/{LIBDIR}/libz.so.1",
+               "--folder", f"/{LIBDIR}", "--server", str(server.socket)]
+    stash = tmp_path / "stash"
+    shutil.copytree(bundle, stash, symlinks=True)
+    shutil.rmtree(bundle)
+    bundle.mkdir()  # empty on the host; the peer's own namespace has the bundle there, on a tmpfs
+    script = (f"mount -t tmpfs elsewhere {bundle} && cp -a {stash}/. {bundle}/ && cd {rootfs} && umask 077 && "
+              f"exec {' '.join(command)}")
+    with open(state, "rb") as stdin:
+        done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], stdin=stdin,
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert list(bundle.iterdir()) == []  # made in the peer's namespace only
+    assert workers_back_home(server) == []
+    (elsewhere_worker,) = served_by(server)
+    shutil.copytree(stash, bundle, dirs_exist_ok=True, symlinks=True)
+    for _ in range(8):
+        (rootfs / LIBDIR / "libz.so.1").unlink(missing_ok=True)
+        with open(state, "rb") as stdin:
+            done = subprocess.run(command, stdin=stdin, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert os.readlink(rootfs / LIBDIR / "libz.so.1") == real  # on the host's side
+        assert workers_back_home(server) == []
+        if served_by(server)[-1] == elsewhere_worker:
+            break
+    assert served_by(server).count(elsewhere_worker) == 2, server.log.read_text()
+
+
+def test_a_worker_whose_request_failed_exits_and_is_replaced(tmp_path: Path, server: Server) -> None:
+    """A cdi-hook that failed may have stopped anywhere (an error, its deadline): the worker that served it
+    serves nothing more, and the server forks another."""
+    path, argv, _ = hook_command(None)
+    done = subprocess.run([path, *argv[1:], "cdi-hook", "create-symlinks", "--link", "bad", "--server",
+                           str(server.socket)], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "devinject: error:" in done.stderr, done.stderr
+    (worker,) = served_by(server)
+    deadline = time.monotonic() + 10
+    children: list[str] = []
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+        if str(worker) not in children and len(children) >= 3:
+            break
+        time.sleep(0.05)
+    assert str(worker) not in children and len(children) >= 3, children

@@ -8,15 +8,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.conftest import Bundle, container_name, terminate
+from tests.e2e.test_nsenter import container, single_threaded
 
 pytestmark = pytest.mark.live
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
+container = container  # a process in a mount namespace of its own (test_nsenter.py's fixture)
 
 
 @pytest.fixture
@@ -296,3 +298,80 @@ def test_the_unit_install_hook_writes_starts_a_server_that_serves_the_hook_it_in
         process.wait(10)
         assert not path.exists()  # stopped as systemd stops it (SIGTERM): the socket is gone
         path.parent.rmdir()
+
+
+@single_threaded
+def test_a_worker_goes_back_from_a_containers_namespace_and_serves_nothing_after_an_import(container: int) -> None:
+    """What a served cdi-hook leaves in its worker, undone by `Home.restore`: the container's mount namespace, a
+    root and working directory in it, a umask, a descriptor, a stream, an alarm. A module imported meanwhile was
+    read in the container's mount namespace: the worker must not go on with it."""
+    import importlib
+    import signal
+
+    from devinject.hook.server import Home, preload
+    from devinject.linux import syscalls
+
+    preload()  # a worker is forked from a server that loaded all a request needs (the C library too)
+
+    def place() -> tuple[object, ...]:
+        umask = os.umask(0)
+        os.umask(umask)
+        return (os.stat("/proc/self/ns/mnt").st_ino, os.stat("/").st_ino, os.getcwd(), umask)
+
+    home = Home()
+    before = place()
+    stdout = os.fstat(1)
+    target = os.open(f"/proc/{container}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    syscalls.setns(target, syscalls.CLONE_NEWNS)  # what a request does in the worker
+    os.chroot("/usr")
+    os.chdir("/lib")
+    os.umask(0o077)
+    os.dup2(target, 1)
+    signal.signal(signal.SIGALRM, lambda *_: None)
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    assert os.stat("/").st_ino != before[1] and not os.path.exists("/proc/self")  # elsewhere
+    assert home.restore()
+    assert place() == before
+    with pytest.raises(OSError):
+        os.fstat(target)  # the request's own descriptor closed
+    assert (os.fstat(1).st_dev, os.fstat(1).st_ino) == (stdout.st_dev, stdout.st_ino)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+    importlib.import_module(next(name for name in ("colorsys", "sndhdr", "wave") if name not in sys.modules))
+    assert not home.restore()
+
+
+def test_workers_forked_while_every_worker_is_busy_serve_and_go_once_the_burst_is_over(server) -> None:  # type: ignore[no-untyped-def]
+    """Workers serve one request after another, so the server forks more only when none waits: with all of its
+    workers held (connections that have not sent their request yet), a request is served by one forked for it,
+    and once the held ones are back, the workers forked for the burst exit after RETIRE_AFTER without a request."""
+    import socket
+
+    from devinject.hook.client import encode_request
+    from devinject.hook.server import RETIRE_AFTER, SPARES
+
+    process, path = server
+    listing = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+
+    def workers() -> set[int]:
+        return {int(pid) for pid in listing.read_text().split()}
+
+    def until(done: Callable[[], bool], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    until(lambda: len(workers()) >= SPARES, 10)
+    first = workers()
+    assert len(first) == SPARES
+    held = [socket.socket(socket.AF_UNIX) for _ in range(SPARES)]
+    try:
+        for connection in held:
+            connection.connect(str(path))
+        until(lambda: len(workers() - first) >= SPARES, 10)
+        assert len(workers() - first) == SPARES, "no worker was forked while all were busy"
+        assert _raw_request(path, encode_request(["cdi-hook", "create-symlinks"])) == b"\x00"  # served
+    finally:
+        for connection in held:
+            connection.close()  # a connection that sent nothing: a probe, and its worker waits again
+    until(lambda: workers() == first, RETIRE_AFTER + 10)
+    assert workers() == first

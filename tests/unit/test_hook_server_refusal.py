@@ -44,6 +44,8 @@ def test_a_refused_request_is_answered_refused_and_nothing_runs(monkeypatch: pyt
 
     ran: list[list[str]] = []
     monkeypatch.setattr(hook, "main", lambda args: ran.append(args) or 0)
+    home = server.Home()  # a worker's, made before it waits: its descriptors are not the request's
+    let_go: list[bool] = []
     one, other = socket.socketpair()
     pipe_r, pipe_w = os.pipe()
     before = set(os.listdir("/proc/self/fd"))
@@ -52,13 +54,15 @@ def test_a_refused_request_is_answered_refused_and_nothing_runs(monkeypatch: pyt
         request = encode_request(["hook", "--log-file", "/dev/null"])
         other.sendmsg([request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
         with caplog.at_level(logging.WARNING, "devinject.hook-server"):
-            server._take(one, _elsewhere("pid"))
+            again = server._take(one, _elsewhere("pid"), home, last=lambda: let_go.append(True))
         other.settimeout(5)
         assert other.recv(64) == REFUSED
         assert set(os.listdir("/proc/self/fd")) == before  # the runtime's stdin, stdout, stderr let go
     os.close(pipe_r)
     os.close(pipe_w)
-    assert ran == []
+    home.close()
+    assert ran == [] and let_go == []
+    assert again  # nothing ran: the worker waits for the next request
     assert [r.getMessage() for r in caplog.records] == \
         [f"hook request refused, to be run in-process: pid {os.getpid()} is not in the hook server's namespaces (pid)"]
 

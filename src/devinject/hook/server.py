@@ -1,10 +1,13 @@
 """`devinject hook-server`: a resident process the hook hands its invocation to (hook/client.py).
 
 What it saves is what every container start pays before doing any work: the hook's imports, ctypes
-and the executor's. It keeps no state: each request is served by a fresh worker forked from the server
+and the executor's. It keeps no state of its own: each request is served by a worker forked from the server
 in advance (a single-threaded process, so it may join namespaces), which runs exactly what the hook runs
 in-process — the same arguments, the same config file, specs, ledger and log, with the
-runtime's own stdin, stdout and stderr passed over the socket — and reports the exit status.
+runtime's own stdin, stdout and stderr passed over the socket — and reports the exit status. A worker that
+served a cdi-hook goes back to its own mount namespace, root, working directory, umask, streams and file
+descriptors, checks that it did, and waits for the next request; after an OCI `hook` or a request that failed
+it exits (see `_serve_requests`).
 
 Only a peer running as the server's own user is served (SO_PEERCRED), and the socket is created mode 0600
 in a directory only that user can write. Only a peer in the server's own pid, mount, user and network
@@ -19,8 +22,8 @@ what they mean there. Its peer must share the server's user namespace only (the 
 the in-process hook's would be) and its root must be the server's `/` (a hook runs before `pivot_root`; a
 process inside a running container that reached the socket has the container's root); the worker joins the
 peer's own mount namespace, root and working directory, held while the peer is checked alive, and runs
-exactly the in-process `run_cdi_hook` there, confined to the rootfs by the same code. Any other peer is
-answered REFUSED.
+exactly the in-process `run_cdi_hook` there, confined to the rootfs by the same code, then returns to its
+own (`Home.restore`). Any other peer is answered REFUSED.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Callable
 
 from devinject.core.errors import DevinjectError
 from devinject.hook.client import MAX_REQUEST, REFUSED, decode_request
+from devinject.linux import syscalls
 from devinject.linux.trusteddir import trusted_dir
 
 log = logging.getLogger("devinject.hook-server")
@@ -45,10 +50,13 @@ log = logging.getLogger("devinject.hook-server")
 PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.request", "devinject.hook.registry",
            "devinject.hook.plan", "devinject.hook.nsenter", "devinject.hook.executor", "devinject.hook.cgroup",
            "devinject.hook.bpf", "devinject.nodestate.ledger", "devinject.nodestate.profilefacts",
-           "devinject.nodestate.evidence")
+           "devinject.nodestate.evidence", "devinject.core.asciitext")
 RECEIVE_TIMEOUT = 5.0
 SPARES = 3  # workers waiting for a request: container starts come in bursts, and a poststop takes one too
 REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one
+MAX_WORKERS = 32  # waiting and busy: beyond, a burst's requests wait in the socket's backlog for one
+RETIRE_AFTER = 5.0  # seconds a worker forked for a burst waits for another request before it exits
+MAX_REQUESTS = 1000  # a worker's, before it exits and a fresh one is forked (what it made of its copy of the heap)
 CODE_CHANGED_STATUS = 3  # the server's exit when devinject was reinstalled under it: its service restarts it
 PR_SET_PDEATHSIG = 1
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
@@ -102,14 +110,22 @@ def listen(path: str) -> socket.socket:
 def serve(path: str, *, spares: int = SPARES) -> None:
     """Serve hook requests on `path` until SIGTERM (from the main thread).
 
-    Pre-forking: `spares` workers wait in accept() on the socket, and each serves one request and exits.
-    The server forks replacements once requests have paused for REPLACE_AFTER (at once when none waits),
-    so a fork (~2 ms for a process with everything loaded) is neither on a container's start path nor
-    competing with it for the CPU. A replacement forked while another worker waits readies itself (~0.5 ms)
-    at idle priority, and a worker that has answered exits at idle priority: runc and the next container
-    start come first. A worker copies only the server's pages that its request writes (copy-on-write, a
-    reference count at a time): taking copies of the whole heap in advance cost each request ~8-10 ms of CPU
-    to spare its start ~1 ms (bench_cdi_hooks: the server's CPU per request 15-17 against 7 ms).
+    Pre-forking: `spares` workers wait for a connection on the socket (epoll, exclusive wake-ups). A worker
+    serves cdi-hooks (the spec's createContainer hook, on every container start of a runtime that applies
+    CDI) one after another: it joins each peer's mount namespace, root and working directory and goes back
+    to its own after answering.
+    Forking a worker per request cost each one ~3-4 ms of CPU in the fork, the exit and the copy-on-write
+    faults of a fresh copy of the heap: more than the hook's imports the server spares (bench_cdi_hooks:
+    the server's CPU per request 6.5-7.2 ms, now 3.0-3.8). A worker exits after an OCI `hook` (its
+    full run, cgroups, the ledger and all, is left as it was: one process per request), after any request that
+    failed, and after MAX_REQUESTS; the server forks replacements once requests have paused for
+    REPLACE_AFTER (at once when none waits: those exit again after RETIRE_AFTER without a request), so a
+    fork (~2 ms for a process with everything loaded) is neither on a container's start path nor competing
+    with it for the CPU. A replacement forked while another worker waits readies itself (~0.5 ms) at idle
+    priority, and a worker that exits does so at idle priority: runc and the next container start come
+    first. A worker copies only the server's pages that its requests write (copy-on-write, a reference count
+    at a time): taking copies of the whole heap in advance cost each request ~8-10 ms of CPU to spare its
+    start ~1 ms (bench_cdi_hooks: the server's CPU per request 15-17 against 7 ms).
 
     A devinject reinstalled or upgraded under a running server (its package's `__init__.py` replaced) is not
     served by the old code: the specs the new one writes may carry what the old cannot read (a flag it does not
@@ -120,35 +136,46 @@ def serve(path: str, *, spares: int = SPARES) -> None:
     STARTED_CODE = code_identity()  # the workers, forked from here, compare with it
     own = namespaces_of("self")
     server = listen(path)
+    server.setblocking(False)  # the workers wait in epoll, and one woken for a connection another took goes on
     gc.freeze()  # what preloading made is never collected: no collection in a worker touches (copies) it
     background = _may_leave_idle_priority()
-    taken_r, taken_w = os.pipe()  # a worker that accepted a connection says so with its pid
+    taken_r, taken_w = os.pipe()  # a worker says with its pid that it took a request, negated that it is back
     idle: set[int] = set()
+    busy: set[int] = set()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     log.info("hook server on %s", path)
     try:
         last_taken = 0.0
         while True:
-            # Replace a worker that took a request once the container start it serves is over (a fork
-            # then competes with it for the CPU), at once when none waits.
+            # Replace a worker that took a request and did not come back once the container start it served is
+            # over (a fork then competes with it for the CPU), at once when none waits; one forked while all
+            # were busy is temporary: it exits once the burst is over.
             settled = time.monotonic() - last_taken >= REPLACE_AFTER
-            while len(idle) < spares and (settled or not idle):
-                idle.add(_spawn(server, taken_w, own, background=background and bool(idle)))
+            while len(idle) < spares and (settled or not idle) and len(idle) + len(busy) < MAX_WORKERS:
+                idle.add(_spawn(server, taken_w, own, background=background and bool(idle),
+                                temporary=len(idle) + len(busy) >= spares))
             wait = 0.5 if len(idle) >= spares else max(REPLACE_AFTER - (time.monotonic() - last_taken), 0.001)
             readable, _, _ = select.select([taken_r], [], [], wait)
             if readable:
                 data = os.read(taken_r, 4096)
-                last_taken = time.monotonic()
                 for i in range(0, len(data) - 3, 4):
-                    idle.discard(int.from_bytes(data[i:i + 4], sys.byteorder))
+                    worker = int.from_bytes(data[i:i + 4], sys.byteorder, signed=True)
+                    if worker > 0:
+                        last_taken = time.monotonic()
+                        idle.discard(worker)
+                        busy.add(worker)
+                    elif -worker in busy:
+                        busy.discard(-worker)
+                        idle.add(-worker)
             for pid in _reap():
-                idle.discard(pid)  # a worker that died before taking anything
+                idle.discard(pid)  # a worker that exited: after a request it does not come back from, or died
+                busy.discard(pid)
             if code_changed():
                 log.warning("devinject changed on disk since this hook server started: exiting, for its service to "
                             "start the new one (requests meanwhile run in-process)")
                 raise SystemExit(CODE_CHANGED_STATUS)
     finally:
-        for pid in idle:
+        for pid in idle:  # a busy one answers first: it gets the server's end as SIGTERM (PDEATHSIG) after
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -218,9 +245,11 @@ def _idle_priority() -> None:  # pragma: no cover - runs in a worker
         pass  # only a matter of who runs first
 
 
-def _spawn(server: socket.socket, taken_w: int, own: Namespaces, *, background: bool = False) -> int:
+def _spawn(server: socket.socket, taken_w: int, own: Namespaces, *, background: bool = False,
+           temporary: bool = False) -> int:
     """A worker: it readies itself (at idle priority when `background`, back to normal before it waits for
-    a request), serves one request and exits."""
+    a request) and serves requests until one it may not come back from (see `_serve_requests`); a `temporary`
+    one (forked while every worker was busy) exits once it has waited RETIRE_AFTER for a request."""
     sys.stdout.flush()
     sys.stderr.flush()
     parent = os.getpid()
@@ -240,18 +269,132 @@ def _spawn(server: socket.socket, taken_w: int, own: Namespaces, *, background: 
             os._exit(0)
         if background:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # the request is served at full speed
-        conn, _ = server.accept()
-        os.write(taken_w, os.getpid().to_bytes(4, sys.byteorder))
-        server.close()
-        os.close(taken_w)
-        with conn:
-            _take(conn, own)
+        _serve_requests(server, taken_w, own, temporary=temporary)
         status = 0
     except BaseException as err:  # a worker never raises into the server's code
         log.warning("hook request dropped: %s", err)
     finally:
         _idle_priority()  # answered (or dropped): tearing this process down can wait for runc
         os._exit(status)
+
+
+def _serve_requests(server: socket.socket, taken_w: int, own: Namespaces, *,
+                    temporary: bool) -> None:  # pragma: no cover - runs in a worker
+    """A worker's requests, one after another, each announced to the server (`taken_w`: its pid when it takes
+    one, the pid negated when it is back waiting). It comes back only from a request that left nothing behind:
+    a probe, a refusal, or a cdi-hook that succeeded and after which `Home.restore` put its mount namespace,
+    root, working directory, umask, standard streams, signals and file descriptors back as they were and
+    checked them so (and it imported no module); it exits after an OCI `hook` (the in-process hook's full
+    run), after any request that failed, and after MAX_REQUESTS."""
+    waiting = select.epoll()  # exclusive: a connection wakes one waiting worker, not all of them
+    waiting.register(server.fileno(), select.EPOLLIN | select.EPOLLEXCLUSIVE)
+    home = Home()  # after the epoll: its descriptor is the worker's own, not a request's
+    me = os.getpid()
+
+    def let_go() -> None:  # of the server's socket and pipe, before a request this worker exits after
+        waiting.close()
+        server.close()
+        os.close(taken_w)
+
+    for _ in range(MAX_REQUESTS):
+        conn = _next_connection(server, waiting, RETIRE_AFTER if temporary else None)
+        if conn is None:
+            return  # a burst's extra worker, no longer needed
+        os.write(taken_w, me.to_bytes(4, sys.byteorder, signed=True))
+        with conn:
+            again = _take(conn, own, home, last=let_go)
+        if not again or not home.restore():
+            return
+        os.write(taken_w, (-me).to_bytes(4, sys.byteorder, signed=True))
+
+
+def _next_connection(server: socket.socket, waiting: select.epoll,
+                     patience: float | None) -> socket.socket | None:  # pragma: no cover - runs in a worker
+    """The next connection on the (non-blocking) server socket, or None once `patience` seconds pass without
+    one. Non-blocking, so that a worker woken for a connection another one took waits again rather than
+    blocking in accept() past its patience."""
+    deadline = None if patience is None else time.monotonic() + patience
+    while True:
+        left = -1.0 if deadline is None else deadline - time.monotonic()
+        if deadline is not None and left <= 0:
+            return None
+        if not waiting.poll(left):
+            continue
+        try:
+            conn, _ = server.accept()
+        except BlockingIOError:
+            continue  # another worker took it
+        conn.setblocking(True)
+        return conn
+
+
+class Home:  # pragma: no cover - runs in a worker
+    """What a worker is when it waits for a request, saved to return to after serving a cdi-hook in a container's
+    mount namespace: its own mount namespace, root and working directory (held open), its umask, its standard
+    streams (the server's), its open file descriptors, and the modules it has loaded: a module imported during
+    a request was read in the peer's mount namespace, whose files are not necessarily the host's, so a worker
+    that imported one serves nothing more (PRELOAD has what a cdi-hook imports)."""
+
+    def __init__(self) -> None:
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+        self.mnt = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        self.root = os.open("/", flags)
+        self.cwd = os.open(".", flags)
+        self.streams = [os.dup(fd) for fd in (0, 1, 2)]  # inheritable=False: close-on-exec
+        self.umask = os.umask(0o022)
+        os.umask(self.umask)
+        self.fds = _open_fds()
+        self.identity = _identity()
+        self.modules = set(sys.modules)
+
+    def close(self) -> None:
+        for fd in (self.mnt, self.root, self.cwd, *self.streams):
+            os.close(fd)
+
+    def put_back_streams(self) -> None:
+        """The server's stdin, stdout and stderr back on 0, 1 and 2 (a request's were the runtime's)."""
+        for target, fd in enumerate(self.streams):
+            os.dup2(fd, target)
+
+    def restore(self) -> bool:
+        """This worker as it was before the request, checked: False (the worker must exit) when anything is not."""
+        try:
+            syscalls.setns(self.mnt, syscalls.CLONE_NEWNS)
+            os.fchdir(self.root)
+            os.chroot(".")
+            os.fchdir(self.cwd)
+        except OSError as err:
+            log.warning("hook worker: cannot return to its own mount namespace: %s", err)
+            return False
+        os.umask(self.umask)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        self.put_back_streams()
+        for fd in _open_fds() - self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        return _identity() == self.identity and _open_fds() == self.fds and sys.modules.keys() == self.modules
+
+
+def _open_fds() -> set[int]:  # pragma: no cover - runs in a worker
+    """This process's open file descriptors (not the one listing them)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.fstat(int(name))
+            found.add(int(name))
+        except OSError:
+            pass  # the directory's own, closed by now
+    return found
+
+
+def _identity() -> tuple[object, ...]:  # pragma: no cover - runs in a worker
+    """This process's mount namespace, root, working directory and umask, as a request may not leave them."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return (*(((st := os.stat(path)).st_dev, st.st_ino) for path in ("/proc/self/ns/mnt", "/", ".")), umask)
 
 
 def namespaces_of(pid: int | str, *, proc: str = "/proc") -> Namespaces:
@@ -330,26 +473,29 @@ def _ended(fd: int, events: int = select.POLLIN) -> bool:
     return any(ready & (events | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ready in poller.poll(0))
 
 
-def _take(conn: socket.socket, own: Namespaces) -> None:  # pragma: no cover - runs in a worker
+def _take(conn: socket.socket, own: Namespaces, home: Home,
+          last: Callable[[], None]) -> bool:  # pragma: no cover - runs in a worker
+    """Serve the request on `conn`; whether this worker may take another (see `_serve_requests`). `last` is
+    called before a request it will not come back from runs (it lets go of the server's socket and pipe)."""
     peer = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
     pid = int.from_bytes(peer[0:4], sys.byteorder, signed=True)
     uid = int.from_bytes(peer[4:8], sys.byteorder)
     if uid != os.geteuid():
         log.warning("hook request from uid %d refused", uid)
-        return
+        return True
     conn.settimeout(RECEIVE_TIMEOUT)
     data, ancillary, _, _ = conn.recvmsg(MAX_REQUEST + 4, socket.CMSG_SPACE(3 * 4))
     fds = [int.from_bytes(cmsg[2][i:i + 4], sys.byteorder, signed=True)
            for cmsg in ancillary if cmsg[:2] == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
            for i in range(0, len(cmsg[2]) - 3, 4)]
     if not data and not ancillary:
-        return  # a probe (`install-hook` asking whether a server answers), not a request
+        return True  # a probe (`install-hook` asking whether a server answers), not a request
     args = decode_request(data)
     if args is None or len(fds) != 3 or not args or args[0] not in ("hook", "cdi-hook"):
         for fd in fds:
             os.close(fd)
         log.warning("malformed hook request refused")
-        return
+        return True
     cdi_hook = args[0] == "cdi-hook"
     place: list[int] = []  # a cdi-hook's: the peer's mount namespace, root and working directory
     why = ("devinject changed on disk since this hook server started (it restarts)" if code_changed() else
@@ -360,9 +506,11 @@ def _take(conn: socket.socket, own: Namespaces) -> None:  # pragma: no cover - r
             os.close(fd)
         log.warning("hook request refused, to be run in-process: %s", why)
         conn.sendall(REFUSED)
-        return
-    if cdi_hook:
-        log.info("cdi-hook served for pid %d", pid)  # while this worker's stderr is still the server's
+        return True
+    if cdi_hook:  # while this worker's stderr is still the server's
+        log.info("cdi-hook served for pid %d by worker %d", pid, os.getpid())
+    else:
+        last()  # the OCI hook's full run, as in-process: this worker exits after it
     for target, fd in enumerate(fds):
         os.dup2(fd, target)  # the runtime's stdin (the OCI state), stdout, stderr
         os.close(fd)
@@ -377,21 +525,18 @@ def _take(conn: socket.socket, own: Namespaces) -> None:  # pragma: no cover - r
         sys.stderr.flush()
         # Let go of the runtime's pipes before answering: the runtime reads the hook's output to its end,
         # and would otherwise wait for this worker's exit too, not just the hook's.
-        null = os.open(os.devnull, os.O_RDWR)
-        for target in (0, 1, 2):
-            os.dup2(null, target)
-        os.close(null)
+        home.put_back_streams()
         conn.settimeout(RECEIVE_TIMEOUT)
         conn.sendall(bytes([status & 0xFF]))
+    return cdi_hook and status == 0
 
 
 def _run_cdi_hook_in(place: list[int], args: list[str], pid: int) -> int:  # pragma: no cover - in a worker
     """`args` (a cdi-hook) as the peer `pid` would have run it: in its mount namespace, root and working
-    directory (`place`), within the in-process hook's deadline. This worker serves one request and exits,
-    so it never goes back to the host's namespace."""
+    directory (`place`), within the in-process hook's deadline. The worker returns to its own with
+    `Home.restore` afterwards, and exits when it cannot."""
     from devinject.core.errors import HookError
     from devinject.hook import main as hook
-    from devinject.linux import syscalls
 
     mnt, root, cwd = place
     try:
@@ -406,13 +551,15 @@ def _run_cdi_hook_in(place: list[int], args: list[str], pid: int) -> int:  # pra
     finally:
         for fd in place:
             os.close(fd)
+
     def out_of_time(signum: int, frame: object) -> None:
         raise HookError(f"cdi-hook: the work in the container's mount namespace did not finish in "
                         f"{CDI_HOOK_TIMEOUT:g}s")
 
-    signal.signal(signal.SIGALRM, out_of_time)
+    previous = signal.signal(signal.SIGALRM, out_of_time)
     signal.setitimer(signal.ITIMER_REAL, CDI_HOOK_TIMEOUT)
     try:
         return hook.main(args)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
