@@ -180,6 +180,8 @@ def _subjects(node: LiveNode) -> list[_Subject]:
 
 
 API_TIMEOUT, API_BUDGET = 5.0, 10.0  # seconds: one list call's attempt, and all its attempts
+_SLICE_LOGS = "kubectl -n devinject-system logs ds/devinject-dra | grep -i resourceslice"
+ApiObject = dict[str, Any]  # an object as the API server lists it (a ResourceSlice, a DeviceTaintRule)
 
 
 def slice_api(kubeconfig: str | None, environ: dict[str, str] | None = None) -> SliceLister | None:
@@ -594,37 +596,11 @@ class _Context:
         from devinject.dra.slices import label, pool_name
 
         driver, node_name = self.options.driver, self.options.node_name
-        listing = f"kubectl get resourceslices --field-selector spec.nodeName={node_name},spec.driver={driver}"
-        logs = "kubectl -n devinject-system logs ds/devinject-dra | grep -i resourceslice"
         items = self._node_slices()
-        registered = os.path.lexists(self.node.host.real(f"{self.options.kubelet_dir}/plugins_registry/"
-                                                         f"{driver}-reg.sock"))
         if not items:
-            plugin = self.node.host.real(self._plugin_socket(s))
-            if not registered and os.path.lexists(plugin):
-                return (f"no ResourceSlice of {driver} for node {node_name}: the DRA driver does not run here "
-                        f"(the device plugin serves {s.profile.kind})"), None
-            said = "the DRA driver is registered with the kubelet, but " if registered else ""
-            raise _Broken(f"{said}the API server has no ResourceSlice of {driver} for node {node_name}"
-                          + self._refused(),
-                          f"{logs}; the driver's --node-name must be this node's name in the API ({node_name}: "
-                          "kubectl get nodes) and its service account may create resourceslices "
-                          "(deploy/kubernetes/dra/rbac.yaml)")
+            return self._no_slices(s)
         pool = pool_name(node_name, s.profile.kind)
-        mine = [i for i in items if _spec(i).get("pool", {}).get("name") == pool]
-        if not mine:
-            pools = sorted({str(_spec(i).get("pool", {}).get("name")) for i in items})
-            raise _Broken(f"the node's slices of {driver} have no pool {pool} (pools: {', '.join(pools)}): the "
-                          f"driver does not offer {s.profile.kind}",
-                          f"its --kind (the DaemonSet's ConfigMap) must include {s.profile.kind}; {logs}")
-        generation = max(_int(_spec(i)["pool"].get("generation")) for i in mine)
-        current = [i for i in mine if _int(_spec(i)["pool"].get("generation")) == generation]
-        expected = max(_int(_spec(i)["pool"].get("resourceSliceCount")) for i in current)
-        where = f"pool {pool} at generation {generation}"
-        if len(current) < expected:
-            raise _Broken(f"{where} is incomplete: {len(current)} of its {expected} slices (the scheduler "
-                          "allocates from a complete pool only)" + self._refused(),
-                          f"the driver is still publishing, or the API server refused a slice: {logs}")
+        current, where = self._current_pool(s, items, pool)
         name = f"{label(s.profile.kind.partition('/')[2])}-{label(s.pci.address)}"  # dra/slices.py device_name
         devices = [(str(i.get("metadata", {}).get("name")), d) for i in current
                    for d in _spec(i).get("devices", []) or [] if isinstance(d, dict)]
@@ -634,13 +610,56 @@ class _Context:
             if holder is not None:
                 return (f"{name} is not in {where}: the device plugin holds it ({holder}); it is published again "
                         "when released"), None
+            listing = f"kubectl get resourceslices --field-selector spec.nodeName={node_name},spec.driver={driver}"
             raise _Broken(f"{name} is not in {where} ({len(devices)} devices){self._refused()}",
-                          f"the driver publishes what it discovers within its --rescan: {listing} -o yaml; {logs}")
+                          f"the driver publishes what it discovers within its --rescan: {listing} -o yaml; "
+                          f"{_SLICE_LOGS}")
         slice_name, device = published
+        return self._untainted(s, pool, where, slice_name, device, len(devices))
+
+    def _no_slices(self, s: _Subject) -> tuple[str, None]:
+        """The node has no slice of the driver: fine where the device plugin serves the kind instead."""
+        driver, node_name = self.options.driver, self.options.node_name
+        registered = os.path.lexists(self.node.host.real(f"{self.options.kubelet_dir}/plugins_registry/"
+                                                         f"{driver}-reg.sock"))
+        plugin = self.node.host.real(self._plugin_socket(s))
+        if not registered and os.path.lexists(plugin):
+            return (f"no ResourceSlice of {driver} for node {node_name}: the DRA driver does not run here "
+                    f"(the device plugin serves {s.profile.kind})"), None
+        said = "the DRA driver is registered with the kubelet, but " if registered else ""
+        raise _Broken(f"{said}the API server has no ResourceSlice of {driver} for node {node_name}"
+                      + self._refused(),
+                      f"{_SLICE_LOGS}; the driver's --node-name must be this node's name in the API ({node_name}: "
+                      "kubectl get nodes) and its service account may create resourceslices "
+                      "(deploy/kubernetes/dra/rbac.yaml)")
+
+    def _current_pool(self, s: _Subject, items: list[ApiObject], pool: str) -> tuple[list[ApiObject], str]:
+        """The slices of the pool's latest generation, and words for it; broken where the node's slices have
+        no such pool or the generation is incomplete."""
+        mine = [i for i in items if _spec(i).get("pool", {}).get("name") == pool]
+        if not mine:
+            pools = sorted({str(_spec(i).get("pool", {}).get("name")) for i in items})
+            raise _Broken(f"the node's slices of {self.options.driver} have no pool {pool} (pools: "
+                          f"{', '.join(pools)}): the driver does not offer {s.profile.kind}",
+                          f"its --kind (the DaemonSet's ConfigMap) must include {s.profile.kind}; {_SLICE_LOGS}")
+        generation = max(_int(_spec(i)["pool"].get("generation")) for i in mine)
+        current = [i for i in mine if _int(_spec(i)["pool"].get("generation")) == generation]
+        expected = max(_int(_spec(i)["pool"].get("resourceSliceCount")) for i in current)
+        where = f"pool {pool} at generation {generation}"
+        if len(current) < expected:
+            raise _Broken(f"{where} is incomplete: {len(current)} of its {expected} slices (the scheduler "
+                          "allocates from a complete pool only)" + self._refused(),
+                          f"the driver is still publishing, or the API server refused a slice: {_SLICE_LOGS}")
+        return current, where
+
+    def _untainted(self, s: _Subject, pool: str, where: str, slice_name: str, device: ApiObject,
+                   count: int) -> tuple[str, None]:
+        """The published device holds unless it, or a DeviceTaintRule with an effect, taints it."""
+        name = str(device.get("name"))
         taints = [t for t in device.get("taints", []) or [] if isinstance(t, dict)]
         rules, unread = self._rules()
         ruled = [(str(r.get("metadata", {}).get("name")), _spec(r)["taint"]) for r in rules
-                 if rule_selects(r, driver, pool, name) and isinstance(_spec(r).get("taint"), dict)]
+                 if rule_selects(r, self.options.driver, pool, name) and isinstance(_spec(r).get("taint"), dict)]
         if taints or any(t.get("effect") != "None" for _, t in ruled):
             said = "; ".join([_taint(t) for t in taints] + [f"{_taint(t)} by DeviceTaintRule {rule}"
                                                             for rule, t in ruled])
@@ -652,7 +671,7 @@ class _Context:
             raise _Broken(f"{name} in {slice_name} ({where}) is tainted: {said}",
                           "no new claim gets it (NoExecute also evicts its pods); " + "; ".join(fixes))
         noted = "".join(f"; {_taint(t)} by DeviceTaintRule {rule} (no effect on scheduling)" for rule, t in ruled)
-        return (f"{name} published in {slice_name} ({where}, {len(devices)} devices), no taint{noted}"
+        return (f"{name} published in {slice_name} ({where}, {count} devices), no taint{noted}"
                 + (f"; {unread}" if unread else "")), None
 
     def _plugin_socket(self, s: _Subject) -> str:

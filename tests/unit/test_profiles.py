@@ -55,9 +55,17 @@ def test_admin_profile_with_same_name_replaces_the_shipped_one(host_copy):
         ("name: x\nkind: a.com/b\ndevice-nodes: [{class: drm, sysfs: /x}]\n",
          "x.yaml.device-nodes[0]: give exactly one"),
         ("name: x\nkind: a.com/b\nenv: [NOEQUALS]\n", "x.yaml.env: 'NOEQUALS' is not KEY=VALUE"),
-        ("name: x\nkind: a.com/b\nsharing: sometimes\n", "x.yaml.sharing"),
+        ("name: x\nkind: a.com/b\nsharing: sometimes\n", "x.yaml.sharing: expected one of exclusive, shared"),
+        ("name: x\nkind: a.com/b\ngroup-by: bus\n", "x.yaml.group-by: expected function or slot"),
+        ("name: x\nkind: a.com/b\nmodels: [a]\n", "x.yaml.models: expected a mapping of device id to name"),
+        ("name: x\nkind: a.com/b\nmodels: {zz: A}\n", "x.yaml.models: keys must be hex device ids"),
+        ("name: x\nkind: a.com/b\ndevice-nodes: {a: 1}\n", "x.yaml: device-nodes and shared-nodes are lists"),
+        # the first problem in the order the fields are read: group-by before models before env
+        ("name: x\nkind: a.com/b\nenv: [NOEQUALS]\nmodels: {zz: A}\ngroup-by: bus\n", "x.yaml.group-by"),
+        ("name: x\nkind: a.com/b\nenv: [NOEQUALS]\nmodels: {zz: A}\n", "x.yaml.models"),
     ],
-    ids=["kind", "unknown-field", "vendor-hex", "two-sources", "env", "sharing"],
+    ids=["kind", "unknown-field", "vendor-hex", "two-sources", "env", "sharing", "group-by", "models-mapping",
+         "models-hex", "node-lists", "first-of-three", "first-of-two"],
 )
 def test_bad_profiles_name_file_and_field(text, message):
     import yaml

@@ -106,34 +106,41 @@ def parse_sharing(value: object, source: str) -> SharingConfig:
     served: dict[str, str] = {}  # served name -> the field that serves it
     for index, item in enumerate(listed):
         at = f"{field}.resources[{index}]"
-        entry = _mapping(source, at, item, ("name", "replicas", "rename", "devices"))
-        name = entry.get("name")
-        if not isinstance(name, str) or _resource_name_problem(name):
-            problem = _resource_name_problem(name) if isinstance(name, str) else "expected a resource name"
-            raise SharingConfigError(f"{source}: {at}.name: {problem}, got {name!r}")
-        if any(r.name == name for r in resources):
-            raise SharingConfigError(f"{source}: {at}.name: {name} is listed twice")
-        replicas = entry.get("replicas")
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
-            raise SharingConfigError(f"{source}: {at}.replicas: expected a whole number from 1 to {MAX_REPLICAS}, "
-                                     f"got {replicas!r}")
-        devices = entry.get("devices", "all")
-        if devices != "all":
-            raise SharingConfigError(f"{source}: {at}.devices: only 'all' is supported (every device of the "
-                                     f"resource is time-sliced), got {devices!r}")
-        rename = entry.get("rename", "")
-        if not isinstance(rename, str):
-            raise SharingConfigError(f"{source}: {at}.rename: expected a resource name, got {rename!r}")
-        if rename and "/" not in rename:
-            rename = f"{name.partition('/')[0]}/{rename}"  # a bare name takes the resource's domain
-        if rename and _resource_name_problem(rename):
-            raise SharingConfigError(f"{source}: {at}.rename: {_resource_name_problem(rename)}, got {rename!r}")
-        resolved = rename or (name + SHARED_SUFFIX if rename_by_default else name)
+        resource = _shared_resource(source, at, item, resources, mps)
+        resolved = resource.rename or (resource.name + SHARED_SUFFIX if rename_by_default else resource.name)
         if resolved in served:
             raise SharingConfigError(f"{source}: {at}: served as {resolved}, as {served[resolved]} is")
         served[resolved] = at
-        resources.append(TimeSliced(name, replicas, rename, mps))
+        resources.append(resource)
     return SharingConfig(tuple(resources), rename_by_default, fail_more)
+
+
+def _shared_resource(source: str, at: str, item: object, earlier: list[TimeSliced], mps: bool) -> TimeSliced:
+    """One entry of `resources` (at `at`): a resource name not listed before, its replicas, `devices: all`, and
+    its rename (a bare name takes the resource's domain)."""
+    entry = _mapping(source, at, item, ("name", "replicas", "rename", "devices"))
+    name = entry.get("name")
+    if not isinstance(name, str) or _resource_name_problem(name):
+        problem = _resource_name_problem(name) if isinstance(name, str) else "expected a resource name"
+        raise SharingConfigError(f"{source}: {at}.name: {problem}, got {name!r}")
+    if any(r.name == name for r in earlier):
+        raise SharingConfigError(f"{source}: {at}.name: {name} is listed twice")
+    replicas = entry.get("replicas")
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
+        raise SharingConfigError(f"{source}: {at}.replicas: expected a whole number from 1 to {MAX_REPLICAS}, "
+                                 f"got {replicas!r}")
+    devices = entry.get("devices", "all")
+    if devices != "all":
+        raise SharingConfigError(f"{source}: {at}.devices: only 'all' is supported (every device of the "
+                                 f"resource is time-sliced), got {devices!r}")
+    rename = entry.get("rename", "")
+    if not isinstance(rename, str):
+        raise SharingConfigError(f"{source}: {at}.rename: expected a resource name, got {rename!r}")
+    if rename and "/" not in rename:
+        rename = f"{name.partition('/')[0]}/{rename}"  # a bare name takes the resource's domain
+    if rename and _resource_name_problem(rename):
+        raise SharingConfigError(f"{source}: {at}.rename: {_resource_name_problem(rename)}, got {rename!r}")
+    return TimeSliced(name, replicas, rename, mps)
 
 
 def replica_id(device_id: str, k: int) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -177,7 +178,7 @@ class Profile:
 class _Fields:
     """Strict reader for one mapping in a profile file; errors name the file and the field."""
 
-    def __init__(self, data: object, where: str, allowed: set[str]) -> None:
+    def __init__(self, data: object, where: str, allowed: AbstractSet[str]) -> None:
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: expected a mapping")
         unknown = sorted(set(data) - allowed)
@@ -213,6 +214,12 @@ class _Fields:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{self.where}.{key}: expected a list of strings")
         return tuple(value)
+
+    def choice(self, key: str, default: str, allowed: tuple[str, ...], expected: str) -> str:
+        value: str = self.text(key, default)
+        if value not in allowed:
+            raise ConfigError(f"{self.where}.{key}: {expected}")
+        return value
 
     def hex_ids(self, key: str) -> tuple[int, ...]:
         out = []
@@ -403,37 +410,26 @@ def _config_files(raw: object, where: str) -> tuple[ConfigFile, ...]:
     return tuple(out)
 
 
+PROFILE_FIELDS = frozenset({
+    "name", "kind", "description", "match", "priority", "group-by", "sharing", "device-nodes", "shared-nodes", "uuid",
+    "driver-version", "libraries", "library-dirs", "binaries", "files", "env", "models", "vendor-name",
+    "request-env", "uevents", "health", "mount-options", "driver-libraries", "links", "config-files", "partitions",
+    "forward-compat", "channels", "application-profile"})
+
+
 def parse_profile(data: object, source: str) -> Profile:
-    f = _Fields(data, source, {"name", "kind", "description", "match", "priority", "group-by", "sharing",
-                               "device-nodes", "shared-nodes", "uuid", "driver-version", "libraries",
-                               "library-dirs", "binaries", "files", "env", "models", "vendor-name",
-                               "request-env", "uevents", "health", "mount-options", "driver-libraries",
-                               "links", "config-files", "partitions", "forward-compat", "channels",
-                               "application-profile"})
+    f = _Fields(data, source, PROFILE_FIELDS)
     name = f.text("name", required=True)
     kind = f.text("kind", required=True)
-    problem = kind_problem(kind)
-    if problem:
+    if problem := kind_problem(kind):
         raise ConfigError(f"{source}.kind: {problem}")
     match = _Fields(f.data.get("match", {}), f"{source}.match", {"vendor", "class", "driver"})
     uuid = _Fields(f.data.get("uuid", {}), f"{source}.uuid", {"proc-file", "key", "nvml"})
     version = _Fields(f.data.get("driver-version", {}), f"{source}.driver-version", {"proc-file", "module"})
-    group_by = f.text("group-by", "function")
-    if group_by not in ("function", "slot"):
-        raise ConfigError(f"{source}.group-by: expected function or slot")
-    sharing = f.text("sharing", "exclusive")
-    if sharing not in SHARING_MODES:
-        raise ConfigError(f"{source}.sharing: expected one of {', '.join(SHARING_MODES)}")
-    models_raw = f.data.get("models", {})
-    if not isinstance(models_raw, dict):
-        raise ConfigError(f"{source}.models: expected a mapping of device id to name")
-    try:
-        models = tuple(sorted((int(str(k), 16), str(v)) for k, v in models_raw.items()))
-    except ValueError:
-        raise ConfigError(f"{source}.models: keys must be hex device ids") from None
-    for entry in f.strings("env"):
-        if "=" not in entry[1:]:
-            raise ConfigError(f"{source}.env: {entry!r} is not KEY=VALUE")
+    group_by = f.choice("group-by", "function", ("function", "slot"), "expected function or slot")
+    sharing = f.choice("sharing", "exclusive", SHARING_MODES, f"expected one of {', '.join(SHARING_MODES)}")
+    models = _models(f.data.get("models", {}), f"{source}.models")
+    env = _env(f)
     health_flags, kernel_log = _health(f.data.get("health", {}), f"{source}.health")
     nodes = f.data.get("device-nodes", [])
     shared = f.data.get("shared-nodes", [])
@@ -475,9 +471,27 @@ def parse_profile(data: object, source: str) -> Profile:
         library_dirs=f.strings("library-dirs"),
         binaries=f.strings("binaries"),
         files=f.strings("files"),
-        env=f.strings("env"),
+        env=env,
         models=models,
     )
+
+
+def _models(data: object, where: str) -> tuple[tuple[int, str], ...]:
+    """`models`: device id (hex) -> the model's name, sorted by id."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of device id to name")
+    try:
+        return tuple(sorted((int(str(k), 16), str(v)) for k, v in data.items()))
+    except ValueError:
+        raise ConfigError(f"{where}: keys must be hex device ids") from None
+
+
+def _env(f: _Fields) -> tuple[str, ...]:
+    env = f.strings("env")
+    for entry in env:
+        if "=" not in entry[1:]:
+            raise ConfigError(f"{f.where}.env: {entry!r} is not KEY=VALUE")
+    return env
 
 
 def yaml_problem(path: str, err: Exception) -> str:

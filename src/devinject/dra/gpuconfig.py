@@ -16,6 +16,7 @@ differences from NVIDIA's are: docs/sharing.md."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from devinject.core.asciitext import is_digits
@@ -120,15 +121,25 @@ def parse_gpu_config(parameters: object, where: str, group: str) -> GpuSharing:
     if strategy not in (TIME_SLICING, MPS):
         raise GpuConfigError(f"{where}: sharing.strategy: expected {TIME_SLICING} or {MPS}, got {_shown(strategy)}")
     if strategy == TIME_SLICING:
-        if sharing.get("mpsConfig") is not None:
-            raise GpuConfigError(f"{where}: sharing.mpsConfig: cannot be used with the {TIME_SLICING} strategy")
-        config = sharing.get("timeSlicingConfig") or {}
-        slicing = _mapping(where, "sharing.timeSlicingConfig", config, ("interval",))
-        interval = slicing.get("interval", "Default")
-        if interval not in INTERVALS:
-            raise GpuConfigError(f"{where}: sharing.timeSlicingConfig.interval: expected one of "
-                                 f"{', '.join(INTERVALS)}, got {_shown(interval)}")
-        return GpuSharing(TIME_SLICING, str(interval))
+        return _time_slicing(where, sharing)
+    return _mps(where, sharing)
+
+
+def _time_slicing(where: str, sharing: Mapping[str, object]) -> GpuSharing:
+    """sharing with the time-slicing strategy: its timeSlicingConfig's interval."""
+    if sharing.get("mpsConfig") is not None:
+        raise GpuConfigError(f"{where}: sharing.mpsConfig: cannot be used with the {TIME_SLICING} strategy")
+    config = sharing.get("timeSlicingConfig") or {}
+    slicing = _mapping(where, "sharing.timeSlicingConfig", config, ("interval",))
+    interval = slicing.get("interval", "Default")
+    if interval not in INTERVALS:
+        raise GpuConfigError(f"{where}: sharing.timeSlicingConfig.interval: expected one of "
+                             f"{', '.join(INTERVALS)}, got {_shown(interval)}")
+    return GpuSharing(TIME_SLICING, str(interval))
+
+
+def _mps(where: str, sharing: Mapping[str, object]) -> GpuSharing:
+    """sharing with the MPS strategy: its mpsConfig's thread percentage and pinned memory limits."""
     if sharing.get("timeSlicingConfig") is not None:
         raise GpuConfigError(f"{where}: sharing.timeSlicingConfig: cannot be used with the {MPS} strategy")
     at = "sharing.mpsConfig"
@@ -142,6 +153,11 @@ def parse_gpu_config(parameters: object, where: str, group: str) -> GpuSharing:
                              f"100, got {_shown(percentage)}")
     limit = mps.get("defaultPinnedDeviceMemoryLimit")
     limit_mb = None if limit is None else megabytes(where, f"{at}.defaultPinnedDeviceMemoryLimit", limit)
+    return GpuSharing(MPS, mps=MpsSettings(percentage, limit_mb, _per_device_limits(where, at, mps)))
+
+
+def _per_device_limits(where: str, at: str, mps: Mapping[str, object]) -> dict[str, int]:
+    """defaultPerDevicePinnedMemoryLimit: MB by the device's index in the claim."""
     per_device: dict[str, int] = {}
     listed = mps.get("defaultPerDevicePinnedMemoryLimit") or {}
     if not isinstance(listed, dict) or len(listed) > MAX_DEVICE_LIMITS:
@@ -152,7 +168,7 @@ def parse_gpu_config(parameters: object, where: str, group: str) -> GpuSharing:
             raise GpuConfigError(f"{where}: {at}.defaultPerDevicePinnedMemoryLimit.{_shown(key)}: expected a "
                                  "device index in the claim (0, 1, ...)")
         per_device[str(int(key))] = megabytes(where, f"{at}.defaultPerDevicePinnedMemoryLimit.{key}", value)
-    return GpuSharing(MPS, mps=MpsSettings(percentage, limit_mb, per_device))
+    return per_device
 
 
 def request_sharing(configs: object, driver: str, where: str, requests: list[str]) -> dict[str, GpuSharing]:

@@ -533,27 +533,14 @@ def install_node_hook(host_root: str = "/", directory: str = DEFAULT_DIR, *, for
     the one there is already ready (`force`: rebuild anyway). The new bundle is built and run in a sibling
     directory, then exchanged with the installed one, which is removed only after the new one runs in place."""
     from devinject.linux.filelock import exclusive
-    from devinject.linux.trusteddir import make_dirs, trusted_dir
 
     bundle = in_root(host_root, directory)
     parent, name = os.path.split(bundle)
-    problem = ancestors_problem(host_root, directory)  # first: nothing is made under a directory others can write
-    if problem:
-        raise DevinjectError(problem)
-    try:
-        make_dirs(parent)
-    except OSError as err:
-        raise DevinjectError(f"{parent}: cannot create: {err.strerror}") from None
-    trusted_dir(parent, what="node hook's parent directory")
+    _trusted_parent(host_root, directory, parent)
     with exclusive(os.path.join(parent, f".{name}.lock"), timeout=LOCK_TIMEOUT, what="node hook install"):
         clean_staging(parent, name)
         if os.path.lexists(bundle):
-            st = os.lstat(bundle)
-            if not stat.S_ISDIR(st.st_mode):
-                raise DevinjectError(f"{bundle}: is not a directory; remove it, or choose another --dir")
-            if st.st_dev != os.stat(parent).st_dev:
-                raise DevinjectError(f"{bundle}: is a mount point; mount its parent directory instead "
-                                     "(the new bundle is renamed into place beside it)")
+            _check_replaceable(bundle, parent)
             if not force and node_hook_ready(host_root, directory) is None:
                 count, size = content_digest(bundle)[1:]
                 return Installed(hook_path(directory), False, count, size)
@@ -563,28 +550,58 @@ def install_node_hook(host_root: str = "/", directory: str = DEFAULT_DIR, *, for
             raise DevinjectError(f"{parent}: cannot write: {err.strerror}") from None
         try:
             count, size = build(stage, directory.rstrip("/"), parent)
-            problem = _runs(stage, parent)
-            if problem:
-                raise DevinjectError(f"the new node hook does not run, the installed one is kept: {problem}")
-            if os.path.lexists(bundle):
-                _exchange(stage, bundle)  # the previous bundle is now at `stage`
-                problem = _runs(bundle)
-                if problem:
-                    _exchange(stage, bundle)
-                    raise DevinjectError(f"the new node hook does not run in place, the previous one is back: "
-                                         f"{problem}")
-            else:
-                os.rename(stage, bundle)
-                problem = _runs(bundle)
-                if problem:
-                    os.rename(bundle, stage)
-                    raise DevinjectError(f"the new node hook does not run in place, removed: {problem}")
-            _sync(parent)
+            _put_in_place(stage, bundle, parent)
         except OSError as err:
             raise DevinjectError(f"{bundle}: cannot install the node hook: {err.strerror or err}") from None
         finally:
             shutil.rmtree(stage, ignore_errors=True)
     return Installed(hook_path(directory), True, count, size)
+
+
+def _trusted_parent(host_root: str, directory: str, parent: str) -> None:
+    """The bundle's parent made, and trusted: first, nothing is made under a directory others can write."""
+    from devinject.linux.trusteddir import make_dirs, trusted_dir
+
+    problem = ancestors_problem(host_root, directory)
+    if problem:
+        raise DevinjectError(problem)
+    try:
+        make_dirs(parent)
+    except OSError as err:
+        raise DevinjectError(f"{parent}: cannot create: {err.strerror}") from None
+    trusted_dir(parent, what="node hook's parent directory")
+
+
+def _check_replaceable(bundle: str, parent: str) -> None:
+    """The installed bundle can be exchanged with a new one beside it: a directory, on its parent's mount."""
+    st = os.lstat(bundle)
+    if not stat.S_ISDIR(st.st_mode):
+        raise DevinjectError(f"{bundle}: is not a directory; remove it, or choose another --dir")
+    if st.st_dev != os.stat(parent).st_dev:
+        raise DevinjectError(f"{bundle}: is a mount point; mount its parent directory instead "
+                             "(the new bundle is renamed into place beside it)")
+
+
+def _put_in_place(stage: str, bundle: str, parent: str) -> None:
+    """The new bundle built at `stage` to `bundle`, once it runs there and again in place; where it does not,
+    the previous bundle (or none) is back at `bundle` and the new one at `stage`, to be removed."""
+    problem = _runs(stage, parent)
+    if problem:
+        raise DevinjectError(f"the new node hook does not run, the installed one is kept: {problem}")
+    if os.path.lexists(bundle):
+        _exchange(stage, bundle)  # the previous bundle is now at `stage`
+        problem = _runs(bundle)
+        if problem:
+            _exchange(stage, bundle)
+            raise DevinjectError(f"the new node hook does not run in place, the previous one is back: "
+                                 f"{problem}")
+    else:
+        os.rename(stage, bundle)
+        problem = _runs(bundle)
+        if problem:
+            os.rename(bundle, stage)
+            raise DevinjectError(f"the new node hook does not run in place, removed: {problem}")
+    _sync(parent)
 
 
 def _sync(directory: str) -> None:

@@ -39,44 +39,70 @@ def read_shared_object(fd: int) -> SharedObject | None:
         return None
 
 
+class _Layout(NamedTuple):
+    """Where an ELF class (1: 32-bit, 2: 64-bit) keeps what the cache needs: e_phoff's format and offset, the
+    offset of e_phentsize and e_phnum, a program header with the places of p_type, p_offset, p_vaddr and
+    p_filesz in it, and a dynamic entry (tag, value)."""
+
+    phoff: str
+    phoff_at: int
+    phsizes_at: int
+    ph: struct.Struct
+    ph_fields: tuple[int, int, int, int]
+    dyn: struct.Struct
+
+
+_LAYOUTS = {2: _Layout("<Q", 32, 54, struct.Struct("<IIQQQQQQ"), (0, 2, 3, 5), struct.Struct("<qQ")),
+            1: _Layout("<I", 28, 42, struct.Struct("<IIIIIIII"), (0, 1, 2, 4), struct.Struct("<iI"))}
+
+
 def _read(fd: int) -> SharedObject | None:
     ident = os.pread(fd, 64, 0)
     if len(ident) < 52 or ident[:4] != b"\x7fELF" or ident[5] != 1:  # little-endian only
         return None
-    elf_class = ident[4]
-    if elf_class == 2:
-        e_type, machine = struct.unpack_from("<HH", ident, 16)
-        (phoff,) = struct.unpack_from("<Q", ident, 32)
-        phentsize, phnum = struct.unpack_from("<HH", ident, 54)
-        ph, dyn = struct.Struct("<IIQQQQQQ"), struct.Struct("<qQ")
-    elif elf_class == 1:
-        e_type, machine = struct.unpack_from("<HH", ident, 16)
-        (phoff,) = struct.unpack_from("<I", ident, 28)
-        phentsize, phnum = struct.unpack_from("<HH", ident, 42)
-        ph, dyn = struct.Struct("<IIIIIIII"), struct.Struct("<iI")
-    else:
+    layout = _LAYOUTS.get(ident[4])
+    if layout is None:
         return None
-    arch = _ARCH.get((elf_class, machine))
-    if e_type != _ET_DYN or arch is None or phentsize < ph.size or not 0 < phnum <= MAX_PROGRAM_HEADERS:
+    e_type, machine = struct.unpack_from("<HH", ident, 16)
+    (phoff,) = struct.unpack_from(layout.phoff, ident, layout.phoff_at)
+    phentsize, phnum = struct.unpack_from("<HH", ident, layout.phsizes_at)
+    arch = _ARCH.get((ident[4], machine))
+    if e_type != _ET_DYN or arch is None or phentsize < layout.ph.size or not 0 < phnum <= MAX_PROGRAM_HEADERS:
         return None
-    table = os.pread(fd, phentsize * phnum, phoff)
-    loads: list[tuple[int, int, int]] = []  # (vaddr, filesz, offset)
-    dynamic: tuple[int, int] | None = None  # (offset, filesz)
+    segments = _segments(os.pread(fd, phentsize * phnum, phoff), layout, phentsize, phnum)
+    if segments is None:
+        return None
+    loads, (dynamic_offset, dynamic_size) = segments
+    dyn = layout.dyn
+    tags = _strtab_and_soname(os.pread(fd, min(dynamic_size, dyn.size * MAX_DYNAMIC_ENTRIES), dynamic_offset), dyn)
+    if tags is None:
+        return None
+    name = _string_at(fd, loads, *tags)
+    if not name or "/" in name:
+        return None
+    return SharedObject(name, arch | FLAG_ELF_LIBC6)
+
+
+def _segments(table: bytes, layout: _Layout, phentsize: int,
+              phnum: int) -> tuple[list[tuple[int, int, int]], tuple[int, int]] | None:
+    """The loaded segments (vaddr, filesz, offset) and the dynamic one (offset, filesz) of a program header
+    table; None without a dynamic segment or for a table cut short."""
+    loads: list[tuple[int, int, int]] = []
+    dynamic: tuple[int, int] | None = None
+    type_at, offset_at, vaddr_at, filesz_at = layout.ph_fields
     for index in range(phnum):
         if len(table) < (index + 1) * phentsize:
             return None
-        fields = ph.unpack_from(table, index * phentsize)
-        if elf_class == 2:
-            p_type, _, offset, vaddr, _, filesz = fields[:6]
-        else:
-            p_type, offset, vaddr, _, filesz = fields[:5]
-        if p_type == _PT_LOAD:
-            loads.append((vaddr, filesz, offset))
-        elif p_type == _PT_DYNAMIC:
-            dynamic = (offset, filesz)
-    if dynamic is None:
-        return None
-    data = os.pread(fd, min(dynamic[1], dyn.size * MAX_DYNAMIC_ENTRIES), dynamic[0])
+        fields = layout.ph.unpack_from(table, index * phentsize)
+        if fields[type_at] == _PT_LOAD:
+            loads.append((fields[vaddr_at], fields[filesz_at], fields[offset_at]))
+        elif fields[type_at] == _PT_DYNAMIC:
+            dynamic = (fields[offset_at], fields[filesz_at])
+    return None if dynamic is None else (loads, dynamic)
+
+
+def _strtab_and_soname(data: bytes, dyn: struct.Struct) -> tuple[int, int] | None:
+    """DT_STRTAB's address and DT_SONAME's offset in it, from the dynamic section up to DT_NULL."""
     strtab = soname = None
     for index in range(len(data) // dyn.size):
         tag, value = dyn.unpack_from(data, index * dyn.size)
@@ -86,14 +112,15 @@ def _read(fd: int) -> SharedObject | None:
             strtab = value
         elif tag == _DT_SONAME:
             soname = value
-    if strtab is None or soname is None:
-        return None
-    for vaddr, filesz, offset in loads:  # the string table's address -> its place in the file
+    return None if strtab is None or soname is None else (strtab, soname)
+
+
+def _string_at(fd: int, loads: list[tuple[int, int, int]], strtab: int, offset: int) -> str | None:
+    """The string at `offset` in the string table at address `strtab`, read where a loaded segment puts that
+    address in the file; None where none does."""
+    for vaddr, filesz, file_offset in loads:
         if vaddr <= strtab < vaddr + filesz:
-            raw = os.pread(fd, MAX_SONAME, offset + strtab - vaddr + soname)
+            raw = os.pread(fd, MAX_SONAME, file_offset + strtab - vaddr + offset)
             end = raw.find(b"\0")
-            name = raw[:end].decode() if end > 0 else ""
-            if not name or "/" in name:
-                return None
-            return SharedObject(name, arch | FLAG_ELF_LIBC6)
+            return raw[:end].decode() if end > 0 else ""
     return None

@@ -620,19 +620,7 @@ def _containerd(root: str, path: str, dirs: list[str], version: str | None, reve
     real = write_target(root, path)
     text = read_text(real)
     current = read_containerd(path, root, {path: text})
-    file_version = current.version
-    known = version or (binary_version("containerd") if root == "/" else None)
-    if known is None:
-        if file_version is None:
-            raise ConfigError(f"{real}: no config and no containerd binary to tell its version: "
-                              "give --runtime-version 1.7 or 2.x")
-        known = {3: "2.0", 4: "2.3"}.get(file_version, "1.7")  # a version 2 config edited in place: 1.7 and 2.x
-    major_minor = _major_minor(known)
-    if major_minor < (1, 7):
-        raise ConfigError(f"containerd {known} applies no CDI (enable_cdi came in 1.7): {NO_CDI_FIX}")
-    problem = containerd_version_problem(file_version, known)
-    if problem:
-        raise ConfigError(f"{real}: {problem}; nothing written")
+    major_minor = _containerd_version(root, real, version, current.version)
     two = major_minor >= (2, 0)
     restart = "systemctl restart containerd"
     drop_in = os.path.join(os.path.dirname(path), "conf.d", DROP_IN + ".toml")
@@ -654,7 +642,34 @@ def _containerd(root: str, path: str, dirs: list[str], version: str | None, reve
         _check_edit(real, old, new, ("plugins", CRI_17), ("enable_cdi", "cdi_spec_dirs"))
         return _plan("containerd", [Change(real, text, new)], restart)
     # never a drop-in newer than the root file: 2.3.0-2.3.4 refuse to start then
-    drop_version = file_version or (4 if major_minor >= (2, 3) else 3)
+    drop_version = current.version or (4 if major_minor >= (2, 3) else 3)
+    changes = _containerd_drop_in(root, path, dirs, drop_version, real=real, text=text, drop_in=drop_in,
+                                  drop_real=drop_real, existing=existing)
+    return _plan("containerd", changes, restart)
+
+
+def _containerd_version(root: str, real: str, version: str | None, file_version: int | None) -> tuple[int, int]:
+    """The (major, minor) of the containerd the config is for: --runtime-version, else the binary's on /, else
+    what the file's own version says; refused where it applies no CDI or does not read that file."""
+    known = version or (binary_version("containerd") if root == "/" else None)
+    if known is None:
+        if file_version is None:
+            raise ConfigError(f"{real}: no config and no containerd binary to tell its version: "
+                              "give --runtime-version 1.7 or 2.x")
+        known = {3: "2.0", 4: "2.3"}.get(file_version, "1.7")  # a version 2 config edited in place: 1.7 and 2.x
+    major_minor = _major_minor(known)
+    if major_minor < (1, 7):
+        raise ConfigError(f"containerd {known} applies no CDI (enable_cdi came in 1.7): {NO_CDI_FIX}")
+    problem = containerd_version_problem(file_version, known)
+    if problem:
+        raise ConfigError(f"{real}: {problem}; nothing written")
+    return major_minor
+
+
+def _containerd_drop_in(root: str, path: str, dirs: list[str], drop_version: int, *, real: str, text: str | None,
+                        drop_in: str, drop_real: str, existing: str | None) -> list[Change]:
+    """containerd 2's changes: devinject's drop-in with CDI on and `dirs`, imported by the root config; refused
+    where a later import would set the keys back."""
     section = CRI_17 if drop_version == 2 else CRI_2  # a version 2 file's CRI keys, which containerd 2 migrates
     drop_text = _toml_document(drop_real, "CDI on, spec dirs; `devinject runtime configure --runtime containerd "
                                "--revert` removes this file",
@@ -668,13 +683,12 @@ def _containerd(root: str, path: str, dirs: list[str], version: str | None, reve
         main_text = _set_keys(old, None, {"imports": [*imports, drop_in]})
         _check_edit(real, old, main_text, (), ("imports",))
         changes.append(Change(real, text, main_text))
-    after = read_containerd(path, root, {path: main_text, drop_in: drop_text})
-    enabled, now, setter = after.cri(two)
+    enabled, now, setter = read_containerd(path, root, {path: main_text, drop_in: drop_text}).cri(True)
     if not enabled or now != dirs:
         raise ConfigError(f"{in_root(root, setter or path)}: sets {'enable_cdi' if not enabled else 'cdi_spec_dirs'}"
                           f" after {drop_in} (containerd merges its imports in order); nothing written (change it "
                           "there)")
-    return _plan("containerd", changes, restart)
+    return changes
 
 
 def import_covers(parent: str, entry: object, path: str) -> bool:

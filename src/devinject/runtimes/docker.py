@@ -48,6 +48,7 @@ CDI_BY_DEFAULT = (28, 2)  # moby 4cecce03f6: CDI on unless features.cdi is false
 RECORD_SUFFIX = ".devinject"
 RECORD_KIND = "devinject docker daemon.json record"
 RESTART = "then: systemctl restart docker"
+DaemonJson = dict[str, Any]  # daemon.json as parse_daemon_json reads it, its keys checked
 BOM = "\ufeff"
 UNIT = "docker.service"
 # where systemd looks for a unit and its drop-ins, first wins for a unit file (a drop-in's name likewise)
@@ -360,33 +361,66 @@ def plan_configure(path: str, text: str | None, record_text: str | None, *, vers
     CDI off, a key a flag of dockerd's already sets."""
     record_file = record_path(path)
     record = parse_record(record_text, record_file, path) if record_text is not None else None
+    known = _configurable_version(version)
+    data = parse_daemon_json(text, path)
+    added_cdi = _adds_features_cdi(path, data, daemon, version, known)
+    current, missing, filled = _missing_spec_dirs(path, data, daemon, spec_dirs)
+    out = dict(data)
+    if added_cdi:
+        out["features"] = {**data.get("features", {}), "cdi": True}
+    if missing:
+        out["cdi-spec-dirs"] = [*current, *missing]
+    if out == data:
+        return Plan("docker", ())
+    new = render(out, text)
+    record = _next_record(record, text, new, added_cdi, missing, filled)
+    return Plan("docker", (Change(record_file, record_text, record.to_json()), Change(path, text, new)), (RESTART,))
+
+
+def _configurable_version(version: str | None) -> tuple[int, int]:
+    """docker's version as (major, minor), refused where devinject cannot write CDI's keys for it."""
     if version is None:
         raise ConfigError("docker's version is unknown (no dockerd to ask): give --runtime-version; nothing written")
     known = _major_minor(version)
     if known < CDI_FEATURE:
         raise ConfigError(f"docker {version} applies no CDI (features.cdi came in 25) and refuses keys it does not "
                           f"know, so daemon.json is left alone: {NO_CDI_FIX}")
-    data = parse_daemon_json(text, path)
-    features: dict[str, bool] = data.get("features", {})
+    return known
+
+
+def _cdi_feature(data: DaemonJson, daemon: Daemon) -> bool | None:
+    """features.cdi as dockerd applies it: its --feature flag's when it has one (then daemon.json's is refused)."""
+    flag_features = daemon.features
+    return flag_features[0].get("cdi") if flag_features is not None else data.get("features", {}).get("cdi")
+
+
+def _adds_features_cdi(path: str, data: DaemonJson, daemon: Daemon, version: str | None,
+                       known: tuple[int, int]) -> bool:
+    """Whether daemon.json needs features.cdi: true (a docker before 28.2 with it unset); refused where an admin
+    turned CDI off, or where dockerd's --feature flag owns the key."""
     flag_features = daemon.features
     if flag_features is not None and "features" in data:
         raise ConfigError(f"{path}: features is set here and by dockerd's --feature ({flag_features[1]}): dockerd "
                           "refuses to start so; keep one of them; nothing written")
-    cdi = flag_features[0].get("cdi") if flag_features is not None else features.get("cdi")
+    cdi = _cdi_feature(data, daemon)
     where = f"dockerd's --feature cdi=false ({flag_features[1]})" if flag_features is not None else \
         f"{path}: features.cdi is false"
     if cdi is False:
         raise ConfigError(f"{where}: CDI is turned off on purpose, and devinject does not turn it on; set it to true "
                           "by hand (or remove it, docker 28.2+) and run this again; nothing written")
-    out = dict(data)
-    added_cdi = False
-    if cdi is None and known < CDI_BY_DEFAULT:
-        if flag_features is not None:
-            raise ConfigError(f"docker {version} needs features.cdi, and dockerd's command line sets --feature "
-                              f"({flag_features[1]}), so daemon.json cannot (dockerd would refuse to start): add "
-                              "--feature cdi=true there; nothing written")
-        out["features"] = {**features, "cdi": True}
-        added_cdi = True
+    if cdi is not None or known >= CDI_BY_DEFAULT:
+        return False
+    if flag_features is not None:
+        raise ConfigError(f"docker {version} needs features.cdi, and dockerd's command line sets --feature "
+                          f"({flag_features[1]}), so daemon.json cannot (dockerd would refuse to start): add "
+                          "--feature cdi=true there; nothing written")
+    return True
+
+
+def _missing_spec_dirs(path: str, data: DaemonJson, daemon: Daemon,
+                       spec_dirs: list[str]) -> tuple[list[str], list[str], tuple[str, ...] | None]:
+    """The dirs docker reads now, those of `spec_dirs` it does not, and the defaults written out with them
+    (where daemon.json had no cdi-spec-dirs); refused where an admin emptied the list or a flag owns it."""
     flag_dirs = daemon.spec_dirs
     if "cdi-spec-dirs" in data and flag_dirs is not None:
         raise ConfigError(f"{path}: cdi-spec-dirs is set here and by dockerd's --cdi-spec-dir ({flag_dirs[1]}): "
@@ -397,25 +431,23 @@ def plan_configure(path: str, text: str | None, record_text: str | None, *, vers
         raise ConfigError(f"{path}: cdi-spec-dirs is empty (docker reads no spec dirs: CDI off on purpose), and "
                           "devinject does not turn it on; add the dirs by hand; nothing written")
     missing = [d for d in dict.fromkeys(spec_dirs) if not _has(current, d)]
-    filled: tuple[str, ...] | None = None
-    if missing:
-        if flag_dirs is not None:
-            adds = " ".join(f"--cdi-spec-dir {shlex.quote(d)}" for d in missing)
-            raise ConfigError(f"dockerd's command line sets --cdi-spec-dir ({flag_dirs[1]}), so daemon.json cannot "
-                              f"(dockerd would refuse to start): add {adds} there; nothing written")
-        if "cdi-spec-dirs" not in data:
-            filled = DOCKER_SPEC_DIRS
-        out["cdi-spec-dirs"] = [*current, *missing]
-    if out == data:
-        return Plan("docker", ())
-    new = render(out, text)
+    if missing and flag_dirs is not None:
+        adds = " ".join(f"--cdi-spec-dir {shlex.quote(d)}" for d in missing)
+        raise ConfigError(f"dockerd's command line sets --cdi-spec-dir ({flag_dirs[1]}), so daemon.json cannot "
+                          f"(dockerd would refuse to start): add {adds} there; nothing written")
+    filled = DOCKER_SPEC_DIRS if missing and "cdi-spec-dirs" not in data else None
+    return current, missing, filled
+
+
+def _next_record(record: Record | None, text: str | None, new: str, added_cdi: bool, missing: list[str],
+                 filled: tuple[str, ...] | None) -> Record:
+    """The record of this change, merged into an earlier one's."""
     if record is None:
-        record = Record(_sha(new), text, True, added_cdi, tuple(missing), filled)
-    else:  # a second change: the first's `before` holds while the file is as devinject left it
-        kept = record.before_known and text is not None and _sha(text) == record.written
-        record = Record(_sha(new), record.before if kept else None, kept, record.features_cdi or added_cdi,
-                        (*record.spec_dirs, *missing), record.filled if record.filled is not None else filled)
-    return Plan("docker", (Change(record_file, record_text, record.to_json()), Change(path, text, new)), (RESTART,))
+        return Record(_sha(new), text, True, added_cdi, tuple(missing), filled)
+    # a second change: the first's `before` holds while the file is as devinject left it
+    kept = record.before_known and text is not None and _sha(text) == record.written
+    return Record(_sha(new), record.before if kept else None, kept, record.features_cdi or added_cdi,
+                  (*record.spec_dirs, *missing), record.filled if record.filled is not None else filled)
 
 
 def plan_revert(path: str, text: str | None, record_text: str | None) -> Plan:
@@ -542,7 +574,6 @@ def status(path: str, text: str | None, *, version: str | None, daemon: Daemon, 
     that works on that version. Pure."""
     named = f"docker {version}" if version else "docker"
     known = _major_minor(version) if version else None
-    configure = "devinject runtime configure --runtime docker"
     if known is not None and known < CDI_FEATURE:
         if hook_installed:
             return DockerStatus(True, f"{named} applies no CDI; the devinject hook is installed")
@@ -554,6 +585,29 @@ def status(path: str, text: str | None, *, version: str | None, daemon: Daemon, 
         return DockerStatus(False, err.message.removesuffix("; nothing written") + " (dockerd does not start)",
                             f"correct {path} (dockerd --validate --config-file {path} says what it refuses)")
     read = path if text is not None else f"{path} absent"
+    off = _cdi_off(path, data, read, daemon=daemon, version=version, known=known)
+    if off is not None:
+        return off
+    dirs, where, dir_fix = _status_spec_dirs(path, data, read, daemon=daemon, version=version)
+    on = "features.cdi" if _cdi_feature(data, daemon) else "on by default since 28.2"
+    if not dirs:
+        # configure leaves an admin's empty list alone (CDI off on purpose): the fix is the admin's
+        return DockerStatus(False, f"{named} applies CDI ({on}) from no spec dir ({where} is empty)",
+                            f"put the spec dirs into cdi-spec-dirs in {path} (or remove it for "
+                            f"{', '.join(DOCKER_SPEC_DIRS)}), then systemctl restart docker")
+    return DockerStatus(True, f"{named} applies CDI ({on}) from {', '.join(dirs)} ({where})", spec_dirs=dirs,
+                        spec_dir_fix=dir_fix)
+
+
+def _configure_command(version: str | None) -> str:
+    return "devinject runtime configure --runtime docker" + (f" --runtime-version {version}" if version else "")
+
+
+def _cdi_off(path: str, data: DaemonJson, read: str, *, daemon: Daemon, version: str | None,
+             known: tuple[int, int] | None) -> DockerStatus | None:
+    """Why dockerd applies no CDI with this daemon.json and command line (a key set twice, features.cdi false,
+    or unset before 28.2), with its fix; None where CDI is on."""
+    named = f"docker {version}" if version else "docker"
     flag_features, flag_dirs = daemon.features, daemon.spec_dirs
     clashes = [(k, f[1]) for k, f in (("features", flag_features), ("cdi-spec-dirs", flag_dirs)) if f and k in data]
     if clashes:
@@ -561,7 +615,7 @@ def status(path: str, text: str | None, *, version: str | None, daemon: Daemon, 
         return DockerStatus(False, f"{path}: {keys} set both here and on dockerd's command line "
                             f"({'; '.join(dict.fromkeys(w for _, w in clashes))}): dockerd refuses to start",
                             f"remove {keys} from {path} or the flag, then systemctl restart docker")
-    cdi = flag_features[0].get("cdi") if flag_features is not None else data.get("features", {}).get("cdi")
+    cdi = _cdi_feature(data, daemon)
     source = f"--feature on dockerd's command line ({flag_features[1]})" if flag_features else read
     if cdi is False:
         fix = (f"remove --feature cdi=false from dockerd's command line ({flag_features[1]})" if flag_features
@@ -572,25 +626,22 @@ def status(path: str, text: str | None, *, version: str | None, daemon: Daemon, 
         why = ("needs features.cdi before 28.2" if known is not None else
                "reads CDI without features.cdi only from 28.2, and its version is unknown (give --runtime-version)")
         fix = (f"add --feature cdi=true to dockerd's command line ({flag_features[1]})" if flag_features
-               else f"{configure}" + (f" --runtime-version {version}" if version else ""))
+               else _configure_command(version))
         return DockerStatus(False, f"{named}: CDI is off: features.cdi is not set ({source}); docker {why}",
                             f"{fix}, then systemctl restart docker")
+    return None
+
+
+def _status_spec_dirs(path: str, data: DaemonJson, read: str, *, daemon: Daemon,
+                      version: str | None) -> tuple[tuple[str, ...], str, str]:
+    """The dirs dockerd reads specs from, where that is set, and the fix that adds one ({spec_dir} to fill)."""
+    flag_dirs = daemon.spec_dirs
     if flag_dirs is not None:
-        dirs, where = flag_dirs[0], f"--cdi-spec-dir on dockerd's command line ({flag_dirs[1]})"
-        dir_fix = f"add --cdi-spec-dir {{spec_dir}} to dockerd's command line ({flag_dirs[1]}), then restart it"
-    else:
-        dirs = tuple(data.get("cdi-spec-dirs", DOCKER_SPEC_DIRS))
-        where = f"cdi-spec-dirs in {path}" if "cdi-spec-dirs" in data else f"docker's defaults ({read})"
-        dir_fix = (f"{configure}" + (f" --runtime-version {version}" if version else "")
-                   + " --spec-dir {spec_dir}, then systemctl restart docker")
-    on = "features.cdi" if cdi else "on by default since 28.2"
-    if not dirs:
-        # configure leaves an admin's empty list alone (CDI off on purpose): the fix is the admin's
-        return DockerStatus(False, f"{named} applies CDI ({on}) from no spec dir ({where} is empty)",
-                            f"put the spec dirs into cdi-spec-dirs in {path} (or remove it for "
-                            f"{', '.join(DOCKER_SPEC_DIRS)}), then systemctl restart docker")
-    return DockerStatus(True, f"{named} applies CDI ({on}) from {', '.join(dirs)} ({where})", spec_dirs=dirs,
-                        spec_dir_fix=dir_fix)
+        return (flag_dirs[0], f"--cdi-spec-dir on dockerd's command line ({flag_dirs[1]})",
+                f"add --cdi-spec-dir {{spec_dir}} to dockerd's command line ({flag_dirs[1]}), then restart it")
+    dirs = tuple(data.get("cdi-spec-dirs", DOCKER_SPEC_DIRS))
+    where = f"cdi-spec-dirs in {path}" if "cdi-spec-dirs" in data else f"docker's defaults ({read})"
+    return dirs, where, _configure_command(version) + " --spec-dir {spec_dir}, then systemctl restart docker"
 
 
 def node_status(root: str, *, version: str | None, hook_installed: bool, config: str | None = None) -> DockerStatus:
