@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -256,7 +256,7 @@ def contested_offers(published: list[Offer], held: dict[tuple[str, str], PluginH
     return out
 
 
-def contest_stands(claim: dict[str, Any] | None, uid: str, driver: str, contest: Contest) -> bool:
+def contest_stands(claim: Mapping[str, Any] | None, uid: str, driver: str, contest: Contest) -> bool:
     """Whether a claim refused on a held device still points at one of its devices: False when the API says
     it is gone (None), is another object (deleted and made again), is no longer allocated, or is allocated on
     none of them."""
@@ -574,7 +574,7 @@ class DraDriver:
         gone = []
         for uid, contest in self.preparer.contested().items():
             try:
-                claim: dict[str, Any] | None = self.preparer.get_claim(contest.namespace, contest.name)
+                claim: Mapping[str, Any] | None = self.preparer.get_claim(contest.namespace, contest.name)
             except ClaimReadError as err:
                 if err.status != 404:
                     continue
