@@ -194,7 +194,7 @@ def test_a_claim_reserved_for_a_podgroup_is_booked_for_the_groups_pods_on_the_no
     state = driver.opts.state_dir
     booking = Ledger(state).snapshot()["allocations"][f"dra-claim:{DRIVER}:{uid}"]
     assert booking["pods"] == sorted((uids["worker-0"], uids["worker-1"])), (booking, uids)
-    assert driver.preparer.prepared()[uid]["pods"] == booking["pods"]
+    assert list(driver.preparer.prepared()[uid].pods or ()) == booking["pods"]
     driver.preparer.unprepare(uid)
     assert f"dra-claim:{DRIVER}:{uid}" not in Ledger(state).snapshot()["allocations"]
     assert not os.listdir(driver.opts.cdi_dir)

@@ -97,7 +97,7 @@ def test_any_error_in_one_claims_prepare_or_unprepare_is_that_claims(served: tup
 
 def test_a_claim_that_fails_unexpectedly_after_its_booking_leaves_nothing(served: tuple[DraDriver, FakeApi],
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A bug after the booking (here in the time slice's step) left the GPU booked and its spec written for a
+    """A bug after the booking (here in the checkpoint's step) left the GPU booked and its spec written for a
     claim the kubelet was told failed: no other claim could have the GPU until a restart."""
     driver, api = served
     api.add("bad", UID_BAD, [(GPU_POOL, "gpu-0000-18-00-0")])
@@ -105,7 +105,7 @@ def test_a_claim_that_fails_unexpectedly_after_its_booking_leaves_nothing(served
     def broken(*args: object) -> None:
         raise IndexError("list index out of range")
 
-    monkeypatch.setattr(driver.preparer, "_timeslices", broken)
+    monkeypatch.setattr(driver.preparer.checkpoint, "save", broken)
     answer = prepare(driver, ("bad", UID_BAD)).claims[UID_BAD]
     assert answer.error.startswith("internal error in devinject's prepare: IndexError") and not answer.devices
     assert UID_BAD not in json.dumps(Ledger(driver.opts.state_dir).snapshot())

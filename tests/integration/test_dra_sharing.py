@@ -147,8 +147,8 @@ def test_a_claim_without_config_stays_exclusive_and_time_slicing_is_recorded(dri
     answer = prepare(driver, ("plain", "uid-plain"), ("sliced", "uid-sliced"))
     assert answer.claims["uid-plain"].error == "" and answer.claims["uid-sliced"].error == ""
     checkpoint = driver.preparer.prepared()
-    assert checkpoint["uid-plain"]["sharing"] == {} and checkpoint["uid-plain"]["mps"] == {}
-    assert checkpoint["uid-sliced"]["sharing"] == {"gpus": {"strategy": "TimeSlicing", "interval": "Short"}}
+    assert checkpoint["uid-plain"].sharing == {} and checkpoint["uid-plain"].mps == {}
+    assert checkpoint["uid-sliced"].sharing == {"gpus": {"strategy": "TimeSlicing", "interval": "Short"}}
     env = claim_spec(dirs, "uid-sliced")["devices"][0]["containerEdits"].get("env", [])  # type: ignore[index]
     assert not [e for e in env if e.startswith("CUDA_MPS")]  # no daemon for time-slicing
     assert daemon_pid(dirs, "uid-sliced") is None

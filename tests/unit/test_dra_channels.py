@@ -100,7 +100,8 @@ def test_a_channel_claim_is_prepared_through_the_channel_spec(driver: DraDriver,
     mine = Claim("nvidia.com/imex-channel=1", (CHANNEL1,))
     with pytest.raises(LedgerError, match="dra-claim"):
         ledger.book("container-a", os.getpid(), (mine,))
-    assert driver.preparer.prepared()[UID]["ledger"] == [["nvidia.com/imex-channel=channel-1", [CHANNEL1], []]]
+    assert [b.to_json() for b in driver.preparer.prepared()[UID].bookings] == [
+        ["nvidia.com/imex-channel=channel-1", [CHANNEL1], []]]
     driver.preparer.unprepare(UID)
     assert os.listdir(dirs["cdi"]) == []
     ledger.book("container-a", os.getpid(), (mine,))

@@ -17,10 +17,10 @@ import pytest
 from devinject.core.errors import LedgerError
 from devinject.dra.claims import Checkpoint, CheckpointError, reserved_pods
 from devinject.dra.driver import DraDriver
-from devinject.nodestate.claimcheckpoints import DraCheckpoint
 from devinject.nodestate.ledger import Claim, Ledger
 from tests.e2e.conftest import stand_ins
 from tests.integration.test_dra_driver import GPU_POOL, FakeApi, make_driver
+from tests.unit.test_dra_checkpoint_records import checksummed
 from tests.unit.test_ledger_pods import OTHER_POD, POD, in_a_pod
 
 UID = "0b7f8e7c-2222-4c1b-9a55-000000000001"
@@ -101,7 +101,7 @@ def test_a_rebuild_keeps_the_claims_bookings(driver: DraDriver, dirs: dict[str, 
 
 def test_a_prepared_claim_books_and_checkpoints_its_pods(driver: DraDriver, dirs: dict[str, str]) -> None:
     driver.preparer.prepare("default", "held", UID)
-    assert driver.preparer.prepared()[UID]["pods"] == [POD]
+    assert driver.preparer.prepared()[UID].pods == (POD,)
     assert Ledger(dirs["state"]).snapshot()["allocations"][BOOKING]["pods"] == [POD]
 
 
@@ -146,7 +146,7 @@ def test_a_checkpoint_without_pods_loads_and_learns_them_from_the_api(driver: Dr
         corrupt_ledger(dirs)
         assert driver.preparer.rebook() == 0
         assert Ledger(dirs["state"]).snapshot()["allocations"][BOOKING]["pods"] == [POD]
-        assert driver.preparer.prepared()[UID]["pods"] == [POD]
+        assert driver.preparer.prepared()[UID].pods == (POD,)
 
 
 def test_a_checkpoint_whose_pods_are_not_uids_is_corrupt(driver: DraDriver, dirs: dict[str, str]) -> None:
@@ -154,7 +154,7 @@ def test_a_checkpoint_whose_pods_are_not_uids_is_corrupt(driver: DraDriver, dirs
     path = Path(dirs["state"], "dra-dra.devinject.io.checkpoint.json")
     data = json.loads(path.read_text())
     data["claims"][UID]["pods"] = POD
-    path.write_bytes(DraCheckpoint(data["claims"]).encode())  # checksummed: the claim's own check refuses it
+    path.write_bytes(checksummed(data["claims"]))  # checksummed: the claim's own check refuses it
     with pytest.raises(CheckpointError, match=f"claim {UID}: pods is not a list of pod UIDs"):
         Checkpoint(str(path)).load()
 
@@ -178,7 +178,7 @@ def test_a_claim_checkpointed_without_pods_learns_them_though_the_ledger_holds_i
     driver.preparer.get_claim = lambda namespace, name: asked.append(name) or real(namespace, name)  # type: ignore[method-assign]
     assert driver.preparer.rebook() == 0
     assert Ledger(dirs["state"]).snapshot()["allocations"][BOOKING]["pods"] == [POD]
-    assert driver.preparer.prepared()[UID]["pods"] == [POD]
+    assert driver.preparer.prepared()[UID].pods == (POD,)
     assert driver.preparer.rebook() == 0
     assert asked == ["held"]  # once: the checkpoint has them now
 

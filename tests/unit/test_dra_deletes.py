@@ -13,9 +13,9 @@ import pytest
 
 from devinject.dra.claims import Preparer
 from devinject.dra.driver import DraDriver
-from devinject.nodestate.claimcheckpoints import DraCheckpoint
 from devinject.nodestate.ledger import Ledger
 from tests.integration.test_dra_driver import GPU_POOL, FakeApi, make_driver
+from tests.unit.test_dra_checkpoint_records import checksummed
 
 UID = "0b7f8e7c-2222-4c1b-9a55-000000000001"
 
@@ -57,7 +57,7 @@ def test_a_checkpoint_naming_another_file_gets_it_left_alone(driver: DraDriver, 
     victim = tmp_path / "precious"
     victim.write_text("root's")
     data["claims"][UID]["spec"] = str(victim)
-    checkpoint.write_bytes(DraCheckpoint(data["claims"]).encode())  # whoever can write it can checksum it too
+    checkpoint.write_bytes(checksummed(data["claims"]))  # whoever can write it can checksum it too
     driver.preparer.unprepare(UID)
     assert victim.read_text() == "root's"
     assert not Path(driver.preparer.spec_path(UID)).exists()  # its own spec: removed

@@ -96,7 +96,7 @@ def test_a_podgroup_claim_is_booked_and_checkpointed_for_the_groups_pods(driver:
                                                                          api: GroupApi) -> None:
     driver.preparer.prepare("default", "held", UID)
     assert api.lists == [("default", GROUP)]
-    assert driver.preparer.prepared()[UID]["pods"] == [POD]
+    assert driver.preparer.prepared()[UID].pods == (POD,)
     booking = Ledger(dirs["state"]).snapshot()["allocations"][BOOKING]
     assert booking["pods"] == [POD] and booking["exclusive"] == [GPU_NODE]
 
@@ -105,7 +105,7 @@ def test_a_pod_reserved_claim_lists_no_pods(driver: DraDriver, api: GroupApi) ->
     """The prepare's hot path is unchanged for a claim no PodGroup holds: no list of pods is asked."""
     api.claims[("default", "held")]["status"]["reservedFor"] = [consumer(POD)]
     driver.preparer.prepare("default", "held", UID)
-    assert api.lists == [] and driver.preparer.prepared()[UID]["pods"] == [POD]
+    assert api.lists == [] and driver.preparer.prepared()[UID].pods == (POD,)
 
 
 def test_the_claim_is_booked_again_over_its_groups_recovered_container(driver: DraDriver, dirs: dict[str, str],
@@ -136,7 +136,7 @@ def test_a_pod_that_joined_the_group_after_the_prepare_is_learned_when_refused(
         corrupt_ledger(dirs)
         assert driver.preparer.rebook() == 0
         assert Ledger(dirs["state"]).snapshot()["allocations"][BOOKING]["pods"] == sorted((POD, OTHER_POD))
-        assert driver.preparer.prepared()[UID]["pods"] == sorted((POD, OTHER_POD))
+        assert driver.preparer.prepared()[UID].pods == tuple(sorted((POD, OTHER_POD)))
 
 
 def test_a_container_of_a_pod_outside_the_group_still_keeps_the_claim_out(
@@ -156,7 +156,7 @@ def test_a_failed_list_of_the_groups_pods_is_logged_and_the_claim_still_prepared
     with caplog.at_level(logging.WARNING, logger="devinject.dra.claims"):
         devices = driver.preparer.prepare("default", "held", UID)
     assert [d.device for d in devices] == ["gpu-0000-2a-00-0"]
-    assert driver.preparer.prepared()[UID]["pods"] == []
+    assert driver.preparer.prepared()[UID].pods == ()
     assert f"claim default/held: cannot list the pods of its PodGroup {GROUP}: list pods of podgroup" \
         in caplog.text
 

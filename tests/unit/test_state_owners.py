@@ -84,9 +84,10 @@ CLAIMS: dict[str, dict[str, object]] = {CLAIM_UID: {
 
 def _checkpoint(tmp_path: Path) -> Path:
     from devinject.dra.claims import Checkpoint
+    from devinject.nodestate.claimcheckpoints import ClaimRecord
 
     path = tmp_path / "dra-dra.devinject.io.checkpoint.json"
-    Checkpoint(str(path)).save(CLAIMS)
+    Checkpoint(str(path)).save({uid: ClaimRecord.from_json(claim) for uid, claim in CLAIMS.items()})
     return path
 
 
@@ -98,7 +99,7 @@ def test_a_checkpoint_reads_back_what_was_saved_with_its_version_and_checksum(tm
     raw = json.loads(path.read_text())
     assert raw["version"] == CHECKPOINT_VERSION == 2 and raw["checksum"] == checksum_of(CLAIMS)
     assert raw["checksum"].startswith("sha256:") and len(raw["checksum"]) == 7 + 64
-    assert Checkpoint(str(path)).load() == CLAIMS
+    assert {uid: record.to_json() for uid, record in Checkpoint(str(path)).load().items()} == CLAIMS
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
@@ -120,7 +121,7 @@ def test_a_checkpoint_from_before_checksums_is_still_read(tmp_path: Path) -> Non
 
     path = tmp_path / "dra-x.checkpoint.json"
     path.write_text(json.dumps({"version": 1, "claims": CLAIMS}))
-    assert Checkpoint(str(path)).load() == CLAIMS
+    assert {uid: record.to_json() for uid, record in Checkpoint(str(path)).load().items()} == CLAIMS
 
 
 def _without(text: str, key: str) -> str:

@@ -53,7 +53,7 @@ def test_the_interval_is_set_through_nvidia_smi(tmp_path: Path) -> None:
     uuid = driver.inventory().offers[(GPU_POOL, "gpu-0000-18-00-0")].device.uuid
     assert uuid and (root / "usr/bin/calls").read_text().splitlines() == [
         f"-i {uuid} -c DEFAULT", f"compute-policy -i {uuid} --set-timeslice 3"]
-    assert driver.preparer.prepared()[UID]["sharing"] == {"gpus": {"strategy": "TimeSlicing", "interval": "Long"}}
+    assert driver.preparer.prepared()[UID].sharing == {"gpus": {"strategy": "TimeSlicing", "interval": "Long"}}
 
 
 def test_an_interval_the_node_refuses_is_the_claims_error_and_leaves_nothing(tmp_path: Path) -> None:

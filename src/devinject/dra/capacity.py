@@ -19,6 +19,7 @@ Pure functions; the documentation is docs/sharing.md.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from devinject.core.asciitext import is_digits
@@ -122,7 +123,7 @@ def capacity_json(capacity: dict[str, int]) -> dict[str, object]:
     return out
 
 
-def consumed(result: dict[str, object], capacity: dict[str, int], where: str) -> dict[str, int]:
+def consumed(result: Mapping[str, object], capacity: dict[str, int], where: str) -> dict[str, int]:
     """A result's `consumedCapacity` in whole units, every capacity of the device named (one the scheduler
     left out consumes its default, as the policy says). A name the device does not publish, an amount beyond
     the capacity, below its published minimum (0 included: ten claims of 0 fit on a full GPU), or a
@@ -152,7 +153,7 @@ def consumed(result: dict[str, object], capacity: dict[str, int], where: str) ->
     return out
 
 
-def share_id(result: dict[str, object], where: str) -> str | None:
+def share_id(result: Mapping[str, object], where: str) -> str | None:
     """A result's `shareID` (a UID the scheduler makes), checked so that it can name a CDI device and a
     ledger booking; None when the result has none."""
     value = result.get("shareID")

@@ -2,10 +2,13 @@
 pipeline `generate` uses (specs/generate.py build_specs: no second pipeline), booked in the node's ledger and
 remembered in a checkpoint (docs/dra.md).
 
-The order makes a crash at any point harmless: the spec is written, then the devices booked, then the
-checkpoint; a failure undoes the steps before it, and at start any claim spec of this driver the checkpoint
-does not name (a crash between the steps) is removed with its booking. Unprepare undoes the three in the
-opposite order. Both are idempotent: the kubelet retries.
+A prepare is a plan and its effects: `Preparer.plan_claim` computes everything (devices, sharing, shares,
+bookings, the spec's bytes, the device metadata, the checkpoint's `ClaimRecord`) and writes nothing; the
+effects (`Preparer._effects`: metadata, spec, booking, MPS daemon, time slices, checkpoint) are applied in
+that order by core/undo.py, each pushing its undo, so a failure after any of them undoes exactly what was
+done. A crash between them is harmless: at start any claim spec of this driver the checkpoint does not name is
+removed with its booking. Unprepare removes the claim's pieces and its checkpoint entry last. Both are
+idempotent: the kubelet retries.
 """
 
 from __future__ import annotations
@@ -15,35 +18,36 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from devinject.agent.mps import LOG_IN_CONTAINER, PIPE_IN_CONTAINER, Daemon, MpsDaemons, MpsError
 from devinject.agent.timeslice import TimesliceError, apply_timeslice
 from devinject.cdi.identity import NodeId, node_id_of
-from devinject.cdi.model import ContainerEdits, Device, Spec
+from devinject.cdi.model import ContainerEdits, Device, Mount, Spec
 from devinject.cdi.spec import dump
 from devinject.core import jsonlite
 from devinject.core.atomicfile import replace as replace_file
 from devinject.core.errors import DevinjectError, LedgerError
+from devinject.core.undo import Effect, apply_all, nothing
 from devinject.discovery.discover import FoundDevice
 from devinject.discovery.node import Node
 from devinject.dra.capacity import CapacityError, consumed, share_id
-from devinject.dra.devicemetadata import MetadataFiles, with_mounts
+from devinject.dra.devicemetadata import MetadataDevice, MetadataFile, MetadataFiles, with_mounts
 from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
 from devinject.linux.trusteddir import write_file
 from devinject.nodestate.claimcheckpoints import (
     NODE_PID,
+    CheckpointBooking,
+    CheckpointDevice,
+    ClaimRecord,
     DraCheckpoint,
     booking_id,
-    bookings_of,
     checkpoint_path,
-    consumes_of,
-    objects_of,
     parse_checkpoint,
-    strings_of,
 )
 from devinject.nodestate.ledger import PLUGIN_PREFIX, Claim, Ledger
 from devinject.nodestate.statefile import MAX_BYTES, StateFileError, UnreadableStateFile, problem_in, read_bytes
@@ -92,13 +96,6 @@ class PreparedDevice:
     cdi_ids: tuple[str, ...]
     share_id: str | None = None  # the allocation's share of a device claims consume capacity of
 
-    def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"requests": list(self.requests), "pool": self.pool, "device": self.device,
-                                  "cdi": list(self.cdi_ids)}
-        if self.share_id is not None:
-            out["share"] = self.share_id
-        return out
-
 
 @dataclass(frozen=True, slots=True)
 class Inventory:
@@ -116,31 +113,46 @@ class Checkpoint:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def load(self) -> dict[str, dict[str, object]]:
+    def load(self) -> dict[str, ClaimRecord]:
         try:  # the state files' one rule: whole, up to their size cap
-            raw = read_bytes(self.path, what="the checkpoint", max_bytes=MAX_BYTES)
+            raw = self.raw()
             return {} if raw is None else parse_checkpoint(raw, self.path).claims
-        except UnreadableStateFile as err:
-            raise CheckpointError(err.message) from None
         except StateFileError as err:
             raise CheckpointError(f"{self.path}: corrupt checkpoint ({problem_in(err, self.path)}); no claim is "
                                   "prepared until it is repaired or removed") from None
 
-    def save(self, claims: dict[str, dict[str, object]]) -> None:
+    def raw(self) -> bytes | None:
+        """The file's bytes as they are now; None when there is none."""
         try:
-            replace_file(self.path, DraCheckpoint(claims).encode(), 0o600, sync=True)
+            return read_bytes(self.path, what="the checkpoint", max_bytes=MAX_BYTES)
+        except UnreadableStateFile as err:
+            raise CheckpointError(err.message) from None
+
+    def save(self, claims: Mapping[str, ClaimRecord]) -> None:
+        self._write(DraCheckpoint(dict(claims)).encode())
+
+    def restore(self, raw: bytes | None) -> None:
+        """The file as raw() read it (None: none), byte for byte: a failed prepare's undo."""
+        if raw is None:
+            Path(self.path).unlink(missing_ok=True)
+        else:
+            self._write(raw)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            replace_file(self.path, data, 0o600, sync=True)
         except OSError as err:
             raise CheckpointError(f"{self.path}: cannot write the checkpoint: {err.strerror}") from None
 
 
-def allocation_devices(claim: dict[str, object]) -> object:
+def allocation_devices(claim: Mapping[str, object]) -> object:
     """The claim's `status.allocation.devices` (results and config), None where the path is missing."""
     status = claim.get("status")
     allocation = status.get("allocation") if isinstance(status, dict) else None
     return allocation.get("devices") if isinstance(allocation, dict) else None
 
 
-def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
+def allocated(claim: Mapping[str, object], driver: str, namespace: str, name: str,
               uid: str) -> list[tuple[str, str, str]]:
     """(request, pool, device) of the claim's allocation for `driver`. PrepareError when the object is not
     the claim the kubelet means, or not allocated. Its opaque config: claim_sharing."""
@@ -166,13 +178,13 @@ def allocated(claim: dict[str, object], driver: str, namespace: str, name: str,
     return out
 
 
-def result_shares(claim: dict[str, object], driver: str, namespace: str,
-                  name: str) -> list[tuple[str | None, dict[str, object]]]:
+def result_shares(claim: Mapping[str, object], driver: str, namespace: str,
+                  name: str) -> list[tuple[str | None, Mapping[str, object]]]:
     """Each of `driver`'s results (in allocated()'s order): its shareID (None: the device is the claim's
     alone) and the result itself, for its consumedCapacity. PrepareError on a shareID that is not a UID."""
     devices = allocation_devices(claim)
     results = devices.get("results") if isinstance(devices, dict) else None
-    out: list[tuple[str | None, dict[str, object]]] = []
+    out: list[tuple[str | None, Mapping[str, object]]] = []
     for index, result in enumerate(results if isinstance(results, list) else ()):
         if isinstance(result, dict) and result.get("driver") == driver:
             try:
@@ -183,7 +195,7 @@ def result_shares(claim: dict[str, object], driver: str, namespace: str,
     return out
 
 
-def admin_access(claim: dict[str, object], driver: str) -> set[tuple[str, str]]:
+def admin_access(claim: Mapping[str, object], driver: str) -> set[tuple[str, str]]:
     """(pool, device) of `driver`'s results allocated with `adminAccess: true` (monitoring, in a namespace
     labelled `resource.kubernetes.io/admin-access`): the scheduler gives such a device to other claims too, so
     the claim gets access but books nothing, and never keeps a workload from the device."""
@@ -193,7 +205,7 @@ def admin_access(claim: dict[str, object], driver: str) -> set[tuple[str, str]]:
             if isinstance(r, dict) and r.get("driver") == driver and r.get("adminAccess") is True}
 
 
-def claim_sharing(claim: dict[str, object], driver: str, namespace: str, name: str,
+def claim_sharing(claim: Mapping[str, object], driver: str, namespace: str, name: str,
                   requests: list[str]) -> dict[str, GpuSharing]:
     """Each request's sharing from the claim's opaque configs for `driver` (dra/gpuconfig.py GpuConfig; any
     other kind is refused, never silently ignored): PrepareError naming the config and the field."""
@@ -227,7 +239,7 @@ def mps_env(sharing: GpuSharing, pipe_dir: str, log_dir: str) -> ContainerEdits:
         Mount(host_path=log_dir, container_path=LOG_IN_CONTAINER, options=logs)))
 
 
-def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
+def reserved_pods(claim: Mapping[str, object]) -> tuple[str, ...]:
     """The UIDs of the pods a claim is reserved for (`status.reservedFor[]` entries of core `pods`): the only
     containers whose bookings of its devices are no clash with the claim's (their cgroups name the pod)."""
     status = claim.get("status")
@@ -240,7 +252,7 @@ def reserved_pods(claim: dict[str, object]) -> tuple[str, ...]:
     return tuple(sorted(set(pods)))
 
 
-def reserved_groups(claim: dict[str, object]) -> tuple[str, ...]:
+def reserved_groups(claim: Mapping[str, object]) -> tuple[str, ...]:
     """The names of the PodGroups a claim is reserved for (DRAWorkloadResourceClaims: `status.reservedFor[]`
     entries of `scheduling.k8s.io` `podgroups`, in the claim's namespace): their pods share the claim."""
     status = claim.get("status")
@@ -293,12 +305,142 @@ def _ledger_claim(offer: Offer, edits: ContainerEdits) -> Claim:
     return Claim(f"{offer.kind}={offer.name}", nodes, shared)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimRef:
+    """The claim the kubelet names."""
+
+    namespace: str
+    name: str
+    uid: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def what(self) -> str:
+        return f"claim {self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class TimeSlice:
+    """A whole GPU's time slice a TimeSlicing request sets: its PCI address, UUID and interval."""
+
+    gpu: str
+    uuid: str
+    interval: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimPlan:
+    """A claim's prepare as Preparer.plan_claim computes it, before anything is written: what its effects
+    (Preparer._effects) put on the node, and what the kubelet is answered."""
+
+    ref: ClaimRef
+    path: str  # its CDI spec file
+    spec: bytes  # the spec, with its device metadata's mounts
+    metadata: tuple[MetadataFile, ...]  # KEP-5304's files, when the driver writes them
+    booking: tuple[Claim, ...]
+    pods: tuple[str, ...]  # the pods it is reserved for (its PodGroups' too)
+    consumes: dict[str, dict[str, list[int]]] | None  # node -> capacity -> [amount, total] of its shares
+    mps: dict[str, str]  # GPU address -> what its MPS daemon's CUDA_VISIBLE_DEVICES names it by
+    timeslices: tuple[TimeSlice, ...]
+    devices: tuple[PreparedDevice, ...]
+    record: ClaimRecord  # the checkpoint's
+    contest: Contest  # remembered when the ledger refuses the booking
+
+
+def _offers(inventory: Inventory, results: list[tuple[str, str, str]], what: str) -> list[Offer]:
+    offers = []
+    for _, pool, device in results:
+        offer = inventory.offers.get((pool, device))
+        if offer is None:
+            raise PrepareError(f"{what}: device {pool}/{device} is not one this node offers (its ResourceSlices "
+                               "are older than the hardware, or not ours)")
+        offers.append(offer)
+    return offers
+
+
+def _consumed(what: str, results: list[tuple[str, str, str]], shares: list[tuple[str | None, Mapping[str, object]]],
+              offers: list[Offer]) -> list[dict[str, int] | None]:
+    """Each result's consumed capacity (None: not a share). A share of a device this node does not offer
+    by consumable capacity now (the admin turned it off; a stale slice) is refused: its totals are not
+    known, and a device held as a share must be counted."""
+    out: list[dict[str, int] | None] = []
+    for index, ((request, pool, device), (share, result), offer) in enumerate(zip(results, shares, offers,
+                                                                                   strict=True)):
+        if share is None:
+            out.append(None)
+            continue
+        if not offer.shareable:
+            raise PrepareError(f"{what}: request {request}: {pool}/{device} is allocated as share {share}, but "
+                               "this node does not offer it by consumable capacity (--consumable-capacity)")
+        try:
+            out.append(consumed(result, dict(offer.shareable), f"{what}: status.allocation.devices.results[{index}]"))
+        except CapacityError as err:
+            raise PrepareError(err.message) from None
+    return out
+
+
+def _timeslices(what: str, results: list[tuple[str, str, str]], offers: list[Offer],
+                sharing: dict[str, GpuSharing]) -> tuple[TimeSlice, ...]:
+    """The time slice of each GPU a TimeSlicing request holds, to be set as its interval says
+    (agent/timeslice.py, as NVIDIA's driver: Default too, which puts back what another claim set). Whole GPUs
+    only: a MIG instance has no time slice of its own."""
+    out = []
+    for (request, _, _), offer in zip(results, offers, strict=True):
+        settings = sharing.get(request)
+        if settings is None or settings.strategy != TIME_SLICING or offer.found is None:
+            continue
+        if offer.partition is not None:
+            if settings.interval != "Default":
+                raise PrepareError(f"{what}: request {request}: timeSlicingConfig.interval {settings.interval}: a "
+                                   f"time slice is set for whole GPUs, not {offer.name}")
+            continue
+        out.append(TimeSlice(offer.device.address, offer.device.uuid or "", settings.interval))
+    return tuple(out)
+
+
+def _bookings(offers: list[Offer], edits: list[ContainerEdits], amounts: list[dict[str, int] | None],
+              shares: list[tuple[str | None, Mapping[str, object]]],
+              admin: set[tuple[str, str]]) -> tuple[tuple[Claim, ...], dict[str, dict[str, list[int]]]]:
+    """The claim's ledger bookings (a share's named `<device>@<share>`; an admin-access device's with no
+    nodes) and its shares' consumed capacity by node (a claim's shares of one device add up)."""
+    booked = tuple(Claim(f"{o.kind}={o.name}", (), ()) if (o.pool, o.name) in admin else _ledger_claim(o, e)
+                   for o, e in zip(offers, edits, strict=True))
+    consumes: dict[str, dict[str, list[int]]] = {}
+    for offer, claimed, used in zip(offers, booked, amounts, strict=True):
+        if used is None or (offer.pool, offer.name) in admin:
+            continue
+        for node in claimed.nodes:
+            caps = consumes.setdefault(str(node), {})
+            for cap, amount in used.items():
+                caps[cap] = [caps.get(cap, [0])[0] + amount, dict(offer.shareable)[cap]]
+    return tuple(Claim(f"{c.name}@{share}", c.nodes, c.shared) if share is not None else c
+                 for c, (share, _) in zip(booked, shares, strict=True)), consumes
+
+
+def _visible_name(offers: list[Offer], gpu: str) -> str:
+    """What an MPS daemon's CUDA_VISIBLE_DEVICES names the GPU by: its UUID, else its index."""
+    offer = next(o for o in offers if o.found is not None and o.device.address == gpu)
+    return offer.device.uuid or str(offer.device.index)
+
+
+def _first_of_requests(results: list[tuple[str, str, str]], files: tuple[MetadataFile, ...]) -> dict[int, Mount]:
+    """Each request's metadata mount by the index of the request's first device (every container given the
+    request gets it)."""
+    first: dict[str, int] = {}
+    for index, (request, _, _) in enumerate(results):
+        first.setdefault(request.partition("/")[0], index)
+    return {first[file.request]: file.mount for file in files}
+
+
 class Preparer:
     """NodePrepareResources / NodeUnprepareResources for one driver, serialized (the kubelet may call both
     at once, and more than once)."""
 
     def __init__(self, driver: str, cdi_dir: str, state_dir: str, inventory: Callable[[], Inventory],
-                 get_claim: Callable[[str, str], dict[str, object]], generate: GenerateOptions,
+                 get_claim: Callable[[str, str], Mapping[str, object]], generate: GenerateOptions,
                  ledger: Ledger | None = None, mps: MpsDaemons | None = None,
                  group_pods: Callable[[str, str], tuple[str, ...]] | None = None,
                  metadata: MetadataFiles | None = None) -> None:
@@ -331,15 +473,19 @@ class Preparer:
         return booking_id(self.driver, uid)
 
     # --- prepare ----------------------------------------------------------------------------------------
-    def _known(self, uid: str) -> tuple[dict[str, dict[str, object]], list[PreparedDevice] | None]:
+    def _known(self, uid: str) -> tuple[dict[str, ClaimRecord], list[PreparedDevice] | None]:
         """The checkpoint's claims, and what `uid` was prepared as when it was (and its spec is still there)."""
         claims = self.checkpoint.load()
-        entry = claims.get(uid)
-        if entry is not None and os.path.exists(self.spec_path(uid)):
-            return claims, [_device(d) for d in objects_of(entry.get("devices"))]
+        record = claims.get(uid)
+        if record is not None and os.path.exists(self.spec_path(uid)):
+            return claims, [PreparedDevice(d.requests, d.pool, d.device, d.cdi, d.share or None)
+                            for d in record.devices]
         return claims, None
 
     def prepare(self, namespace: str, name: str, uid: str) -> list[PreparedDevice]:
+        """The claim planned (plan_claim: nothing written) and its plan applied, effect by effect
+        (_effects: a failure undoes exactly those done). A claim already prepared is answered from the
+        checkpoint."""
         with self.lock:
             self.spec_path(uid)  # the uid checked before anything is read or written
             _checked_name(namespace, name)
@@ -356,141 +502,106 @@ class Preparer:
             claims, known = self._known(uid)  # a call of the kubelet's that came in meanwhile prepared it
             if known is not None:
                 return known
-            path = self.spec_path(uid)
-            results = allocated(claim, self.driver, namespace, name, uid)
-            sharing = claim_sharing(claim, self.driver, namespace, name, [r for r, _, _ in results])
-            pods = tuple(sorted(set(reserved_pods(claim)) | set(members)))
-            inventory = self.inventory()
-            offers = []
-            for _, pool, device in results:
-                offer = inventory.offers.get((pool, device))
-                if offer is None:
-                    raise PrepareError(f"claim {namespace}/{name}: device {pool}/{device} is not one this node "
-                                       "offers (its ResourceSlices are older than the hardware, or not ours)")
-                offers.append(offer)
-            shares = result_shares(claim, self.driver, namespace, name)
-            amounts = self._consumed(namespace, name, results, shares, offers)
-            labels = [o.name if share is None else f"{o.name}-{share}" for o, (share, _) in zip(offers, shares,
-                                                                                                 strict=True)]
-            mps_gpus = self._mps_gpus(namespace, name, uid, results, offers, sharing)
-            _same_sharing(namespace, name, claims, offers, shares, set(mps_gpus))
-            extra = {gpu: mps_env(sharing[request], daemon.pipe_dir, daemon.log_dir)
-                     for gpu, (request, daemon) in mps_gpus.items()}
-            spec, edits = self._spec(inventory.node, uid, offers, extra, labels)
-            if self.metadata is not None:
-                spec = self._with_metadata(spec, claim, namespace, name, uid, results, offers)
-            text = dump(spec, "json")
-            from devinject.specs.validate import validate_spec
-
-            validate_spec(spec, source=path)
-            write_file(path, text.encode(), 0o644, what="claim's CDI spec", error=PrepareError, sync=True)
-            admin = admin_access(claim, self.driver)
-            booked = tuple(Claim(f"{o.kind}={o.name}", (), ()) if (o.pool, o.name) in admin else _ledger_claim(o, e)
-                           for o, e in zip(offers, edits, strict=True))
-            consumes: dict[str, dict[str, list[int]]] = {}
-            for offer, claimed, used in zip(offers, booked, amounts, strict=True):
-                if used is None or (offer.pool, offer.name) in admin:
-                    continue
-                for node in claimed.nodes:  # a claim's shares of one device add up
-                    caps = consumes.setdefault(str(node), {})
-                    for cap, amount in used.items():
-                        caps[cap] = [caps.get(cap, [0])[0] + amount, dict(offer.shareable)[cap]]
-            booked = tuple(Claim(f"{c.name}@{share}", c.nodes, c.shared) if share is not None else c
-                           for c, (share, _) in zip(booked, shares, strict=True))
-            try:
-                self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=pods, consumes=consumes or None)
-            except LedgerError as err:
-                self._undo(path, uid)
-                contest = Contest(namespace, name, tuple((o.pool, o.name) for o in offers))
-                if self.contests.get(uid) != contest:
-                    self.contests[uid] = contest
-                    self.contests_changed.set()
-                raise PrepareError(f"claim {namespace}/{name}: {err.message}") from None
-            self._drop_contest(uid)
-            started: list[str] = []
-            visible: dict[str, str] = {}  # GPU -> what the daemon's CUDA_VISIBLE_DEVICES names it by
-            try:
-                for gpu, (_, _) in mps_gpus.items():  # after the booking: the GPU is this claim's
-                    offer = next(o for o in offers if o.found is not None and o.device.address == gpu)
-                    visible[gpu] = offer.device.uuid or str(offer.device.index)
-                    self.mps.acquire(gpu, uid, visible[gpu])
-                    started.append(gpu)
-                self._timeslices(namespace, name, results, offers, sharing)
-            except Exception as err:  # whatever failed (a bug too), nothing of the claim is left booked
-                for gpu in started:
-                    self.mps.release(gpu, uid)
-                self.ledger.release(self.booking(uid))
-                self._undo(path, uid)
-                if not isinstance(err, MpsError | TimesliceError | PrepareError):
-                    raise  # the kubelet plugin answers it as this claim's internal error
-                raise PrepareError(err.message if isinstance(err, PrepareError)
-                                   else f"claim {namespace}/{name}: {err.message}") from None
-            # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base
-            prepared = [PreparedDevice((request.partition("/")[0],), offer.pool, offer.name,
-                                       (f"{self.kind}={uid}-{label}",), share)
-                        for (request, _, _), offer, label, (share, _) in zip(results, offers, labels, shares,
-                                                                             strict=True)]
-            claims[uid] = {"namespace": namespace, "name": name, "spec": path,
-                           "devices": [d.to_json() for d in prepared], "pods": list(pods),
-                           "ledger": [[c.name, list(c.nodes), list(c.shared)] for c in booked],
-                           "sharing": {r: s.to_json() for r, s in sharing.items() if s.strategy != "Exclusive"},
-                           "mps": visible, **({"consumes": consumes} if consumes else {})}
-            try:
-                self.checkpoint.save(claims)
-            except CheckpointError:
-                for gpu in started:
-                    self.mps.release(gpu, uid)
-                self.ledger.release(self.booking(uid))
-                self._undo(path, uid)
-                raise
+            plan = self.plan_claim(claim, members, self.inventory(), claims, ClaimRef(namespace, name, uid))
+            self._apply(plan, claims)
             # the split says whether a slow prepare is the API server's or the node's
             log.info("prepared claim %s/%s (%s) in %.1f ms, %.1f of them reading it: %s", namespace, name, uid,
                      (time.monotonic() - began) * 1000, read * 1000,
-                     ", ".join(f"{d.pool}/{d.device}" for d in prepared) or "no devices of this driver")
-            return prepared
+                     ", ".join(f"{d.pool}/{d.device}" for d in plan.devices) or "no devices of this driver")
+            return list(plan.devices)
 
-    def _consumed(self, namespace: str, name: str, results: list[tuple[str, str, str]],
-                  shares: list[tuple[str | None, dict[str, object]]],
-                  offers: list[Offer]) -> list[dict[str, int] | None]:
-        """Each result's consumed capacity (None: not a share). A share of a device this node does not offer
-        by consumable capacity now (the admin turned it off; a stale slice) is refused: its totals are not
-        known, and a device held as a share must be counted."""
-        out: list[dict[str, int] | None] = []
-        for index, ((request, pool, device), (share, result), offer) in enumerate(zip(results, shares, offers,
-                                                                                       strict=True)):
-            if share is None:
-                out.append(None)
-                continue
-            if not offer.shareable:
-                raise PrepareError(f"claim {namespace}/{name}: request {request}: {pool}/{device} is allocated as "
-                                   f"share {share}, but this node does not offer it by consumable capacity "
-                                   "(--consumable-capacity)")
-            try:
-                out.append(consumed(result, dict(offer.shareable),
-                                    f"claim {namespace}/{name}: status.allocation.devices.results[{index}]"))
-            except CapacityError as err:
-                raise PrepareError(err.message) from None
-        return out
+    def plan_claim(self, claim: Mapping[str, object], members: tuple[str, ...], inventory: Inventory,
+                   claims: Mapping[str, ClaimRecord], ref: ClaimRef) -> ClaimPlan:
+        """What preparing the claim does, computed and checked with nothing written: its devices, their
+        sharing, offers, shares and bookings, the CDI spec's bytes, its device metadata and the checkpoint's
+        record. PrepareError (or MetadataError) naming the claim when it cannot be prepared."""
+        results = allocated(claim, self.driver, ref.namespace, ref.name, ref.uid)
+        sharing = claim_sharing(claim, self.driver, ref.namespace, ref.name, [r for r, _, _ in results])
+        offers = _offers(inventory, results, ref.what)
+        shares = result_shares(claim, self.driver, ref.namespace, ref.name)
+        amounts = _consumed(ref.what, results, shares, offers)
+        labels = [o.name if share is None else f"{o.name}-{share}" for o, (share, _) in zip(offers, shares,
+                                                                                            strict=True)]
+        mps_gpus = self._mps_gpus(ref, results, offers, sharing)
+        _same_sharing(ref.what, claims, offers, shares, set(mps_gpus))
+        timeslices = _timeslices(ref.what, results, offers, sharing)
+        extra = {gpu: mps_env(sharing[request], daemon.pipe_dir, daemon.log_dir)
+                 for gpu, (request, daemon) in mps_gpus.items()}
+        spec, edits = self._spec(inventory.node, ref.uid, offers, extra, labels)
+        files = self._metadata_files(claim, ref, results, offers)
+        spec = with_mounts(spec, _first_of_requests(results, files))
+        path = self.spec_path(ref.uid)
+        from devinject.specs.validate import validate_spec
 
-    def _timeslices(self, namespace: str, name: str, results: list[tuple[str, str, str]], offers: list[Offer],
-                    sharing: dict[str, GpuSharing]) -> None:
-        """The time slice of each GPU a TimeSlicing request holds, set as its interval says (agent/timeslice.py,
-        as NVIDIA's driver: Default too, which puts back what another claim set). Whole GPUs only: a MIG
-        instance has no time slice of its own."""
-        for (request, _, _), offer in zip(results, offers, strict=True):
-            settings = sharing.get(request)
-            if settings is None or settings.strategy != TIME_SLICING or offer.found is None:
-                continue
-            if offer.partition is not None:
-                if settings.interval != "Default":
-                    raise PrepareError(f"claim {namespace}/{name}: request {request}: timeSlicingConfig.interval "
-                                       f"{settings.interval}: a time slice is set for whole GPUs, not {offer.name}")
-                continue
-            if apply_timeslice(self.driver_root, offer.device.address, offer.device.uuid or "", settings.interval):
-                log.info("claim %s/%s: %s time slice %s", namespace, name, offer.device.address, settings.interval)
+        validate_spec(spec, source=path)
+        booked, consumes = _bookings(offers, edits, amounts, shares, admin_access(claim, self.driver))
+        # request names as the kubelet matches containers' claims: a subrequest's (firstAvailable) base
+        devices = tuple(PreparedDevice((request.partition("/")[0],), offer.pool, offer.name,
+                                       (f"{self.kind}={ref.uid}-{label}",), share)
+                        for (request, _, _), offer, label, (share, _) in zip(results, offers, labels, shares,
+                                                                             strict=True))
+        pods = tuple(sorted(set(reserved_pods(claim)) | set(members)))
+        visible = {gpu: _visible_name(offers, gpu) for gpu in mps_gpus}
+        record = ClaimRecord(
+            path, tuple(CheckpointDevice(d.requests, d.pool, d.device, d.cdi_ids, d.share_id) for d in devices),
+            ref.namespace, ref.name, pods, tuple(CheckpointBooking(c.name, c.nodes, c.shared) for c in booked),
+            {r: s.to_json() for r, s in sharing.items() if s.strategy != "Exclusive"}, visible,
+            {node: {cap: (pair[0], pair[1]) for cap, pair in caps.items()} for node, caps in consumes.items()}
+            if consumes else None)
+        return ClaimPlan(ref, path, dump(spec, "json").encode(), files, booked, pods, consumes or None, visible,
+                         timeslices, devices, record, Contest(ref.namespace, ref.name,
+                                                              tuple((o.pool, o.name) for o in offers)))
 
-    def _mps_gpus(self, namespace: str, name: str, uid: str, results: list[tuple[str, str, str]],
-                  offers: list[Offer], sharing: dict[str, GpuSharing]) -> dict[str, tuple[str, Daemon]]:
+    def _effects(self, plan: ClaimPlan, claims: Mapping[str, ClaimRecord]) -> list[Effect]:
+        """The plan's changes to the node, in order, each with its undo: the device metadata and the spec,
+        the booking, the MPS daemons, the time slices, and the checkpoint last (what a crash leaves before it,
+        the driver's start removes: clean_orphans)."""
+        uid, before = plan.ref.uid, self.checkpoint.raw()
+        metadata = self.metadata
+        effects = [Effect("metadata", partial(metadata.write_files, uid, plan.metadata, plan.ref.label),
+                          partial(metadata.remove, uid))] if metadata is not None and plan.metadata else []
+        effects.append(Effect("spec", partial(write_file, plan.path, plan.spec, 0o644, what="claim's CDI spec",
+                                              error=PrepareError, sync=True), partial(_remove, plan.path)))
+        effects.append(Effect("booking", partial(self._book, plan), partial(self._unbook, uid)))
+        effects += [Effect(f"mps {gpu}", partial(self.mps.acquire, gpu, uid, visible), partial(self.mps.release,
+                                                                                                 gpu, uid))
+                    for gpu, visible in plan.mps.items()]  # after the booking: the GPU is this claim's
+        effects += [Effect(f"timeslice {slice_.gpu}", partial(self._timeslice, plan.ref, slice_), nothing)
+                    for slice_ in plan.timeslices]  # a time slice set stays, as NVIDIA's driver leaves it
+        effects.append(Effect("checkpoint", partial(self.checkpoint.save, {**claims, uid: plan.record}),
+                              partial(self.checkpoint.restore, before)))
+        return effects
+
+    def _apply(self, plan: ClaimPlan, claims: Mapping[str, ClaimRecord]) -> None:
+        """The plan's effects applied; on any failure (a bug too) those done are undone, in reverse, and the
+        failure is the claim's: a booking the ledger refused is remembered as a contest."""
+        try:
+            apply_all(self._effects(plan, claims))
+        except LedgerError as err:
+            if self.contests.get(plan.ref.uid) != plan.contest:
+                self.contests[plan.ref.uid] = plan.contest
+                self.contests_changed.set()
+            raise PrepareError(f"{plan.ref.what}: {err.message}") from None
+        except (MpsError, TimesliceError) as err:
+            raise PrepareError(f"{plan.ref.what}: {err.message}") from None
+
+    def _book(self, plan: ClaimPlan) -> None:
+        self.ledger.book(self.booking(plan.ref.uid), NODE_PID, plan.booking, for_pods=plan.pods,
+                         consumes=plan.consumes)
+        self._drop_contest(plan.ref.uid)
+
+    def _unbook(self, uid: str) -> None:
+        """The claim's booking released and finished now (a MIG instance holds its GPU's node shared: a
+        booking finishes only releases that hold a node it wants exclusively, so the sweep does it)."""
+        if self.ledger.release(self.booking(uid)) == "released":
+            self.ledger.sweep()
+
+    def _timeslice(self, ref: ClaimRef, slice_: TimeSlice) -> None:
+        if apply_timeslice(self.driver_root, slice_.gpu, slice_.uuid, slice_.interval):
+            log.info("claim %s: %s time slice %s", ref.label, slice_.gpu, slice_.interval)
+
+    def _mps_gpus(self, ref: ClaimRef, results: list[tuple[str, str, str]], offers: list[Offer],
+                  sharing: dict[str, GpuSharing]) -> dict[str, tuple[str, Daemon]]:
         """GPU address -> (its request, the claim's own daemon's directories) for the claim's MPS requests:
         whole GPUs, one per claim (a CUDA client has one CUDA_MPS_PIPE_DIRECTORY, and a claim one daemon)."""
         out: dict[str, tuple[str, Daemon]] = {}
@@ -499,15 +610,14 @@ class Preparer:
             if settings is None or settings.strategy != MPS:
                 continue
             if offer.found is None or offer.partition is not None:
-                raise PrepareError(f"claim {namespace}/{name}: request {request}: MPS is for whole GPUs, not "
-                                   f"{offer.name}")
-            out[offer.device.address] = (request, self.mps.daemon(uid))
+                raise PrepareError(f"{ref.what}: request {request}: MPS is for whole GPUs, not {offer.name}")
+            out[offer.device.address] = (request, self.mps.daemon(ref.uid))
             limits = settings.mps.per_device_limit_mb if settings.mps else {}
             if any(key != "0" for key in limits):
-                raise PrepareError(f"claim {namespace}/{name}: request {request}: defaultPerDevicePinnedMemoryLimit: "
+                raise PrepareError(f"{ref.what}: request {request}: defaultPerDevicePinnedMemoryLimit: "
                                    "the claim's one MPS GPU is device 0")
         if len(out) > 1:
-            raise PrepareError(f"claim {namespace}/{name}: MPS on {len(out)} GPUs in one claim: one GPU per MPS "
+            raise PrepareError(f"{ref.what}: MPS on {len(out)} GPUs in one claim: one GPU per MPS "
                                "claim (a claim has one daemon, a container one CUDA_MPS_PIPE_DIRECTORY)")
         return out
 
@@ -545,24 +655,17 @@ class Preparer:
             edits.append(found[0].edits)
         return versioned(Spec(kind=self.kind, devices=tuple(devices), edits=common), self.generate), edits
 
-    def _with_metadata(self, spec: Spec, claim: dict[str, object], namespace: str, name: str, uid: str,
-                       results: list[tuple[str, str, str]], offers: list[Offer]) -> Spec:
-        """Each request's device metadata written, mounted through the request's first device."""
-        assert self.metadata is not None
-        requests: dict[str, list[tuple[str, str, str, dict[str, object]]]] = {}
-        first: dict[str, int] = {}
-        for index, ((request, _, _), offer) in enumerate(zip(results, offers, strict=True)):
-            base = request.partition("/")[0]  # a subrequest's (firstAvailable): the request containers name
-            first.setdefault(base, index)
-            requests.setdefault(base, []).append((self.driver, offer.pool, offer.name, dict(offer.attributes)))
-        mounts = self.metadata.write(claim, namespace, name, uid, requests)
-        return with_mounts(spec, {first[request]: mount for request, mount in mounts.items()})
-
-    def _undo(self, path: str, uid: str) -> None:
-        """A claim's files gone: its spec, and its device metadata."""
-        _remove(path)
-        if self.metadata is not None:
-            self.metadata.remove(uid)
+    def _metadata_files(self, claim: Mapping[str, object], ref: ClaimRef, results: list[tuple[str, str, str]],
+                        offers: list[Offer]) -> tuple[MetadataFile, ...]:
+        """Each request's device metadata file, when the driver writes them (a subrequest's devices under
+        its request's name, as containers name it)."""
+        if self.metadata is None:
+            return ()
+        requests: dict[str, list[MetadataDevice]] = {}
+        for (request, _, _), offer in zip(results, offers, strict=True):
+            requests.setdefault(request.partition("/")[0], []).append(
+                (self.driver, offer.pool, offer.name, dict(offer.attributes)))
+        return self.metadata.planned(claim, ref.namespace, ref.name, ref.uid, requests)
 
     # --- contests ---------------------------------------------------------------------------------------
     def contested(self) -> dict[str, Contest]:
@@ -582,30 +685,32 @@ class Preparer:
 
     # --- unprepare --------------------------------------------------------------------------------------
     def unprepare(self, uid: str) -> None:
+        """The claim's files, MPS daemon and booking gone, and its checkpoint entry last: a failure at any step
+        leaves it checkpointed, and the kubelet's retry (every step idempotent) finishes it."""
         with self.lock:
             path = self.spec_path(uid)
             self._drop_contest(uid)
             claims = self.checkpoint.load()
-            entry = claims.get(uid)
-            self._undo(path, uid)
-            mps = (entry or {}).get("mps")  # GPU -> what its daemon names it by
-            for gpu in mps if isinstance(mps, dict) else ():
+            record = claims.get(uid)
+            self._remove_files(path, uid)
+            for gpu in record.mps or {} if record is not None else {}:
                 try:
-                    self.mps.release(str(gpu), uid)  # the claim's own daemon stops
+                    self.mps.release(gpu, uid)  # the claim's own daemon stops
                 except MpsError as err:
                     raise PrepareError(f"claim {uid}: {err.message}") from None
             try:
-                if self.ledger.release(self.booking(uid)) == "released":
-                    # the pod's containers are gone: finish the release now. A booking finishes only releases
-                    # that hold a node it wants exclusively, and a MIG instance holds its GPU's node shared, so
-                    # the whole GPU's claim would wait for the node agent's sweep otherwise.
-                    self.ledger.sweep()
+                self._unbook(uid)  # the pod's containers are gone: the release finished now
             except LedgerError as err:
                 raise PrepareError(f"claim {uid}: {err.message}") from None
-            if entry is not None:
-                del claims[uid]
-                self.checkpoint.save(claims)
-                log.info("unprepared claim %s/%s (%s)", entry.get("namespace"), entry.get("name"), uid)
+            if record is not None:
+                self.checkpoint.save({other: r for other, r in claims.items() if other != uid})
+                log.info("unprepared claim %s (%s)", record.label, uid)
+
+    def _remove_files(self, path: str, uid: str) -> None:
+        """A claim's files gone: its spec, and its device metadata."""
+        _remove(path)
+        if self.metadata is not None:
+            self.metadata.remove(uid)
 
     def rebook(self) -> int:
         """Book every checkpointed claim in the ledger again (a no-op for those it holds): after a restart, or
@@ -615,52 +720,57 @@ class Preparer:
         joined a shared claim) and booked with the pods it is reserved for now. The number of claims whose
         booking was refused (logged)."""
         # three steps, the API server asked in the middle with no lock held (prepares go on meanwhile)
-        ask: dict[str, tuple[dict[str, object], LedgerError | None]] = {}
-        refused = 0
-        with self.lock:
-            for uid, entry in self.checkpoint.load().items():
-                booked = _booked(entry)
-                if not booked:
-                    continue
-                if "pods" not in entry:  # checkpointed before claims recorded their pods: asked first
-                    ask[uid] = (entry, None)
-                    continue
-                try:
-                    self.ledger.book(self.booking(uid), NODE_PID, booked,
-                                     for_pods=strings_of(entry.get("pods")),
-                                     consumes=consumes_of(entry))
-                except LedgerError as err:
-                    ask[uid] = (entry, err)
-            self._mps_round(self.checkpoint.load())  # every round: the daemons follow the checkpoint
+        ask = self._rebook_checkpointed()
         if not ask:
             return 0
-        answers = {uid: self._reserved_pods(uid, entry) for uid, (entry, _) in ask.items()}
+        answers = {uid: self._reserved_pods(uid, record) for uid, (record, _) in ask.items()}
+        return self._rebook_asked(ask, answers)
+
+    def _rebook_checkpointed(self) -> dict[str, tuple[ClaimRecord, LedgerError | None]]:
+        """Each checkpointed claim booked again; those to ask the API server about (checkpointed before
+        claims recorded their pods, or refused: with the refusal)."""
+        ask: dict[str, tuple[ClaimRecord, LedgerError | None]] = {}
+        with self.lock:
+            for uid, record in self.checkpoint.load().items():
+                booked = _booked(record)
+                if not booked:
+                    continue
+                if record.pods is None:  # checkpointed before claims recorded their pods: asked first
+                    ask[uid] = (record, None)
+                    continue
+                try:
+                    self.ledger.book(self.booking(uid), NODE_PID, booked, for_pods=record.pods,
+                                     consumes=record.consumes_json())
+                except LedgerError as err:
+                    ask[uid] = (record, err)
+            self._mps_round(self.checkpoint.load())  # every round: the daemons follow the checkpoint
+        return ask
+
+    def _rebook_asked(self, ask: dict[str, tuple[ClaimRecord, LedgerError | None]],
+                      answers: dict[str, tuple[str, ...] | None]) -> int:
+        """The claims asked about booked with the pods the API server says they are reserved for now (what
+        it said recorded); the number refused."""
+        refused = 0
         with self.lock:
             claims = self.checkpoint.load()
             changed = False
             for uid, (asked, first) in ask.items():
-                found = claims.get(uid)
-                if found is None or found.get("ledger") != asked.get("ledger"):
+                record, now = claims.get(uid), answers[uid]
+                if record is None or record.ledger != asked.ledger:
                     continue  # unprepared (or prepared anew) meanwhile
-                entry = found
-                now = answers[uid]
-                pods: tuple[str, ...] = strings_of(entry.get("pods"))
+                if first is None and now is not None:  # a checkpoint without pods learns them, booked or not
+                    claims[uid] = record = record._replace(pods=now)
+                    changed = True
                 try:
-                    if first is None:  # a checkpoint without pods: booked with what the API says, if it could
-                        if now is not None:
-                            entry["pods"], pods, changed = list(now), now, True
-                    elif now is None or set(now) <= set(pods):
-                        raise first
-                    else:
-                        pods = now
-                    self.ledger.book(self.booking(uid), NODE_PID, _booked(entry), for_pods=pods,
-                                     consumes=consumes_of(entry))
-                    if first is not None:
-                        entry["pods"], changed = list(now or ()), True
+                    self.ledger.book(self.booking(uid), NODE_PID, _booked(record),
+                                     for_pods=_pods_to_book(record, first, now), consumes=record.consumes_json())
                 except LedgerError as err:
                     refused += 1
-                    log.warning("claim %s/%s (%s): its devices are not in the ledger: %s", entry.get("namespace"),
-                                entry.get("name"), uid, err.message)
+                    log.warning("claim %s (%s): its devices are not in the ledger: %s", record.label, uid,
+                                err.message)
+                    continue
+                if first is not None:
+                    claims[uid], changed = record._replace(pods=now or ()), True
             if changed:
                 try:
                     self.checkpoint.save(claims)
@@ -668,15 +778,14 @@ class Preparer:
                     log.warning("%s", err.message)
             return refused
 
-    def _mps_round(self, claims: dict[str, dict[str, object]]) -> None:
+    def _mps_round(self, claims: Mapping[str, ClaimRecord]) -> None:
         """MPS daemons follow the checkpoint: one serving no prepared claim (a crash between the steps) stops,
         one that died while a claim needs it starts again."""
         try:
-            for uid, entry in claims.items():  # a claim's daemon serves it (again, after a broken record)
-                wanted = entry.get("mps")
-                for gpu, visible in (wanted.items() if isinstance(wanted, dict) else ()):
-                    if uid not in self.mps.recorded().get(str(gpu), []):
-                        self.mps.acquire(str(gpu), uid, str(visible))
+            for uid, record in claims.items():  # a claim's daemon serves it (again, after a broken record)
+                for gpu, visible in (record.mps or {}).items():
+                    if uid not in self.mps.recorded().get(gpu, []):
+                        self.mps.acquire(gpu, uid, visible)
             for gpu, holders in self.mps.recorded().items():
                 for holder in holders or [""]:  # a daemon no claim needs: stopped (not the device plugin's)
                     if holder not in claims and not holder.startswith(PLUGIN_PREFIX):
@@ -685,9 +794,9 @@ class Preparer:
         except MpsError as err:
             log.warning("MPS: %s", err.message)
 
-    def _reserved_pods(self, uid: str, entry: dict[str, object]) -> tuple[str, ...] | None:
+    def _reserved_pods(self, uid: str, record: ClaimRecord) -> tuple[str, ...] | None:
         """The pods the claim is reserved for now, by the API server; None when it cannot say (logged)."""
-        namespace, name = str(entry.get("namespace")), str(entry.get("name"))
+        namespace, name = str(record.namespace), str(record.name)
         try:
             claim = self.get_claim(namespace, name)
         except DevinjectError as err:
@@ -698,7 +807,7 @@ class Preparer:
             return None
         return tuple(sorted(set(reserved_pods(claim)) | set(self._group_members(claim, namespace, name))))
 
-    def _group_members(self, claim: dict[str, object], namespace: str, name: str) -> tuple[str, ...]:
+    def _group_members(self, claim: Mapping[str, object], namespace: str, name: str) -> tuple[str, ...]:
         """The pods on this node of the PodGroups the claim is reserved for: booked like the pods it names,
         so their containers share its devices. A list that fails is logged: the claim is booked for the pods
         it names, and asked again when a booking is refused."""
@@ -714,7 +823,7 @@ class Preparer:
                             err.message)
         return tuple(sorted(members))
 
-    def prepared(self) -> dict[str, dict[str, object]]:
+    def prepared(self) -> dict[str, ClaimRecord]:
         with self.lock:
             return self.checkpoint.load()
 
@@ -792,8 +901,8 @@ def _checked_name(namespace: str, name: str) -> None:
         raise PrepareError(f"claim name {name[:80]!r} is not a resource name; refused")
 
 
-def _same_sharing(namespace: str, name: str, claims: dict[str, dict[str, object]], offers: list[Offer],
-                  shares: list[tuple[str | None, dict[str, object]]], mps_gpus: set[str]) -> None:
+def _same_sharing(what: str, claims: Mapping[str, ClaimRecord], offers: list[Offer],
+                  shares: list[tuple[str | None, Mapping[str, object]]], mps_gpus: set[str]) -> None:
     """A GPU shared by consumable capacity holds MPS clients only or none: a share that is an MPS client and
     one that is not would meet on it (the one outside MPS would reach the GPU beside the daemon's clients).
     Checked against the shares the checkpoint holds. PrepareError naming the other claim."""
@@ -802,28 +911,29 @@ def _same_sharing(namespace: str, name: str, claims: dict[str, dict[str, object]
             continue
         gpu = offer.device.address
         for other in claims.values():
-            devices = other.get("devices")
-            if not any(isinstance(d, dict) and d.get("device") == offer.name and d.get("share")
-                       for d in (devices if isinstance(devices, list) else ())):
+            if not any(d.device == offer.name and d.share for d in other.devices):
                 continue
-            mps = other.get("mps")
-            theirs = isinstance(mps, dict) and gpu in mps
+            theirs = gpu in (other.mps or {})
             if theirs != (gpu in mps_gpus):
-                raise PrepareError(f"claim {namespace}/{name}: {offer.name} is shared with claim "
-                                   f"{other.get('namespace')}/{other.get('name')}, "
+                raise PrepareError(f"{what}: {offer.name} is shared with claim {other.label}, "
                                    f"{'an MPS client' if theirs else 'not an MPS client'}: its shares are all MPS "
                                    "clients or none")
 
 
-def _booked(entry: dict[str, object]) -> tuple[Claim, ...]:
-    return tuple(Claim(name, tuple(map(NodeId, nodes)), tuple(map(NodeId, shared)))
-                 for name, nodes, shared in bookings_of(entry))
+def _pods_to_book(record: ClaimRecord, refused: LedgerError | None, now: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The pods to book a checkpointed claim again for, after the API server was asked (`now`: the pods it
+    is reserved for now; None when it could not say): those it recorded, unless its booking was `refused`
+    and it is reserved for pods it did not record, which are then its pods. The refusal raised again when
+    nothing new was learned."""
+    if refused is None:
+        return record.pods or ()
+    if now is None or set(now) <= set(record.pods or ()):
+        raise refused
+    return now
 
 
-def _device(entry: dict[str, object]) -> PreparedDevice:
-    share = entry.get("share")
-    return PreparedDevice(strings_of(entry.get("requests")), str(entry["pool"]), str(entry["device"]),
-                          strings_of(entry.get("cdi")), str(share) if share else None)
+def _booked(record: ClaimRecord) -> tuple[Claim, ...]:
+    return tuple(Claim(b.name, tuple(map(NodeId, b.nodes)), tuple(map(NodeId, b.shared))) for b in record.bookings)
 
 
 def _remove(path: str) -> None:

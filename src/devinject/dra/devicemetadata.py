@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 from devinject.cdi.model import ContainerEdits, Mount, Spec
 from devinject.core.atomicfile import replace as replace_file
@@ -42,7 +43,7 @@ def _label(value: object) -> str | None:
     return None
 
 
-def container_dir(claim: dict[str, object], name: str) -> str:
+def container_dir(claim: Mapping[str, object], name: str) -> str:
     """Where a claim's requests' files are in its containers: by the pod's name for a template's claim (its
     annotation, when a DNS label), else by the claim's own name."""
     meta = claim.get("metadata")
@@ -53,7 +54,7 @@ def container_dir(claim: dict[str, object], name: str) -> str:
     return f"{IN_CONTAINER}/resourceclaims/{name}"
 
 
-def document(claim: dict[str, object], namespace: str, name: str, uid: str, request: str,
+def document(claim: Mapping[str, object], namespace: str, name: str, uid: str, request: str,
              devices: Iterable[tuple[str, str, str, dict[str, object]]]) -> dict[str, object]:
     """One request's DeviceMetadata: `devices` as (driver, pool, device, attributes)."""
     meta = claim.get("metadata")
@@ -66,6 +67,18 @@ def document(claim: dict[str, object], namespace: str, name: str, uid: str, requ
                 for driver, pool, device, attributes in devices]}]}
 
 
+MetadataDevice = tuple[str, str, str, dict[str, object]]  # (driver, pool, device, its attributes)
+
+
+class MetadataFile(NamedTuple):
+    """One request's metadata file: its path on the host, its bytes, and its mount in the containers."""
+
+    request: str
+    path: str
+    content: bytes
+    mount: Mount
+
+
 class MetadataFiles:
     """The claims' metadata files under `root` (`<kubelet plugins dir>/<driver>/dra-device-metadata`): one
     directory per claim, by its UID, one `<request>/metadata.json` per request."""
@@ -76,31 +89,41 @@ class MetadataFiles:
     def claim_dir(self, uid: str) -> str:
         return os.path.join(self.root, uid)
 
-    def write(self, claim: dict[str, object], namespace: str, name: str, uid: str,
-              requests: dict[str, list[tuple[str, str, str, dict[str, object]]]]) -> dict[str, Mount]:
-        """Each request's file written (atomically); request -> the mount that puts it in a container."""
+    def planned(self, claim: Mapping[str, object], namespace: str, name: str, uid: str,
+                requests: dict[str, list[MetadataDevice]]) -> tuple[MetadataFile, ...]:
+        """Each request's file as it is to be written, and the mount that puts it in a container (nothing
+        written: MetadataError for a request that is not a DNS label)."""
         inside = container_dir(claim, name)
-        mounts = {}
+        out = []
+        for request, devices in sorted(requests.items()):
+            label = _label(request)
+            if label is None:
+                raise MetadataError(f"claim {namespace}/{name}: request {request!r} is not a DNS label")
+            path = os.path.join(self.claim_dir(uid), label, "metadata.json")
+            text = json.dumps(document(claim, namespace, name, uid, request, devices), indent=2, sort_keys=True)
+            out.append(MetadataFile(request, path, (text + "\n").encode(), Mount(
+                host_path=path, container_path=f"{inside}/{label}/{self.driver}-metadata.json",
+                options=MOUNT_OPTIONS)))
+        return tuple(out)
+
+    def write_files(self, uid: str, files: tuple[MetadataFile, ...], what: str) -> None:
+        """The planned files written (atomically); a failure removes the claim's directory (`what`: the
+        claim, for the message)."""
         try:
-            for request, devices in sorted(requests.items()):
-                label = _label(request)
-                if label is None:
-                    raise MetadataError(f"claim {namespace}/{name}: request {request!r} is not a DNS label")
-                directory = os.path.join(self.claim_dir(uid), label)
-                os.makedirs(directory, mode=0o755, exist_ok=True)
-                path = os.path.join(directory, "metadata.json")
-                text = json.dumps(document(claim, namespace, name, uid, request, devices), indent=2, sort_keys=True)
-                replace_file(path, (text + "\n").encode(), 0o644, sync=False)
-                mounts[request] = Mount(host_path=path, container_path=f"{inside}/{label}/{self.driver}-metadata.json",
-                                        options=MOUNT_OPTIONS)
+            for file in files:
+                os.makedirs(os.path.dirname(file.path), mode=0o755, exist_ok=True)
+                replace_file(file.path, file.content, 0o644, sync=False)
         except OSError as err:
             self.remove(uid)
-            raise MetadataError(f"claim {namespace}/{name}: cannot write its device metadata in "
-                                f"{self.claim_dir(uid)}: {err.strerror}") from None
-        except MetadataError:
-            self.remove(uid)
-            raise
-        return mounts
+            raise MetadataError(f"claim {what}: cannot write its device metadata in {self.claim_dir(uid)}: "
+                                f"{err.strerror}") from None
+
+    def write(self, claim: Mapping[str, object], namespace: str, name: str, uid: str,
+              requests: dict[str, list[MetadataDevice]]) -> dict[str, Mount]:
+        """Each request's file written (atomically); request -> the mount that puts it in a container."""
+        files = self.planned(claim, namespace, name, uid, requests)
+        self.write_files(uid, files, f"{namespace}/{name}")
+        return {file.request: file.mount for file in files}
 
     def remove(self, uid: str) -> None:
         shutil.rmtree(self.claim_dir(uid), ignore_errors=True)

@@ -260,7 +260,7 @@ def contested_offers(published: list[Offer], held: dict[tuple[str, str], PluginH
     return out
 
 
-def contest_stands(claim: dict[str, Any] | None, uid: str, driver: str, contest: Contest) -> bool:
+def contest_stands(claim: Mapping[str, Any] | None, uid: str, driver: str, contest: Contest) -> bool:
     """Whether a claim refused on a held device still points at one of its devices: False when the API says
     it is gone (None), is another object (deleted and made again), is no longer allocated, or is allocated on
     none of them."""
@@ -273,6 +273,68 @@ def contest_stands(claim: dict[str, Any] | None, uid: str, driver: str, contest:
     return bool({(pool, device) for _, pool, device in results} & set(contest.devices))
 
 
+@dataclass
+class DriverState:
+    """Everything of the driver's that changes while it runs, in one place: what discovery found (read by the
+    kubelet's calls, the rescan and the health loop's listener, under `lock`), what was published and the
+    taints' times (the publishing round's, under `publishing`), health.json as read last, the signals between
+    the threads, and the health loop this process runs."""
+
+    node: Node  # as the last rescan read it; its profiles loaded once, kept by every rescan
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    publishing: threading.Lock = field(default_factory=threading.Lock)  # one publish at a time
+    # discovery (lock)
+    inventory: Inventory | None = None
+    host: Host | None = None
+    offered: list[Offer] = field(default_factory=list)  # every offer discovered last
+    found: list[FoundDevice] = field(default_factory=list)  # the PCI devices discovered last, of the served kinds
+    known: dict[tuple[str, str], Offer] = field(default_factory=dict)  # since start: one gone while out stays tainted
+    # the publishing round (publishing)
+    since: dict[tuple[str, str, str], str] = field(default_factory=dict)  # (pool, device, taint key) -> timeAdded
+    published: list[dict[str, Any]] | None = None
+    offered_now: list[Offer] = field(default_factory=list)  # the offers (tainted or not) of the slices adopted last
+    held: dict[tuple[str, str], PluginHolding] = field(default_factory=dict)  # what the device plugin held then
+    contested_shown: dict[tuple[str, str], str] = field(default_factory=dict)  # held devices kept for a claim, logged
+    ledger_seen: str | None = None  # the ledger's identity at the last look
+    # health.json
+    health_read: NodeHealth = field(default_factory=lambda: NodeHealth())  # as last read whole (a broken one: kept)
+    health_problem: str | None = None  # why health.json could not be read at the last look
+    health_seen: str | None = None  # health.json as last looked at, when another agent's loop writes it
+    # the threads' signals
+    wake: threading.Event = field(default_factory=threading.Event)  # publish the slices now
+    rediscover: threading.Event = field(default_factory=threading.Event)  # discover again before publishing
+    round: float = field(default_factory=time.monotonic)  # when the loop last turned (/healthz)
+    # the health loop, when this process runs it
+    loop: Watcher | None = None
+    loop_thread: threading.Thread | None = None
+    loop_stop: threading.Event | None = None  # set to stop it (the driver's stop, or the loop handed over)
+
+
+@dataclass(frozen=True, slots=True)
+class SliceView:
+    """The slices as they should be now and what was learned on the way to them (DraDriver.desired: nothing
+    changed; DraDriver.adopt takes it in)."""
+
+    slices: list[dict[str, Any]]
+    offered: list[Offer]  # the offers (tainted or not) in them
+    verdicts: dict[tuple[str, str], tuple[bool, str]]  # the health stream's: (pool, device) -> (healthy, why)
+    held: dict[tuple[str, str], PluginHolding]  # what the device plugin holds
+    contested: dict[tuple[str, str], str]  # held devices kept, tainted, for a claim allocated on them
+    since: dict[tuple[str, str, str], str]  # the live taints' timeAdded
+    forget: frozenset[tuple[str, str]]  # offers gone whose device is there with other offers
+    health: NodeHealth
+    health_problem: str | None
+
+
+def _stamps(since: dict[tuple[str, str, str], str]) -> Callable[[Offer], Callable[[str], str]]:
+    """A taint's timeAdded by its offer and key: the one in `since`, or now (put in `since`)."""
+    def of(offer: Offer) -> Callable[[str], str]:
+        def stamp(key: str) -> str:
+            return since.setdefault((offer.pool, offer.name, key), _now_rfc3339())
+        return stamp
+    return of
+
+
 class DraDriver:
     def __init__(self, opts: DraOptions, publisher: SliceApi,
                  get_claim: Callable[[str, str], dict[str, Any]] | None = None, node: Node | None = None) -> None:
@@ -282,32 +344,9 @@ class DraDriver:
             raise DevinjectError(f"fatal taint effect {opts.fatal_effect!r}: expected {NO_SCHEDULE} or {NO_EXECUTE}")
         self.opts = opts
         self.publisher = publisher
-        self.lock = threading.Lock()
-        # the node as the last rescan read it; its profiles are loaded here, once, and kept by every rescan
-        self.node = node or watched_node(opts.watch_options())
-        self.node.profiles  # noqa: B018 (loaded now: each rescan and the health loop take these)
-        self._inventory: Inventory | None = None
-        self._host: Host | None = None
-        self._all: list[Offer] = []
-        self._found: list[FoundDevice] = []  # the PCI devices discovered last, of the served kinds (labels)
-        self._known: dict[tuple[str, str], Offer] = {}  # every offer since start: one gone while out stays tainted
-        self._since: dict[tuple[str, str, str], str] = {}  # (pool, device, taint key) -> its timeAdded
+        self.state = DriverState(node or watched_node(opts.watch_options()))
+        self.state.node.profiles  # noqa: B018 (loaded now: each rescan and the health loop take these)
         self.health = HealthBroadcast()
-        self.published: list[dict[str, Any]] | None = None
-        self._offered_now: list[Offer] = []  # the offers (tainted or not) of the slices desired last
-        self.loop: Watcher | None = None  # the health loop, when this process runs it
-        self.wake = threading.Event()  # the loop published a verdict: publish the slices now
-        self._health_thread: threading.Thread | None = None
-        self._loop_stop: threading.Event | None = None  # set to stop the loop this process runs
-        self._health_read = NodeHealth()  # health.json as last read whole: what a broken one leaves in place
-        self._health_problem: str | None = None  # why health.json could not be read at the last look
-        self._health_seen: str | None = None  # health.json as last looked at, when another agent's loop writes it
-        self.rediscover = threading.Event()  # the loop found other devices: discover again before publishing
-        self.publishing = threading.Lock()  # one publish at a time: the rescan's and the ledger follower's
-        self._held: dict[tuple[str, str], PluginHolding] = {}  # offers the device plugin holds now
-        self._ledger_seen: str | None = None
-        self._held_desired: dict[tuple[str, str], PluginHolding] = {}  # what desired() last found held
-        self._contested_shown: dict[tuple[str, str], str] = {}  # held devices kept tainted for a claim, logged
         from devinject.nodestate.pluginrelease import GonePodReleaser
 
         # the device plugin's bookings whose pods are gone, released with the device plugin gone too
@@ -328,93 +367,127 @@ class DraDriver:
                                      self.status.unprepared if self.status else None)
         self.http: MetricsServer | None = None
         self.metrics_bound: str | None = None  # host:port /metrics listens on
-        self._round = time.monotonic()  # when the loop last turned (/healthz)
+
+    # the state's parts tests and the command look at
+    @property
+    def loop(self) -> Watcher | None:
+        return self.state.loop
+
+    @property
+    def wake(self) -> threading.Event:
+        return self.state.wake
+
+    @property
+    def published(self) -> list[dict[str, Any]] | None:
+        return self.state.published
+
+    @published.setter
+    def published(self, slices: list[dict[str, Any]] | None) -> None:
+        self.state.published = slices
 
     def discover(self) -> Inventory:
         """The node as discovered now: every offer (prepare knows the devices the health loop took out too,
         so a claim allocated just before a fault is still prepared, and the ledger's check refuses it)."""
-        gen = self.opts.generate
-        with self.lock:
-            node = self.node = self.node.rescanned()
+        gen, state = self.opts.generate, self.state
+        with state.lock:
+            node = state.node = state.node.rescanned()
         versions = {f.profile.kind: driver_version(node.host, f.profile, []) for f in node.devices()}
         offered = shareable([o for o in offers(node, self.opts.node_name, versions)
                              if not gen.kinds or o.kind in gen.kinds], self.opts.capacity)
         found = [f for f in node.devices() if not gen.kinds or f.profile.kind in gen.kinds]
-        with self.lock:
-            self._all = offered
-            self._found = found
-            self._host = node.host
-            self._known.update({(o.pool, o.name): o for o in offered})
-            self._inventory = Inventory(node, {(o.pool, o.name): o for o in offered})
-            return self._inventory
+        with state.lock:
+            state.offered, state.found, state.host = offered, found, node.host
+            state.known.update({(o.pool, o.name): o for o in offered})
+            state.inventory = Inventory(node, {(o.pool, o.name): o for o in offered})
+            return state.inventory
 
     def inventory(self) -> Inventory:
-        with self.lock:
-            inventory = self._inventory
+        with self.state.lock:
+            inventory = self.state.inventory
         return inventory if inventory is not None else self.discover()
 
-    def _since_of(self, offer: Offer) -> Callable[[str], str]:
-        def since(key: str) -> str:
-            return self._since.setdefault((offer.pool, offer.name, key), _now_rfc3339())
-        return since
-
-    def _health_now(self) -> NodeHealth:
-        """health.json as it reads now; a broken one is never read as "all healthy": what it said last stands
-        (for the slices' taints and the labels alike), and the problem is logged once."""
+    def _read_health(self) -> tuple[NodeHealth, str | None]:
+        """health.json as it reads now, and why not when it cannot be read: then what it said last stands (a
+        broken one is never read as "all healthy", for the slices' taints and the labels alike)."""
         try:
-            self._health_read = read_health(self.opts.state_dir)
-            self._health_problem = None
+            return read_health(self.opts.state_dir), None
         except StateFileError as err:
-            if err.message != self._health_problem:
-                log.warning("%s; the slices keep the taints read before", err.message)
-            self._health_problem = err.message
-        return self._health_read
+            return self.state.health_read, err.message
+
+    def _take_health(self, health: NodeHealth, problem: str | None) -> NodeHealth:
+        """health.json's read kept as the last; a problem logged once."""
+        if problem is not None and problem != self.state.health_problem:
+            log.warning("%s; the slices keep the taints read before", problem)
+        self.state.health_read, self.state.health_problem = health, problem
+        return health
 
     def desired(self) -> list[dict[str, Any]]:
-        """The slices from the offers discovered last and health.json as it reads now; the health stream is
-        updated on the way. A device out of discovery stays, tainted, while the loop keeps it out (a channel:
-        always, as `gone`); one the loop has not judged yet is left out until it does (discovery may see an
-        unbound or removed function before the loop's next round)."""
-        health = self._health_now()
-        with self.lock:
-            host, offered = self._host, list(self._all)
+        """The slices from the offers discovered last and health.json as it reads now: a query, nothing of the
+        driver's changes (`adopt` takes in what it learned: _publish does both)."""
+        return self.slice_view().slices
+
+    def slice_view(self) -> SliceView:
+        """The slices as they should be now. A device out of discovery stays, tainted, while the loop keeps it
+        out (a channel: always, as `gone`); one the loop has not judged yet is left out until it does
+        (discovery may see an unbound or removed function before the loop's next round)."""
+        health, problem = self._read_health()
+        state = self.state
+        with state.lock:
+            host, offered, since = state.host, list(state.offered), dict(state.since)
             present = {(o.pool, o.name) for o in offered}
-            vanished = [o for key, o in self._known.items() if key not in present]
+            vanished = [o for key, o in state.known.items() if key not in present]
+        stamps = _stamps(since)
         verdicts: dict[tuple[str, str], tuple[bool, str]] = {}
         published: list[Offer] = []
         for offer in offered:
             reasons = fault_reasons(host, offer, health)
             verdicts[(offer.pool, offer.name)] = (not reasons, "; ".join(reasons))
-            published.append(self._tainted(offer, reasons))
+            published.append(self._tainted(offer, reasons, stamps))
         present_devices = {offer_key(o) for o in offered}
-        for offer in vanished:
-            if offer_key(offer) in present_devices:  # its device is there with other offers (a MIG layout changed)
-                with self.lock:
-                    self._known.pop((offer.pool, offer.name), None)
-                continue
-            reasons = fault_reasons(None, offer, health)
-            if offer.channel is not None and not reasons:
-                reasons = (f"{offer.channel.node.path}: no such node",)
-            if not reasons:  # not discovered, and not (yet) out: unpublished, kept for when the loop says so
-                continue
-            verdicts[(offer.pool, offer.name)] = (False, "; ".join(reasons))
-            published.append(self._tainted(offer, reasons))
-        self.health.update(verdicts)
+        forget = frozenset((o.pool, o.name) for o in vanished if offer_key(o) in present_devices)
+        for offer in vanished:  # one whose device is there with other offers (a MIG layout changed) is forgotten
+            reasons = () if (offer.pool, offer.name) in forget else self._gone_reasons(offer, health)
+            if reasons:  # not discovered, and not (yet) out: unpublished, kept for when the loop says so
+                verdicts[(offer.pool, offer.name)] = (False, "; ".join(reasons))
+                published.append(self._tainted(offer, reasons, stamps))
         held = self._plugin_held(published)
         contested = {k: v for k, v in contested_devices(self.preparer.contested()).items() if k in held}
-        for key in sorted(set(contested) - set(self._contested_shown)):
+        offered_now = contested_offers(published, held, contested, self.opts.driver, stamps)
+        live = {(o.pool, o.name, t.key) for o in (*published, *offered_now) for t in o.taints}
+        return SliceView(resource_slices(self.opts.driver, self.opts.node_name, offered_now), offered_now, verdicts,
+                         held, contested, {k: v for k, v in since.items() if k in live}, forget, health, problem)
+
+    @staticmethod
+    def _gone_reasons(offer: Offer, health: NodeHealth) -> tuple[str, ...]:
+        """Why an offer no longer discovered is out: the loop's reasons; a channel whose node is gone always."""
+        reasons = fault_reasons(None, offer, health)
+        if offer.channel is not None and not reasons:
+            reasons = (f"{offer.channel.node.path}: no such node",)
+        return reasons
+
+    def adopt(self, view: SliceView) -> None:
+        """What a slice view learned, taken in (`publishing` held): health.json's read, the offers gone for
+        good, the taints' times, the health stream's verdicts, the held and contested devices (logged as they
+        change)."""
+        state = self.state
+        self._take_health(view.health, view.health_problem)
+        with state.lock:
+            for key in view.forget:
+                state.known.pop(key, None)
+        state.since = view.since
+        self.health.update(view.verdicts)
+        for key in sorted(set(view.held) - set(state.held)):
+            log.info("%s/%s leaves the slice: held by %s", key[0], key[1], view.held[key].who)
+        for key in sorted(set(state.held) - set(view.held)):
+            log.info("%s/%s is back in the slice: the device plugin released it", key[0], key[1])
+        for key in sorted(set(view.contested) - set(state.contested_shown)):
             log.info("%s/%s stays in the slice tainted %s/%s NoExecute: held by %s, and claim %s is allocated on "
-                     "it (its pod is evicted)", key[0], key[1], self.opts.driver, HELD_CAUSE, held[key].who,
-                     contested[key])
-        for key in sorted(set(self._contested_shown) - set(contested)):
-            if key in held:
+                     "it (its pod is evicted)", key[0], key[1], self.opts.driver, HELD_CAUSE, view.held[key].who,
+                     view.contested[key])
+        for key in sorted(set(state.contested_shown) - set(view.contested)):
+            if key in view.held:
                 log.info("%s/%s leaves the slice: no claim allocated on it waits any more", key[0], key[1])
-        self._contested_shown = contested
-        self._offered_now = contested_offers(published, held, contested, self.opts.driver, self._since_of)
-        live = {(o.pool, o.name, t.key) for o in (*published, *self._offered_now) for t in o.taints}
-        self._since = {k: v for k, v in self._since.items() if k in live}
-        self._held_desired = held
-        return resource_slices(self.opts.driver, self.opts.node_name, self._offered_now)
+        state.contested_shown, state.offered_now = view.contested, view.offered
 
     def _plugin_held(self, offered: list[Offer]) -> dict[tuple[str, str], PluginHolding]:
         """The offers the device plugin holds now (ledger.json), left out of the slices so that the scheduler
@@ -425,29 +498,24 @@ class DraDriver:
 
         data = Ledger(self.opts.state_dir).read()
         present = {(o.pool, o.name) for o in offered}
-        held = plugin_held(data, offered, sharing_policy(self.opts.state_dir)) if data is not None else \
-            {k: v for k, v in self._held.items() if k in present}
-        for key in sorted(set(held) - set(self._held)):
-            log.info("%s/%s leaves the slice: held by %s", key[0], key[1], held[key].who)
-        for key in sorted(set(self._held) - set(held)):
-            log.info("%s/%s is back in the slice: the device plugin released it", key[0], key[1])
-        return held
+        return plugin_held(data, offered, sharing_policy(self.opts.state_dir)) if data is not None else \
+            {k: v for k, v in self.state.held.items() if k in present}
 
-    def _tainted(self, offer: Offer, reasons: tuple[str, ...]) -> Offer:
+    def _tainted(self, offer: Offer, reasons: tuple[str, ...], stamps: Callable[[Offer], Callable[[str], str]]) \
+            -> Offer:
         if not reasons:
             return offer
-        return replace(offer, taints=taints_for(self.opts.driver, reasons, self.opts.fatal_effect,
-                                                self._since_of(offer)))
+        return replace(offer, taints=taints_for(self.opts.driver, reasons, self.opts.fatal_effect, stamps(offer)))
 
     def refresh(self, rediscover: bool = True) -> bool:
         """Rediscover (unless told not to: a verdict to publish at once), book the prepared claims again (a
         ledger rebuilt meanwhile knows none), publish (the publisher writes what the API's slices lack); True
         when the slices changed."""
-        if rediscover or self._inventory is None:
+        if rediscover or self.state.inventory is None:
             self.discover()
             self.preparer.rebook()
         self.write_labels()
-        with self.publishing:
+        with self.state.publishing:
             return self._publish()
 
     def write_labels(self) -> bool:
@@ -458,9 +526,9 @@ class DraDriver:
             return False
         from devinject.agent.nfd import features, write_features
 
-        out = frozenset(self._health_now().reasons)
-        with self.lock:
-            host, found, node = self._host, list(self._found), self.node
+        out = frozenset(self._take_health(*self._read_health()).reasons)
+        with self.state.lock:
+            host, found, node = self.state.host, list(self.state.found), self.state.node
         if host is None:
             return False
         try:
@@ -476,22 +544,23 @@ class DraDriver:
     def _publish(self) -> bool:
         """Publish the slices as they should be now (health.json's taints, less what the device plugin
         holds), when they changed (`publishing` held)."""
-        desired = self.desired()
-        held = self._held_desired
-        changed = desired != self.published
+        state, view = self.state, self.slice_view()
+        self.adopt(view)
+        desired = view.slices
+        changed = desired != state.published
         # compared with the API's slices (the publisher's watch keeps a copy; without one it lists), not with
         # what was published last: a slice someone else deleted or edited is restored within a rescan
         self.publisher.publish(copy.deepcopy(desired))  # it sets generations and keeps taint times: not ours
-        self.published, self._held = desired, held
+        state.published, state.held = desired, view.held
         if changed:
-            self.metrics.published(Counter(o.kind for o in self._offered_now))
-            self.metrics.record_taints(Counter(t.key.split("/", 1)[-1] for o in self._offered_now
+            self.metrics.published(Counter(o.kind for o in view.offered))
+            self.metrics.record_taints(Counter(t.key.split("/", 1)[-1] for o in view.offered
                                                for t in o.taints))
         return changed
 
     def alive(self) -> bool:
         """/healthz: the loop turned within three rounds (and a minute for a slow API server)."""
-        return time.monotonic() - self._round < 3 * self.opts.rescan + 60
+        return time.monotonic() - self.state.round < 3 * self.opts.rescan + 60
 
     def ready(self) -> bool:
         """/readyz: the kubelet registered the driver and its DRA socket is there."""
@@ -503,17 +572,18 @@ class DraDriver:
         it found are not the ones discovered here last (a function unbound, removed or back), so the slices
         follow them at once too."""
         found = frozenset(device_key(f.profile.kind, f.address) for f in loop.found) | {c.key for c in loop.channels}
-        with self.lock:
-            offered = frozenset(offer_key(o) for o in self._all)
+        with self.state.lock:
+            offered = frozenset(offer_key(o) for o in self.state.offered)
         if found != offered:  # compared with what this driver discovered, which may be from another moment
-            self.rediscover.set()
-        self.wake.set()
+            self.state.rediscover.set()
+        self.state.wake.set()
 
     def start_health_loop(self, stop: threading.Event) -> bool:
         """Run the node's health loop on a thread when this process may (the state dir's loop lock is free;
         `follow`: never); True when it runs. `check` with the lock held elsewhere is an error."""
-        if self.loop is not None or self.opts.health == "follow":
-            return self.loop is not None
+        state = self.state
+        if state.loop is not None or self.opts.health == "follow":
+            return state.loop is not None
         if self.opts.health == "auto" and healthstate.loop_wanted(self.opts.state_dir):
             return False  # an agent that owns the loop (watch, device-plugin) is back and asks for it
         fd = healthstate.take_loop_lock(self.opts.state_dir)
@@ -524,13 +594,13 @@ class DraDriver:
             return False
         watch = self.opts.watch_options()
         try:
-            loop = Watcher(watch, loop_lock=fd, node=self.node.apart())
+            loop = Watcher(watch, loop_lock=fd, node=state.node.apart())
         except BaseException:
             os.close(fd)
             raise
         loop.publishers.append(self._told)  # the slices
-        self.loop = loop
-        loop_stop = self._loop_stop = threading.Event()  # the driver's stop, or the loop handed over
+        state.loop = loop
+        loop_stop = state.loop_stop = threading.Event()  # the driver's stop, or the loop handed over
 
         def run() -> None:
             try:
@@ -542,10 +612,8 @@ class DraDriver:
             stop.wait()
             loop_stop.set()
 
-        threading.Thread(target=stop_with_the_driver, name="health-stop", daemon=True).start()
-
-        self._health_thread = threading.Thread(target=run, name="health", daemon=True)
-        self._health_thread.start()
+        self._spawn("health-stop", stop_with_the_driver)
+        state.loop_thread = self._spawn("health", run)
         log.info("health loop: in this process (interval %gs, recheck %gs, threshold %d, kernel log %s, uevents "
                  "%s); fatal faults taint %s", watch.interval, watch.recheck, watch.threshold, watch.kernel_log,
                  "on" if watch.uevents else "off", self.opts.fatal_effect)
@@ -556,19 +624,19 @@ class DraDriver:
         pod leaves the slices within `ledger_poll` seconds, and is back as soon as it is released. True when
         published."""
         seen = path_identity(os.path.join(self.opts.state_dir, LEDGER_FILE))
-        if seen == self._ledger_seen or self.published is None:
+        if seen == self.state.ledger_seen or self.state.published is None:
             return False
-        self._ledger_seen = seen
-        with self.publishing:
+        self.state.ledger_seen = seen
+        with self.state.publishing:
             return self._publish()
 
     def follow_contests_once(self) -> bool:
         """Publish again when a claim was refused on a held device, or forgotten: the device is kept in (or
         leaves) the slices within `ledger_poll` seconds. True when published."""
-        if not self.preparer.contests_changed.is_set() or self.published is None:
+        if not self.preparer.contests_changed.is_set() or self.state.published is None:
             return False
         self.preparer.contests_changed.clear()
-        with self.publishing:
+        with self.state.publishing:
             return self._publish()
 
     def check_contests(self) -> list[str]:
@@ -579,7 +647,7 @@ class DraDriver:
         gone = []
         for uid, contest in self.preparer.contested().items():
             try:
-                claim: dict[str, Any] | None = self.preparer.get_claim(contest.namespace, contest.name)
+                claim: Mapping[str, Any] | None = self.preparer.get_claim(contest.namespace, contest.name)
             except ClaimReadError as err:
                 if err.status != 404:
                     continue
@@ -603,7 +671,7 @@ class DraDriver:
     def _followed_health_changed(self) -> bool:
         """health.json is another file than at the last look (the loop that writes it is another agent's)."""
         seen = path_identity(os.path.join(self.opts.state_dir, HEALTH_FILE))
-        changed, self._health_seen = seen != self._health_seen, seen
+        changed, self.state.health_seen = seen != self.state.health_seen, seen
         return changed
 
     def hand_over_health_loop(self) -> bool:
@@ -611,13 +679,14 @@ class DraDriver:
         `device-plugin`) is back and asks for it, the loop stops here, its lock goes to that agent, and the
         driver follows its verdicts (two loops on one state dir would both rewrite its health state and take
         each other's put-back requests). True when handed over."""
-        if self.loop is None or self.opts.health != "auto" or not healthstate.loop_wanted(self.opts.state_dir):
+        state = self.state
+        if state.loop is None or self.opts.health != "auto" or not healthstate.loop_wanted(self.opts.state_dir):
             return False
-        if self._loop_stop is not None:
-            self._loop_stop.set()
-        if self._health_thread is not None:
-            self._health_thread.join(10)  # its run() lets the lock go as it ends
-        self.loop, self._health_thread, self._loop_stop = None, None, None
+        if state.loop_stop is not None:
+            state.loop_stop.set()
+        if state.loop_thread is not None:
+            state.loop_thread.join(10)  # its run() lets the lock go as it ends
+        state.loop, state.loop_thread, state.loop_stop = None, None, None
         log.info("health loop: handed to the agent that asked for it; following %s",
                  os.path.join(self.opts.state_dir, HEALTH_FILE))
         return True
@@ -626,16 +695,16 @@ class DraDriver:
         while not stop.wait(self.opts.ledger_poll):
             try:
                 self.hand_over_health_loop()
-                if self.loop is None and self._followed_health_changed():
-                    self.wake.set()  # another agent's verdict: published now, not at the next rescan
+                if self.state.loop is None and self._followed_health_changed():
+                    self.state.wake.set()  # another agent's verdict: published now, not at the next rescan
                 self.releaser.release()  # a release changes the ledger: published just below
                 self.follow_ledger_once()
                 self.follow_contests_once()
             except DevinjectError as err:
-                self._ledger_seen = None  # try again at the next look
+                self.state.ledger_seen = None  # try again at the next look
                 log.warning("publishing ResourceSlices after a ledger change: %s", err.message)
             except Exception:  # the follower must outlive any one failure
-                self._ledger_seen = None
+                self.state.ledger_seen = None
                 log.exception("following the ledger")
 
     def _prepared(self, namespace: str, name: str, uid: str, devices: list[PreparedDevice]) -> None:
@@ -669,40 +738,49 @@ class DraDriver:
                  "metrics %s", __version__, self.opts.driver, self.opts.node_name, self.servers.registration_path,
                  self.servers.endpoint, self.opts.cdi_dir, f"on {self.metrics_bound}" if self.metrics_bound else "off")
 
+    def _spawn(self, name: str, target: Callable[..., object], *args: object) -> threading.Thread:
+        """Every thread of the driver's starts here: a daemon thread, named for the logs."""
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _start_threads(self, stop: threading.Event) -> None:
+        """The driver's own threads beside its round (the health loop's start in start_health_loop): a stop
+        wakes the round, the ledger follower, the contested claims' checker."""
+        def wake_on_stop() -> None:
+            stop.wait()
+            self.state.wake.set()
+
+        self._spawn("stop", wake_on_stop)
+        self._spawn("ledger", self._follow_ledger, stop)
+        self._spawn("contests", self._check_contests, stop)
+
     def run(self, stop: threading.Event) -> None:
         self.start()
         if not self.start_health_loop(stop):
             log.info("health: following %s, as another agent's health loop writes it%s",
                      os.path.join(self.opts.state_dir, HEALTH_FILE),
                      "" if self.opts.health == "follow" else " (taken over when it stops)")
-
-        def wake_on_stop() -> None:
-            stop.wait()
-            self.wake.set()
-
-        threading.Thread(target=wake_on_stop, name="stop", daemon=True).start()
-        next_scan = 0.0
-        follower = threading.Thread(target=self._follow_ledger, args=(stop,), name="ledger", daemon=True)
-        follower.start()
-        threading.Thread(target=self._check_contests, args=(stop,), name="contests", daemon=True).start()
+        self._start_threads(stop)
+        state, next_scan = self.state, 0.0
         try:
             while not stop.is_set():
                 due = time.monotonic() >= next_scan
-                if self.rediscover.is_set():
-                    self.rediscover.clear()
+                if state.rediscover.is_set():
+                    state.rediscover.clear()
                     due = True
                 try:
-                    if due and self.loop is None:
+                    if due and state.loop is None:
                         self.start_health_loop(stop)
                     self.refresh(rediscover=due)
                 except DevinjectError as err:
                     self.metrics.publish_failed(err)
                     log.warning("publishing ResourceSlices: %s (again in %gs)", err.message, self.opts.rescan)
-                self._round = time.monotonic()
+                state.round = time.monotonic()
                 if due:
                     next_scan = time.monotonic() + self.opts.rescan
-                self.wake.wait(max(0.0, next_scan - time.monotonic()))
-                self.wake.clear()
+                state.wake.wait(max(0.0, next_scan - time.monotonic()))
+                state.wake.clear()
         finally:
             self.servers.stop()
             if self.preparer.metadata is not None:
@@ -717,5 +795,5 @@ class DraDriver:
     def _stop_health_loop(self) -> None:
         """After `stop`: the loop's thread ends within its wake-up and lets its lock go (a driver made again in
         this process, or another agent, may take the state dir)."""
-        if self._health_thread is not None:
-            self._health_thread.join(10)  # its run() lets the lock go as it ends
+        if self.state.loop_thread is not None:
+            self.state.loop_thread.join(10)  # its run() lets the lock go as it ends

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from devinject.core.asciitext import is_digits
 from devinject.core.errors import DevinjectError
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from devinject.nodestate.claimcheckpoints import JsonObject
+
 API_VERSION = "v1alpha1"
 KIND = "GpuConfig"
 TIME_SLICING, MPS = "TimeSlicing", "MPS"
@@ -57,14 +61,14 @@ class GpuSharing:
         """The ledger's word: exclusive, time-slicing, mps."""
         return {TIME_SLICING: "time-slicing", MPS: "mps"}.get(self.strategy, "exclusive")
 
-    def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"strategy": self.strategy}
+    def to_json(self) -> JsonObject:
+        out: JsonObject = {"strategy": self.strategy}
         if self.strategy == TIME_SLICING:
             out["interval"] = self.interval
         if self.mps is not None:
             out["mps"] = {"activeThreadPercentage": self.mps.active_thread_percentage,
                           "pinnedMemoryLimitMB": self.mps.pinned_memory_limit_mb,
-                          "perDevicePinnedMemoryLimitMB": dict(self.mps.per_device_limit_mb)}
+                          "perDevicePinnedMemoryLimitMB": {k: v for k, v in self.mps.per_device_limit_mb.items()}}
         return out
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from devinject.core.errors import DevinjectError, LedgerError
+from devinject.nodestate.claimcheckpoints import ClaimRecord
 
 # why a claim was not prepared (or unprepared): a bounded set, so that a label never grows with the input
 ERROR_REASONS = ("checkpoint", "ledger", "claim", "api", "unknown-device", "cdi-spec", "deadline", "other")
@@ -55,10 +56,6 @@ def publish_reason(err: BaseException) -> str:
     return "other"
 
 
-def _count(devices: object) -> int:
-    return len(devices) if isinstance(devices, (list, tuple)) else 0
-
-
 class DraMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -92,7 +89,7 @@ class DraMetrics:
         self._kinds: set[str] = set()
         self._taint_reasons: set[str] = set()
 
-    def watch_prepared(self, prepared: Callable[[], Mapping[str, Mapping[str, object]]]) -> None:
+    def watch_prepared(self, prepared: Callable[[], Mapping[str, ClaimRecord]]) -> None:
         """Read the prepared claims (the checkpoint: `Preparer.prepared`) at each scrape; NaN when it cannot
         be read (the driver says why in its log)."""
         def claims() -> float:
@@ -103,7 +100,7 @@ class DraMetrics:
 
         def devices() -> float:
             try:
-                return float(sum(_count(entry.get("devices")) for entry in prepared().values()))
+                return float(sum(len(record.devices) for record in prepared().values()))
             except (DevinjectError, OSError, TypeError):
                 return math.nan
 
