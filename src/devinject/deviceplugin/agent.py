@@ -53,6 +53,7 @@ from devinject.deviceplugin.migstrategy import (
     partition_profiles,
     profile_of,
     single_mismatch,
+    unnameable_profiles,
 )
 from devinject.deviceplugin.service import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replica_id, replicated
@@ -301,17 +302,24 @@ class DevicePluginAgent:
 
     def _offer_keys(self, found: FoundDevice) -> list[str | None]:
         """Under which served key each of a device's offers goes (deviceplugin/migstrategy.py); under mixed, a
-        MIG device NVML gives no profile for is left out, said once per GPU."""
+        MIG device NVML gives no profile for, or one no resource name can take, is left out, said once per GPU."""
         kind = found.profile.kind
         if self.opts.mig_strategy == SINGLE or not found.partitions:
             return [kind] * max(1, len(found.partitions))
-        keys = offer_keys(self.opts.mig_strategy, kind, found.partitions, self.watcher.scanned.gpu_facts(found))
-        unknown = sum(1 for k in keys if k is None)
-        if unknown and found.address not in self.mig_said:
+        gpu = self.watcher.scanned.gpu_facts(found)
+        keys = offer_keys(self.opts.mig_strategy, kind, found.partitions, gpu)
+        if None in keys and found.address not in self.mig_said:
             self.mig_said.add(found.address)
-            log.warning("%s %s: NVML gives no profile for %d of its MIG devices (no NVML facts: --nvml, the driver "
-                        "root's libnvidia-ml); under --mig-strategy mixed they are not offered", kind,
-                        found.address, unknown)
+            unnameable = unnameable_profiles(found.partitions, gpu)
+            unknown = keys.count(None) - sum(1 for p in partition_profiles(found.partitions, gpu) if p in unnameable)
+            if unknown:
+                log.warning("%s %s: NVML gives no profile for %d of its MIG devices (no NVML facts: --nvml, the "
+                            "driver root's libnvidia-ml); under --mig-strategy mixed they are not offered", kind,
+                            found.address, unknown)
+            if unnameable:
+                log.warning("%s %s: MIG profile %s is no resource name (%s); under --mig-strategy mixed its MIG "
+                            "devices are not offered", kind, found.address, ", ".join(unnameable),
+                            mig_resource(kind, unnameable[0]))
         return keys
 
     def _say_single_mismatch(self, watcher: Round) -> None:
