@@ -196,3 +196,20 @@ def test_the_agent_serves_the_nameable_profiles_and_says_which_it_left_out(host_
     said = [r.getMessage() for r in caplog.records if "--mig-strategy mixed" in r.getMessage()]
     assert said == [f"{GPU} 0000:07:00.0: MIG profile 1g.10gb+me is no resource name (nvidia.com/mig-1g.10gb+me); "
                     "under --mig-strategy mixed its MIG devices are not offered"]
+
+
+def test_mixed_refuses_a_resource_name_a_profiles_resource_has(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--resource-name nvidia.com/gpu=nvidia.com/mig-3g.40gb under mixed would register the whole GPUs and the
+    3g.40gb MIG devices as one resource from two sockets: the kubelet keeps the later registration, and one set
+    of devices silently goes. Refused, as sharing's two entries under one name are."""
+    from dataclasses import replace
+
+    from devinject.core.errors import UsageError
+
+    base = options(tmp_path, tmp_path, tmp_path, SINGLE)
+    assert replace(base, resource_names={GPU: MIG}).resource_of(GPU) == MIG  # single: no profile's resource
+    with pytest.raises(UsageError, match=r"^--resource-name nvidia.com/gpu=nvidia.com/mig-3g.40gb: under "
+                                         r"--mig-strategy mixed a MIG profile's resource is named so"):
+        replace(base, resource_names={GPU: MIG}, mig_strategy=MIXED)
+    assert replace(base, resource_names={GPU: "example.com/gpu"}, mig_strategy=MIXED).resource_of(GPU) == \
+        "example.com/gpu"

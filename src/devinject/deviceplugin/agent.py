@@ -165,6 +165,10 @@ class PluginOptions:
             # would be booked as their time-sliced kind's, shared with a DRA claim's exclusive booking
             raise UsageError("--mig-strategy mixed: not with a sharing: section (time-slicing or MPS of "
                              f"{self.sharing.resources[0].name}); use single")
+        for kind, name in self.resource_names.items() if self.mig_strategy == MIXED else ():
+            if name.partition("/")[2].startswith("mig-"):  # two sockets, one resource: the kubelet keeps one
+                raise UsageError(f"--resource-name {kind}={name}: under --mig-strategy mixed a MIG profile's "
+                                 "resource is named so (<domain>/mig-<profile>); name it otherwise")
 
     def resource_of(self, kind: str) -> str:
         """The resource a kind is served as: --resource-name's, then renamed when time-sliced; a MIG profile's
