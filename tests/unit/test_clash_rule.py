@@ -154,3 +154,13 @@ def test_the_device_plugins_own_booking_is_replaced_or_learns_its_pods() -> None
     assert booked == [booking_id] and planned[booking_id].pods == ()
     planned, booked = plan_plugin_booking(held, {booking_id: plugin((N,))}, {booking_id: ("pod-b",)})
     assert booked == [] and planned[booking_id].pods == ("pod-a", "pod-b")
+
+
+def test_the_device_plugins_refusal_names_the_first_node_either_rule_refuses() -> None:
+    """The plugin's Allocate of a MIG-like device (M its own, N shared with its siblings) meets a claim holding M
+    exclusively and N as a consumable-capacity share: both nodes are refused (M held, N shared by consumable
+    capacity outside the plugin's accounting), and the message names the first of them, N, as the ledger
+    before the clash rule's split did (the split named the plain clash, M, first)."""
+    held = {"claim": claim((M,), (N,), consumes=SHARE)}
+    with pytest.raises(LedgerError, match=r"\): device c 195:0 is held by container claim"):
+        plan_plugin_booking(held, {"device-plugin:vendor.com/gpu:a": plugin((M,), (N,))})

@@ -164,3 +164,52 @@ def test_resource_name_renames_the_whole_gpus_resource_only(tmp_path) -> None:  
     assert opts.resource_of(GPU) == "example.com/gpu"
     assert opts.resource_of(profile_key(GPU, "1g.10gb")) == "nvidia.com/mig-1g.10gb"
     assert opts.time_sliced(profile_key(GPU, "1g.10gb")) is None
+
+
+def test_a_profile_no_resource_name_can_take_is_not_offered_under_mixed(caplog) -> None:  # type: ignore[no-untyped-def]
+    """NVML names media-extension profiles `1g.10gb+me` (A100, H100): `nvidia.com/mig-1g.10gb+me` is no
+    extended resource name (the kubelet refuses the registration, and with it the profile's every device), so
+    such a MIG device is left out, said once, while the node's other profiles are served."""
+    from devinject.deviceplugin.migstrategy import unnameable_profiles
+
+    gpu = GpuFacts("0000:07:00.0", mig_devices=(MigFacts(1, 0, profile="1g.10gb+me"), MigFacts(2, 0, profile="3g.40gb"),
+                                                 MigFacts(3, 0, profile="1g.10gb é")))
+    parts = [_part(1), _part(2), _part(3)]
+    assert offer_keys(MIXED, GPU, parts, gpu) == [None, profile_key(GPU, "3g.40gb"), None]
+    assert unnameable_profiles(parts, gpu) == ["1g.10gb é", "1g.10gb+me"]
+    assert offer_keys(SINGLE, GPU, parts, gpu) == [GPU] * 3  # single names no profile: all of them offered
+
+
+def test_the_agent_serves_the_nameable_profiles_and_says_which_it_left_out(host_copy, tmp_path, plugin_dir,  # type: ignore[no-untyped-def]
+                                                                          monkeypatch, caplog) -> None:
+    from devinject.discovery.node import Node
+
+    facts = GpuFacts("0000:07:00.0", mig_devices=(MigFacts(1, 0, profile="1g.10gb+me"),
+                                                   MigFacts(2, 0, profile="3g.40gb")))
+    monkeypatch.setattr(Node, "gpu_facts", lambda self, found: facts if found.address == "0000:07:00.0" else None)
+    with caplog.at_level(logging.WARNING):
+        agent = one_round(host_copy("dgx-a100-mig"), tmp_path, plugin_dir, MIXED)
+        agent.watcher.rescan()
+        agent.watcher.check()
+        agent.watcher.write()
+    assert served(agent) == {GPU: {WHOLE: f"{GPU}=1"}, MIG: {MIG_IDS[1]: f"{GPU}=0:1"}}
+    said = [r.getMessage() for r in caplog.records if "--mig-strategy mixed" in r.getMessage()]
+    assert said == [f"{GPU} 0000:07:00.0: MIG profile 1g.10gb+me is no resource name (nvidia.com/mig-1g.10gb+me); "
+                    "under --mig-strategy mixed its MIG devices are not offered"]
+
+
+def test_mixed_refuses_a_resource_name_a_profiles_resource_has(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--resource-name nvidia.com/gpu=nvidia.com/mig-3g.40gb under mixed would register the whole GPUs and the
+    3g.40gb MIG devices as one resource from two sockets: the kubelet keeps the later registration, and one set
+    of devices silently goes. Refused, as sharing's two entries under one name are."""
+    from dataclasses import replace
+
+    from devinject.core.errors import UsageError
+
+    base = options(tmp_path, tmp_path, tmp_path, SINGLE)
+    assert replace(base, resource_names={GPU: MIG}).resource_of(GPU) == MIG  # single: no profile's resource
+    with pytest.raises(UsageError, match=r"^--resource-name nvidia.com/gpu=nvidia.com/mig-3g.40gb: under "
+                                         r"--mig-strategy mixed a MIG profile's resource is named so"):
+        replace(base, resource_names={GPU: MIG}, mig_strategy=MIXED)
+    assert replace(base, resource_names={GPU: "example.com/gpu"}, mig_strategy=MIXED).resource_of(GPU) == \
+        "example.com/gpu"

@@ -175,3 +175,37 @@ def test_mig_devices_get_their_uuid_names_from_nvml(nvml_host):
 def test_a_wrong_answer_names_its_field(answer, field):
     with pytest.raises(NvmlAnswerError, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_answer(answer)
+
+
+def test_a_compute_instance_smaller_than_its_gpu_instance_is_named_as_nvidia_names_it() -> None:
+    """A 3g.40gb GPU instance split into three 1-slice compute instances holds three MIG devices, each a
+    `1c.3g.40gb` (NVIDIA's device plugin: nvidia.com/mig-1c.3g.40gb), not three `3g.40gb`: offered under the
+    GPU instance's profile, a pod asking for a whole 3g.40gb would get a third of one."""
+    from types import SimpleNamespace
+
+    from devinject.discovery import nvmlprobe
+
+    class NVMLError(Exception):
+        pass
+
+    cis = {0: 0, 1: 1, 2: 2}  # MIG device index -> its compute instance, all in GPU instance 1
+
+    def attributes(mig: int) -> SimpleNamespace:
+        return SimpleNamespace(gpuInstanceSliceCount=3, computeInstanceSliceCount=1 if mig < 3 else 3)
+
+    fake = SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlDeviceGetMaxMigDeviceCount=lambda parent: 4,
+        nvmlDeviceGetMigDeviceHandleByIndex=lambda parent, i: i,
+        nvmlDeviceGetGpuInstanceId=lambda mig: 1 if mig < 3 else 2,
+        nvmlDeviceGetComputeInstanceId=lambda mig: cis.get(mig, 0),
+        nvmlDeviceGetGpuInstanceById=lambda parent, gi: gi,
+        nvmlGpuInstanceGetInfo=lambda gi: SimpleNamespace(profileId=2),
+        nvmlDeviceGetGpuInstanceProfileInfo=lambda parent, i: SimpleNamespace(
+            id=i, name=b"MIG 3g.40gb", memorySizeMB=40192),
+        nvmlDeviceGetAttributes=attributes,
+        nvmlDeviceGetMemoryInfo=lambda mig: SimpleNamespace(total=1 << 30),
+        nvmlDeviceGetUUID=lambda mig: f"MIG-{mig}")
+    found = nvmlprobe._mig_devices(fake, "gpu")
+    assert [(d["gpuInstance"], d["computeInstance"], d["profile"]) for d in found] == [
+        (1, 0, "1c.3g.40gb"), (1, 1, "1c.3g.40gb"), (1, 2, "1c.3g.40gb"), (2, 0, "3g.40gb")]

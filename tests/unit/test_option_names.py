@@ -77,3 +77,18 @@ def test_every_directory_option_has_its_meanings_one_name() -> None:
     shown_anywhere = {n for name, c in _commands().items() for n in _shown(c, click.Context(c, info_name=name))}
     assert {"--output-dir", "--spec-dir", "--nfd-features-dir"} <= shown_anywhere
     assert not {"--dir", "--cdi-dir", "--write"} & shown_anywhere
+
+
+def test_a_config_file_giving_one_option_under_both_spellings_is_refused(tmp_path: Path) -> None:
+    """dra-driver's --config with `cdi-dir:` and `output-dir:` names one option twice: one of the two values
+    would be dropped unseen, so the file is refused naming both keys (either alone is read)."""
+    config = tmp_path / "dra.yaml"
+    parse = cli.commands["dra-driver"]
+    for key in ("cdi-dir", "output-dir"):
+        config.write_text(f"node-name: n\n{key}: {tmp_path}\n")
+        assert parse.make_context("dra-driver", ["--config", str(config)]).params["cdi_dir"] == str(tmp_path)
+    config.write_text(f"node-name: n\ncdi-dir: {tmp_path}/a\noutput-dir: {tmp_path}/b\n")
+    done = CliRunner().invoke(cli, ["dra-driver", "--config", str(config)])
+    assert done.exit_code == 2, done.output
+    assert done.output.strip().splitlines()[-1] == (
+        f"devinject: error: {config}: output-dir: the same option as cdi-dir, given twice")

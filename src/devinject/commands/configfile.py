@@ -34,6 +34,7 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
     known = {p.name: p for p in ctx.command.params if isinstance(p, click.Option) and p.name}
     names = {opt.lstrip("-").replace("-", "_"): p.name for p in known.values() for opt in p.opts if p.name}
     defaults: dict[str, Any] = {}
+    given: dict[str, object] = {}  # option -> the key that gave it: an old spelling beside the new is one too many
     for key, value in data.items():
         if ctx.command.name == "device-plugin" and key in ("sharing", "version"):
             _sharing_section(ctx, path, str(key), value)  # NVIDIA's device plugin's shape, carried over
@@ -41,6 +42,9 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
         name = names.get(str(key).replace("-", "_"))
         if name is None or name == "config":
             raise ConfigFileError(f"{path}: unknown option {key!r}")
+        if name in given:
+            raise ConfigFileError(f"{path}: {key}: the same option as {given[name]}, given twice")
+        given[name] = key
         defaults[name] = list(value) if known[name].multiple and isinstance(value, list) else value
         try:  # checked here, where the file can be named (click would blame the option)
             known[name].type_cast_value(ctx, defaults[name])

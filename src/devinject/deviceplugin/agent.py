@@ -53,6 +53,7 @@ from devinject.deviceplugin.migstrategy import (
     partition_profiles,
     profile_of,
     single_mismatch,
+    unnameable_profiles,
 )
 from devinject.deviceplugin.service import KUBELET_SOCKET, DevicePluginService, ResourceServer, ResourceState, register
 from devinject.deviceplugin.sharing import SharingConfig, TimeSliced, replica_id, replicated
@@ -164,6 +165,10 @@ class PluginOptions:
             # would be booked as their time-sliced kind's, shared with a DRA claim's exclusive booking
             raise UsageError("--mig-strategy mixed: not with a sharing: section (time-slicing or MPS of "
                              f"{self.sharing.resources[0].name}); use single")
+        for kind, name in self.resource_names.items() if self.mig_strategy == MIXED else ():
+            if name.partition("/")[2].startswith("mig-"):  # two sockets, one resource: the kubelet keeps one
+                raise UsageError(f"--resource-name {kind}={name}: under --mig-strategy mixed a MIG profile's "
+                                 "resource is named so (<domain>/mig-<profile>); name it otherwise")
 
     def resource_of(self, kind: str) -> str:
         """The resource a kind is served as: --resource-name's, then renamed when time-sliced; a MIG profile's
@@ -301,17 +306,24 @@ class DevicePluginAgent:
 
     def _offer_keys(self, found: FoundDevice) -> list[str | None]:
         """Under which served key each of a device's offers goes (deviceplugin/migstrategy.py); under mixed, a
-        MIG device NVML gives no profile for is left out, said once per GPU."""
+        MIG device NVML gives no profile for, or one no resource name can take, is left out, said once per GPU."""
         kind = found.profile.kind
         if self.opts.mig_strategy == SINGLE or not found.partitions:
             return [kind] * max(1, len(found.partitions))
-        keys = offer_keys(self.opts.mig_strategy, kind, found.partitions, self.watcher.scanned.gpu_facts(found))
-        unknown = sum(1 for k in keys if k is None)
-        if unknown and found.address not in self.mig_said:
+        gpu = self.watcher.scanned.gpu_facts(found)
+        keys = offer_keys(self.opts.mig_strategy, kind, found.partitions, gpu)
+        if None in keys and found.address not in self.mig_said:
             self.mig_said.add(found.address)
-            log.warning("%s %s: NVML gives no profile for %d of its MIG devices (no NVML facts: --nvml, the driver "
-                        "root's libnvidia-ml); under --mig-strategy mixed they are not offered", kind,
-                        found.address, unknown)
+            unnameable = unnameable_profiles(found.partitions, gpu)
+            unknown = keys.count(None) - sum(1 for p in partition_profiles(found.partitions, gpu) if p in unnameable)
+            if unknown:
+                log.warning("%s %s: NVML gives no profile for %d of its MIG devices (no NVML facts: --nvml, the "
+                            "driver root's libnvidia-ml); under --mig-strategy mixed they are not offered", kind,
+                            found.address, unknown)
+            if unnameable:
+                log.warning("%s %s: MIG profile %s is no resource name (%s); under --mig-strategy mixed its MIG "
+                            "devices are not offered", kind, found.address, ", ".join(unnameable),
+                            mig_resource(kind, unnameable[0]))
         return keys
 
     def _say_single_mismatch(self, watcher: Round) -> None:

@@ -43,6 +43,16 @@ def _profile_names(pynvml: Any, parent: object) -> dict[int, tuple[str, int]]:
     return out
 
 
+def _with_compute_slices(pynvml: Any, mig: object, profile: str) -> str | None:
+    """A MIG device's profile: its GPU instance's (`3g.40gb`), or `1c.3g.40gb` for a compute instance of fewer
+    slices than its GPU instance, as NVIDIA's device plugin names it; None when NVML does not say which."""
+    attributes = _maybe(pynvml, lambda: pynvml.nvmlDeviceGetAttributes(mig))
+    if attributes is None:
+        return None  # a compute instance's share of its GPU instance unknown: no profile, never a wrong one
+    compute, gpu = int(attributes.computeInstanceSliceCount), int(attributes.gpuInstanceSliceCount)
+    return f"{compute}c.{profile}" if 0 < compute < gpu else profile
+
+
 def _mig_devices(pynvml: Any, parent: object) -> list[dict[str, object]]:
     count = _maybe(pynvml, lambda: pynvml.nvmlDeviceGetMaxMigDeviceCount(parent)) or 0
     profiles: dict[int, tuple[str, int]] | None = None
@@ -63,6 +73,8 @@ def _mig_devices(pynvml: Any, parent: object) -> list[dict[str, object]]:
                 profiles = _profile_names(pynvml, parent)
             named = profiles.get(int(info.profileId))
             profile = named[0] if named else None
+        if profile is not None:
+            profile = _with_compute_slices(pynvml, mig, profile)
         memory = _maybe(pynvml, lambda m=mig: pynvml.nvmlDeviceGetMemoryInfo(m))  # type: ignore[misc]
         uuid = _maybe(pynvml, lambda m=mig: pynvml.nvmlDeviceGetUUID(m))  # type: ignore[misc]
         out.append({"gpuInstance": int(gi), "computeInstance": int(ci),

@@ -217,8 +217,11 @@ def plan_plugin_booking(allocations: Mapping[str, LedgerEntry], wanted: Mapping[
                 continue  # this request's own devices: replaced
             found = clash(mine, other)
             if found is not None:
+                # named as both rules refuse together: the first node held, or shared by consumable capacity
+                capacity = capacity_clash(mine.nodes, {}, other)
+                node = min(found[0], capacity[0]) if capacity is not None else found[0]
                 raise LedgerError(f"{mine.devices[0]} ({mine.plugin} device {plugin_device_id(booking_id)}): "
-                                  f"device {found[0]} is held by {describe(other_id, other)}")
+                                  f"device {node} is held by {describe(other_id, other)}")
     planned = dict(allocations)
     booked: list[str] = []
     for booking_id, mine in wanted.items():
