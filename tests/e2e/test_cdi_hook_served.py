@@ -412,3 +412,60 @@ def test_a_worker_whose_request_failed_exits_and_is_replaced(tmp_path: Path, ser
             break
         time.sleep(0.05)
     assert str(worker) not in children and len(children) >= 3, children
+
+
+def _full_pipe() -> tuple[int, int]:
+    """A pipe whose buffer is full: a write to it blocks until its reader reads (a hook's stderr nobody drains)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        while True:
+            os.write(write_end, b"x" * 65536)
+    except BlockingIOError:
+        pass
+    os.set_blocking(write_end, True)  # the hook's writes block, up to the worker's 30 s deadline
+    return read_end, write_end
+
+
+def test_requests_beyond_the_busy_workers_run_in_process_rather_than_wait(tmp_path: Path, server: Server) -> None:
+    """MAX_WORKERS cdi-hooks each hold a worker (a slow hook: here, its error written to a stderr that is not
+    read, for up to the worker's 30 s deadline; a hostile image's huge library folder holds one as long): the
+    next container's hook, another tenant's, must not wait for one of them in the socket's backlog (up to the
+    client's 60 s, past a runtime's hook timeout). It runs in-process at once, while all of them still hold."""
+    from devinject.hook.server import MAX_WORKERS
+
+    path, argv, _ = hook_command(None)
+    held: list[subprocess.Popen[bytes]] = []
+    pipes = [_full_pipe() for _ in range(MAX_WORKERS)]
+    try:
+        for _, stderr in pipes:
+            held.append(subprocess.Popen([path, *argv[1:], "cdi-hook", "create-symlinks", "--link", "bad",
+                                          "--server", str(server.socket)], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=stderr))
+        deadline = time.monotonic() + 60
+        while server.served() < MAX_WORKERS and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.served() == MAX_WORKERS, server.log.read_text()
+        state, rootfs = _hook_state(tmp_path)
+        real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
+        with open(state, "rb") as stdin:
+            done = subprocess.run([path, *argv[1:], "cdi-hook", "create-symlinks", "--link",
+                                   f"{real}::/{LIBDIR}/libz.so.1", "--server", str(server.socket)], stdin=stdin,
+                                  capture_output=True, text=True, timeout=20)  # the held ones hold ~30 s
+        assert done.returncode == 0, done.stderr
+        assert os.readlink(rootfs / LIBDIR / "libz.so.1") == real
+        assert [p.pid for p in held if p.poll() is not None] == []  # not answered by a worker one of them freed
+        assert server.served() == MAX_WORKERS and f"all {MAX_WORKERS} hook workers busy" in server.log.read_text()
+    finally:
+        for read_end, write_end in pipes:
+            os.close(write_end)
+            os.set_blocking(read_end, False)
+            try:
+                while os.read(read_end, 65536):  # the workers' writes go through: they answer and exit
+                    pass
+            except BlockingIOError:
+                pass
+        for process in held:
+            terminate(process, timeout=10)
+        for read_end, _ in pipes:
+            os.close(read_end)
