@@ -7,6 +7,7 @@ server's log (`-v`), so a silent fall back to in-process fails these tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -427,11 +428,11 @@ def _full_pipe() -> tuple[int, int]:
     return read_end, write_end
 
 
-def test_requests_beyond_the_busy_workers_run_in_process_rather_than_wait(tmp_path: Path, server: Server) -> None:
-    """MAX_WORKERS cdi-hooks each hold a worker (a slow hook: here, its error written to a stderr that is not
-    read, for up to the worker's 30 s deadline; a hostile image's huge library folder holds one as long): the
-    next container's hook, another tenant's, must not wait for one of them in the socket's backlog (up to the
-    client's 60 s, past a runtime's hook timeout). It runs in-process at once, while all of them still hold."""
+@contextlib.contextmanager
+def every_worker_held(server: Server) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """MAX_WORKERS cdi-hooks, each holding a worker (a slow hook: here, its error written to a stderr that is
+    not read, for up to the worker's 30 s deadline; a hostile image's huge library folder holds one as long),
+    all of them taken once this yields; let go of after."""
     from devinject.hook.server import MAX_WORKERS
 
     path, argv, _ = hook_command(None)
@@ -446,16 +447,7 @@ def test_requests_beyond_the_busy_workers_run_in_process_rather_than_wait(tmp_pa
         while server.served() < MAX_WORKERS and time.monotonic() < deadline:
             time.sleep(0.1)
         assert server.served() == MAX_WORKERS, server.log.read_text()
-        state, rootfs = _hook_state(tmp_path)
-        real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
-        with open(state, "rb") as stdin:
-            done = subprocess.run([path, *argv[1:], "cdi-hook", "create-symlinks", "--link",
-                                   f"{real}::/{LIBDIR}/libz.so.1", "--server", str(server.socket)], stdin=stdin,
-                                  capture_output=True, text=True, timeout=20)  # the held ones hold ~30 s
-        assert done.returncode == 0, done.stderr
-        assert os.readlink(rootfs / LIBDIR / "libz.so.1") == real
-        assert [p.pid for p in held if p.poll() is not None] == []  # not answered by a worker one of them freed
-        assert server.served() == MAX_WORKERS and f"all {MAX_WORKERS} hook workers busy" in server.log.read_text()
+        yield held
     finally:
         for read_end, write_end in pipes:
             os.close(write_end)
@@ -469,3 +461,41 @@ def test_requests_beyond_the_busy_workers_run_in_process_rather_than_wait(tmp_pa
             terminate(process, timeout=10)
         for read_end, _ in pipes:
             os.close(read_end)
+
+
+def test_requests_beyond_the_busy_workers_run_in_process_rather_than_wait(tmp_path: Path, server: Server) -> None:
+    """MAX_WORKERS slow cdi-hooks hold every worker: the next container's hook, another tenant's, must not wait
+    for one of them in the socket's backlog (up to the client's 60 s, past a runtime's hook timeout). It runs
+    in-process at once, while all of them still hold."""
+    from devinject.hook.server import MAX_WORKERS
+
+    path, argv, _ = hook_command(None)
+    with every_worker_held(server) as held:
+        state, rootfs = _hook_state(tmp_path)
+        real = os.path.basename(os.path.realpath(f"/{LIBDIR}/libz.so.1"))
+        with open(state, "rb") as stdin:
+            done = subprocess.run([path, *argv[1:], "cdi-hook", "create-symlinks", "--link",
+                                   f"{real}::/{LIBDIR}/libz.so.1", "--server", str(server.socket)], stdin=stdin,
+                                  capture_output=True, text=True, timeout=20)  # the held ones hold ~30 s
+        assert done.returncode == 0, done.stderr
+        assert os.readlink(rootfs / LIBDIR / "libz.so.1") == real
+        assert [p.pid for p in held if p.poll() is not None] == []  # not answered by a worker one of them freed
+        assert server.served() == MAX_WORKERS and f"all {MAX_WORKERS} hook workers busy" in server.log.read_text()
+
+
+def _wake_ups(pid: int) -> int:
+    """How many times process `pid` has gone to sleep and woken (its voluntary context switches)."""
+    found = re.search(r"^voluntary_ctxt_switches:\s*(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)
+    assert found is not None
+    return int(found.group(1))
+
+
+def test_a_server_whose_workers_are_all_busy_waits_rather_than_spins(server: Server) -> None:
+    """While slow hooks hold every worker the server can fork no other: its loop waits for a worker to come
+    back (or a request to refuse) rather than waking every millisecond to find it still cannot, burning CPU
+    that the container starts it waits on need."""
+    with every_worker_held(server):
+        before = _wake_ups(server.process.pid)
+        time.sleep(2)
+        woken = _wake_ups(server.process.pid) - before
+    assert woken < 100, woken  # its 0.5 s wait: a handful; waking every 1 ms: ~2000

@@ -154,7 +154,9 @@ def serve(path: str, *, spares: int = SPARES) -> None:
             while len(idle) < spares and (settled or not idle) and len(idle) + len(busy) < MAX_WORKERS:
                 idle.add(_spawn(server, taken_w, own, background=background and bool(idle),
                                 temporary=len(idle) + len(busy) >= spares))
-            wait = 0.5 if len(idle) >= spares else max(REPLACE_AFTER - (time.monotonic() - last_taken), 0.001)
+            capped = len(idle) + len(busy) >= MAX_WORKERS  # no fork until a worker comes back or exits
+            wait = 0.5 if len(idle) >= spares or capped else max(REPLACE_AFTER - (time.monotonic() - last_taken),
+                                                                0.001)
             # Every worker busy (a slow hook holds one up to CDI_HOOK_TIMEOUT, and a hostile image's library
             # folder can be slow): a request waiting for one would wait on other tenants' hooks, so it runs
             # in-process instead.
