@@ -7,6 +7,7 @@ server's log (`-v`), so a silent fall back to in-process fails these tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -412,3 +413,87 @@ def test_a_worker_whose_request_failed_exits_and_is_replaced(tmp_path: Path, ser
             break
         time.sleep(0.05)
     assert str(worker) not in children and len(children) >= 3, children
+
+
+def _full_pipe() -> tuple[int, int]:
+    """A pipe whose buffer is full: a write to it blocks until its reader reads (a hook's stderr nobody drains)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        while True:
+            os.write(write_end, b"x" * 65536)
+    except BlockingIOError:
+        pass
+    os.set_blocking(write_end, True)  # the hook's writes block, up to the worker's 30 s deadline
+    return read_end, write_end
+
+
+@contextlib.contextmanager
+def every_worker_held(server: Server) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """MAX_WORKERS cdi-hooks, each holding a worker (a slow hook: here, its error written to a stderr that is
+    not read, for up to the worker's 30 s deadline; a hostile image's huge library folder holds one as long),
+    all of them taken once this yields; let go of after."""
+    from devinject.hook.server import MAX_WORKERS
+
+    path, argv, _ = hook_command(None)
+    held: list[subprocess.Popen[bytes]] = []
+    pipes = [_full_pipe() for _ in range(MAX_WORKERS)]
+    try:
+        for _, stderr in pipes:
+            held.append(subprocess.Popen([path, *argv[1:], "cdi-hook", "create-symlinks", "--link", "bad",
+                                          "--server", str(server.socket)], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=stderr))
+        deadline = time.monotonic() + 60
+        while server.served() < MAX_WORKERS and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.served() == MAX_WORKERS, server.log.read_text()
+        yield held
+    finally:
+        for read_end, write_end in pipes:
+            os.close(write_end)
+            os.set_blocking(read_end, False)
+            try:
+                while os.read(read_end, 65536):  # the workers' writes go through: they answer and exit
+                    pass
+            except BlockingIOError:
+                pass
+        for process in held:
+            terminate(process, timeout=10)
+        for read_end, _ in pipes:
+            os.close(read_end)
+
+
+def test_requests_beyond_the_busy_workers_run_in_process_rather_than_wait(spec_dir: Path, tmp_path: Path,
+                                                                        server: Server) -> None:
+    """MAX_WORKERS slow cdi-hooks hold every worker: the next container's start under runc, another tenant's,
+    must not wait for one of them in the socket's backlog (up to the client's 60 s, past a runtime's hook
+    timeout: here runc's 30 s). Its hook runs in-process at once, while all of them still hold."""
+    from devinject.hook.server import MAX_WORKERS
+
+    with every_worker_held(server) as held:
+        bundle = Bundle(tmp_path / "tenant", spec_dir, tmp_path / "state")
+        cdi_container(bundle, spec_dir, server.socket)
+        bundle.save(["sh", "-c", f"readlink /{LIBDIR}/libcuda.so.1; readlink /dev/dri/by-path/pci-0000:01:00.0-card"])
+        done = bundle.run(container_name(), timeout=25)  # the held ones hold ~30 s
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["libcuda.so.550.54.14", "../card1"]
+        assert [p.pid for p in held if p.poll() is not None] == []  # not answered by a worker one of them freed
+        assert server.served() == MAX_WORKERS and f"all {MAX_WORKERS} hook workers busy" in server.log.read_text()
+
+
+def _wake_ups(pid: int) -> int:
+    """How many times process `pid` has gone to sleep and woken (its voluntary context switches)."""
+    found = re.search(r"^voluntary_ctxt_switches:\s*(\d+)", Path(f"/proc/{pid}/status").read_text(), re.M)
+    assert found is not None
+    return int(found.group(1))
+
+
+def test_a_server_whose_workers_are_all_busy_waits_rather_than_spins(server: Server) -> None:
+    """While slow hooks hold every worker the server can fork no other: its loop waits for a worker to come
+    back (or a request to refuse) rather than waking every millisecond to find it still cannot, burning CPU
+    that the container starts it waits on need."""
+    with every_worker_held(server):
+        before = _wake_ups(server.process.pid)
+        time.sleep(2)
+        woken = _wake_ups(server.process.pid) - before
+    assert woken < 100, woken  # its 0.5 s wait: a handful; waking every 1 ms: ~2000

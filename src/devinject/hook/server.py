@@ -54,7 +54,7 @@ PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.reques
 RECEIVE_TIMEOUT = 5.0
 SPARES = 3  # workers waiting for a request: container starts come in bursts, and a poststop takes one too
 REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one
-MAX_WORKERS = 32  # waiting and busy: beyond, a burst's requests wait in the socket's backlog for one
+MAX_WORKERS = 32  # waiting and busy: beyond, the server answers REFUSED and the hook runs in-process
 RETIRE_AFTER = 5.0  # seconds a worker forked for a burst waits for another request before it exits
 MAX_REQUESTS = 1000  # a worker's, before it exits and a fresh one is forked (what it made of its copy of the heap)
 CODE_CHANGED_STATUS = 3  # the server's exit when devinject was reinstalled under it: its service restarts it
@@ -154,9 +154,17 @@ def serve(path: str, *, spares: int = SPARES) -> None:
             while len(idle) < spares and (settled or not idle) and len(idle) + len(busy) < MAX_WORKERS:
                 idle.add(_spawn(server, taken_w, own, background=background and bool(idle),
                                 temporary=len(idle) + len(busy) >= spares))
-            wait = 0.5 if len(idle) >= spares else max(REPLACE_AFTER - (time.monotonic() - last_taken), 0.001)
-            readable, _, _ = select.select([taken_r], [], [], wait)
-            if readable:
+            capped = len(idle) + len(busy) >= MAX_WORKERS  # no fork until a worker comes back or exits
+            wait = 0.5 if len(idle) >= spares or capped else max(REPLACE_AFTER - (time.monotonic() - last_taken),
+                                                                0.001)
+            # Every worker busy (a slow hook holds one up to CDI_HOOK_TIMEOUT, and a hostile image's library
+            # folder can be slow): a request waiting for one would wait on other tenants' hooks, so it runs
+            # in-process instead.
+            full = not idle and len(busy) >= MAX_WORKERS
+            readable, _, _ = select.select([taken_r, server.fileno()] if full else [taken_r], [], [], wait)
+            if server.fileno() in readable:
+                _refuse_waiting(server)
+            if taken_r in readable:
                 data = os.read(taken_r, 4096)
                 for i in range(0, len(data) - 3, 4):
                     worker = int.from_bytes(data[i:i + 4], sys.byteorder, signed=True)
@@ -188,6 +196,25 @@ def serve(path: str, *, spares: int = SPARES) -> None:
         except OSError:
             pass
         _reap()
+
+
+def _refuse_waiting(server: socket.socket) -> None:
+    """Answer REFUSED to the connections waiting on `server` (nothing read from them: their hooks run in-process)."""
+    while True:
+        try:
+            conn, _ = server.accept()
+        except (BlockingIOError, InterruptedError):
+            return  # none left, or a worker came back and took it
+        except OSError as err:
+            log.warning("hook server: accept: %s", err)
+            return
+        with conn:
+            try:
+                conn.setblocking(False)  # REFUSED fits any socket buffer: a peer that does not read waits for no one
+                conn.send(REFUSED)
+            except OSError:
+                pass  # it hung up: its hook runs in-process either way
+        log.warning("all %d hook workers busy: request refused, to be run in-process", MAX_WORKERS)
 
 
 STARTED_CODE: tuple[int, int, int] | None = None  # code_identity() when serve() started
