@@ -60,7 +60,7 @@ def node_state(driver: DraDriver) -> dict[str, object]:
     assert isinstance(preparer.mps, RecordedMps)
     return {"cdi": tree(driver.opts.cdi_dir), "metadata": tree(os.path.join(driver.opts.plugin_dir, "metadata")),
             "checkpoint": Path(preparer.checkpoint.path).read_bytes(), "mps": preparer.mps.recorded(),
-            "bookings": (Ledger(driver.opts.state_dir).read() or {}).get("allocations")}
+            "bookings": Ledger(driver.opts.state_dir).read() or {}}
 
 
 def failing_after(name: str, broken_undo: str | None = None) -> Callable[..., list[Effect]]:
