@@ -809,6 +809,15 @@ def _check_metrics_address(address: str) -> None:
             raise UsageError(f"--metrics-address {address!r}: expected HOST:PORT")
 
 
+def _pod_uid(uid: str | None) -> str | None:
+    from devinject.core.poduid import checked_pod_uid
+
+    try:
+        return None if uid is None else checked_pod_uid(uid)
+    except DevinjectError as err:
+        raise UsageError(err.message) from None
+
+
 def _sharing_section(ctx: click.Context, path: str, key: str, value: object) -> None:
     """The device plugin's config: `sharing:` (time-slicing, docs/sharing.md) and NVIDIA's `version: v1`."""
     if key == "version":
@@ -838,8 +847,11 @@ def _sharing_section(ctx: click.Context, path: str, key: str, value: object) -> 
 @click.option("--metrics-address", default="127.0.0.1:9400", show_default=True, metavar="HOST:PORT",
               help="HOST:PORT for /metrics, /healthz and /readyz (the DaemonSet: the node's address; "
                    "'' to turn them off).")
+@click.option("--pod-uid", default=None, metavar="UID", callback=lambda _c, _p, v: _pod_uid(v),
+              help="The agent's own pod's UID (the DaemonSet: the downward API's metadata.uid): its kubelet "
+                   "sockets carry it, so a rolling update's two pods overlap on a node (docs/deploy.md).")
 def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: str, metrics_address: str,
-                  **options: Any) -> None:
+                  pod_uid: str | None, **options: Any) -> None:
     """Kubernetes node agent: a kubelet device plugin per kind, with watch's health loop and specs."""
     from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
 
@@ -855,7 +867,7 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 
     sharing = click.get_current_context().meta.get("devinject.sharing", SharingConfig())
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
-                         metrics_address=metrics_address or None, sharing=sharing)
+                         metrics_address=metrics_address or None, sharing=sharing, pod_uid=pod_uid)
     stop = _stop_on_signals()
     DevicePluginAgent(opts, node=node).run(stop)
     stop.exit()
@@ -920,13 +932,16 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
               help="Give each claim's containers its devices and their attributes (KEP-5304): a metadata.json "
                    "per request under --plugin-dir, mounted read-only at /var/run/kubernetes.io/"
                    "dra-device-attributes/... (docs/dra.md).")
+@click.option("--pod-uid", default=None, metavar="UID", callback=lambda _c, _p, v: _pod_uid(v),
+              help="The agent's own pod's UID (the DaemonSet: the downward API's metadata.uid): its kubelet "
+                   "sockets carry it, so a rolling update's two pods overlap on a node (docs/deploy.md).")
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
                driver_root: str | None, nvml: bool | None, node_hook: str | None, hook_path: str | None,
                kinds: tuple[str, ...], node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str,
                registry_dir: str, cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float,
                threshold: int, test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
                metrics_address: str, consumable_capacity: str, nfd_features_dir: str | None,
-               device_metadata: bool) -> None:
+               device_metadata: bool, pod_uid: str | None) -> None:
     """Kubernetes DRA kubelet plugin: ResourceSlices from discovery with the node's health loop (faults as
     device taints), claims prepared as CDI specs (docs/dra.md)."""
     from devinject.agent.watch import WatchOptions
@@ -963,7 +978,7 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
                       registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan,
                       health=health_mode, watch=watch, fatal_effect=fatal_taint_effect,
                       metrics_address=metrics_address or None, capacity=capacity,
-                      nfd_features_dir=nfd_features_dir, device_metadata=device_metadata)
+                      nfd_features_dir=nfd_features_dir, device_metadata=device_metadata, pod_uid=pod_uid)
     stop = _stop_on_signals()
     DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name, watch=True)).run(stop)
     stop.exit()

@@ -31,6 +31,7 @@ import grpc
 
 from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
+from devinject.agent.metricsserver import MetricsServer, WaitingMetricsServer, serve_or_wait
 from devinject.agent.mps import Daemon, MpsDaemons, MpsError
 from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions
@@ -38,6 +39,7 @@ from devinject.cdi.identity import DeviceKey, QualifiedName, device_key, node_id
 from devinject.cdi.model import DeviceNode
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError
+from devinject.core.poduid import checked_pod_uid
 from devinject.deviceplugin.allocation import HEALTHY as HEALTHY_NAME
 from devinject.deviceplugin.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.deviceplugin.allocation import PluginDevice
@@ -143,6 +145,7 @@ class PluginOptions:
     ledger_poll: float = 0.5  # seconds between looks at the ledger, the kubelet's checkpoint and its pods
     pod_grace: float = UNKNOWN_POD_GRACE  # seconds a booking waits for the checkpoint to name its pod
     sharing: SharingConfig = field(default_factory=SharingConfig)  # time-slicing (deviceplugin/sharing.py)
+    pod_uid: str | None = None  # the agent's pod (downward API): its sockets carry it (endpoint_for)
 
     def resource_of(self, kind: str) -> str:
         """The resource a kind is served as: --resource-name's, then renamed when time-sliced."""
@@ -154,9 +157,13 @@ class PluginOptions:
         return self.sharing.time_sliced(self.resource_names.get(kind, kind), kind)
 
 
-def endpoint_for(resource: str) -> str:
-    """The plugin's socket name: `devinject-nvidia.com-gpu.sock`."""
-    return "devinject-" + resource.replace("/", "-") + ".sock"
+def endpoint_for(resource: str, pod_uid: str | None = None) -> str:
+    """The plugin's socket name: `devinject-nvidia.com-gpu.sock`, or in a pod with its UID
+    (`devinject-nvidia.com-gpu-<pod uid>.sock`): two pods of a rolling update each serve on their own, and
+    the one stopping removes only its own."""
+    if pod_uid is None:
+        return "devinject-" + resource.replace("/", "-") + ".sock"
+    return f"devinject-{resource.replace('/', '-')}-{checked_pod_uid(pod_uid)}.sock"
 
 
 class DevicePluginAgent:
@@ -164,6 +171,8 @@ class DevicePluginAgent:
     else the one the options describe (agent/watch.py)."""
 
     def __init__(self, opts: PluginOptions, node: Node | None = None) -> None:
+        if opts.pod_uid is not None:
+            checked_pod_uid(opts.pod_uid)  # before anything starts: it names the sockets
         self.opts = opts
         self.metrics = Metrics()
         self.watcher = Watcher(opts.watch, node=node)
@@ -174,6 +183,9 @@ class DevicePluginAgent:
         self.servers: dict[str, ResourceServer] = {}  # by kind
         self.registered: set[str] = set()  # kinds registered with the current kubelet
         self.stopping = threading.Event()
+        # the supervisor's turn now, not at its next poll: a stream ended (in a rolling update, the old pod's
+        # exit makes the kubelet drop the newer registration too; registered again at once, the gap is short)
+        self.supervise_now = threading.Event()
         self.lock = threading.Lock()
         self.last_round = time.monotonic()
         self.health_seen: dict[str, str] = {}
@@ -478,7 +490,7 @@ class DevicePluginAgent:
                                                   and self.opts.time_sliced(kind) is not None),
                                               mps=self.mps_daemon if (entry := self.opts.time_sliced(kind))
                                               is not None and entry.mps else None)
-                server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource))
+                server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource, self.opts.pod_uid))
                 self.servers[kind] = server
             if not server.alive():
                 server.service.new_epoch()  # streams of the server it replaces are not this registration's
@@ -549,6 +561,7 @@ class DevicePluginAgent:
 
     def _lost_stream(self, kind: str, resource: str) -> None:
         self.due[kind] = (time.time(), "its ListAndWatch stream ended")
+        self.supervise_now.set()
         log.warning("%s: the kubelet's ListAndWatch stream ended: not ready until registered again", resource)
 
     def _allocated(self, resource: str, count: int | None) -> None:
@@ -567,7 +580,8 @@ class DevicePluginAgent:
                 self.supervise_once()
             except Exception:  # the supervisor must outlive any one failure
                 log.exception("device plugin supervisor")
-            self.stopping.wait(self.opts.kubelet_poll)
+            self.supervise_now.wait(self.opts.kubelet_poll)
+            self.supervise_now.clear()
 
     def alive(self) -> bool:
         """The health loop turned within three of its intervals."""
@@ -580,9 +594,11 @@ class DevicePluginAgent:
             return bool(self.states) and set(self.states) <= self.registered
 
     def run(self, stop: threading.Event) -> None:
-        http = None
+        http: MetricsServer | WaitingMetricsServer | None = None
         if self.opts.metrics_address:
-            http = serve(self.opts.metrics_address, self.metrics, self.alive, self.ready)
+            # in a pod, the pod a rolling update replaces may hold the port a while yet (the node's network)
+            http = (serve_or_wait if self.opts.pod_uid else serve)(self.opts.metrics_address, self.metrics,
+                                                                   self.alive, self.ready)
             host, port = http.server_address
             self.metrics_bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         supervisor = threading.Thread(target=self._supervise, name="kubelet", daemon=True)
@@ -593,6 +609,7 @@ class DevicePluginAgent:
             self.watcher.run(stop)
         finally:
             self.stopping.set()
+            self.supervise_now.set()
             supervisor.join(timeout=5)
             follower.join(timeout=5)
             for server in self.servers.values():
