@@ -201,3 +201,39 @@ def test_a_metrics_port_in_use_is_taken_once_it_is_free() -> None:
     finally:
         server.shutdown()
         holder.close()
+
+
+def test_a_health_loop_started_beside_another_takes_the_state_dir_once_it_is_free(host_copy, tmp_path,  # type: ignore[no-untyped-def]
+                                                                                  monkeypatch) -> None:
+    """The new device-plugin pod of a roll starts while the old one's loop holds the state dir: it runs without
+    the lock (after its patience, with a warning), asks for it, and holds it once the old pod is gone (before,
+    it never took it, and a dra-driver --health auto could take it over: two loops on one state dir)."""
+    from devinject.agent import healthstate
+    from devinject.agent.watch import Watcher, WatchOptions
+    from devinject.specs.generate import GenerateOptions
+
+    patient = Watcher.wait_for_state_dir
+    monkeypatch.setattr(Watcher, "wait_for_state_dir", lambda self, stop, patience=20.0: patient(self, stop, 0.3))
+    state = tmp_path / "state"
+    state.mkdir()
+    held = healthstate.take_loop_lock(str(state))
+    assert held is not None
+    gen = GenerateOptions(root=str(host_copy("hgx-h100")), hook_path="/usr/bin/devinject")
+    watcher = Watcher(WatchOptions(generate=gen, output_dir=tmp_path / "cdi", state_dir=str(state),
+                                   interval=0.1, recheck=0.05, threshold=2, rescan=3600, uevents=False))
+    stop = threading.Event()
+    thread = threading.Thread(target=watcher.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not (watcher.generation and healthstate.loop_wanted(str(state))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.loop_lock is None and healthstate.loop_wanted(str(state))  # running, and asking
+        os.close(held)  # the old pod is gone
+        deadline = time.monotonic() + 20
+        while watcher.loop_lock is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watcher.loop_lock is not None and not healthstate.loop_wanted(str(state))
+    finally:
+        stop.set()
+        thread.join(10)
