@@ -62,6 +62,7 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 HOOK_LOG = "/var/log/devinject/hook.log"  # the hook's default log, read under the host root
 HOOK_LOG_TAIL = 64 << 10
 WAIT_LOG_EVERY = 30.0  # seconds between "still waiting for the kubelet" lines (the poll is every second)
+STREAM_SETTLE = 0.25  # seconds from a stream's end to the supervisor's look (a kubelet restarting, or not)
 PROBE_TIMEOUT = 1.0  # seconds to connect to the kubelet's socket before registering
 
 
@@ -183,7 +184,7 @@ class DevicePluginAgent:
         self.servers: dict[str, ResourceServer] = {}  # by kind
         self.registered: set[str] = set()  # kinds registered with the current kubelet
         self.stopping = threading.Event()
-        # the supervisor's turn now, not at its next poll: a stream ended (in a rolling update, the old pod's
+        # the supervisor's turn early, not at its next poll: a stream ended (in a rolling update, the old pod's
         # exit makes the kubelet drop the newer registration too; registered again at once, the gap is short)
         self.supervise_now = threading.Event()
         self.lock = threading.Lock()
@@ -561,7 +562,10 @@ class DevicePluginAgent:
 
     def _lost_stream(self, kind: str, resource: str) -> None:
         self.due[kind] = (time.time(), "its ListAndWatch stream ended")
-        self.supervise_now.set()
+        # soon, not at the next poll: a kubelet that restarts has removed its socket by then
+        timer = threading.Timer(min(STREAM_SETTLE, self.opts.kubelet_poll), self.supervise_now.set)
+        timer.daemon = True
+        timer.start()
         log.warning("%s: the kubelet's ListAndWatch stream ended: not ready until registered again", resource)
 
     def _allocated(self, resource: str, count: int | None) -> None:
