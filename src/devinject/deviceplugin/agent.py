@@ -562,11 +562,17 @@ class DevicePluginAgent:
 
     def _lost_stream(self, kind: str, resource: str) -> None:
         self.due[kind] = (time.time(), "its ListAndWatch stream ended")
-        # soon, not at the next poll: a kubelet that restarts has removed its socket by then
+        log.warning("%s: the kubelet's ListAndWatch stream ended: not ready until registered again", resource)
+        if self._kubelet_listening():
+            # the kubelet lives on and dropped this registration (a rolling update's old plugin's stream ended):
+            # registered again at once
+            self.supervise_now.set()
+            return
+        # a kubelet going away or restarting: looked at again soon, not at the next poll, once it has made its
+        # socket anew
         timer = threading.Timer(min(STREAM_SETTLE, self.opts.kubelet_poll), self.supervise_now.set)
         timer.daemon = True
         timer.start()
-        log.warning("%s: the kubelet's ListAndWatch stream ended: not ready until registered again", resource)
 
     def _allocated(self, resource: str, count: int | None) -> None:
         """`count` devices handed out, or None: a request refused."""
