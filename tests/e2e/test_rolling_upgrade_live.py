@@ -47,12 +47,14 @@ from tests.e2e.test_cluster_live import (
     HelmConfig,
     build_fake_host,
     claimed_gpu,
+    deployment_manifest,
     devices_seen,
     foreign_kubernetes,
     image,  # noqa: F401 - the module fixture: `make image`
     nodes_of,
     published_gpus,
     run,
+    running_pod,
 )
 
 pytestmark = pytest.mark.live
@@ -170,11 +172,11 @@ class Roll(Cluster):
                          devices_seen(self, name))
         return out
 
-    def prepare_failures(self) -> list[str]:
+    def warnings(self, *reasons: str) -> list[str]:
+        """The default namespace's Warning events whose reason holds one of `reasons`."""
         events = self.json("events", "-n", "default")["items"]
         return [f"{e['involvedObject']['name']}: {e['reason']}: {e.get('message', '')[:300]}" for e in events
-                if e.get("type") == "Warning" and ("Prepare" in e["reason"] or "Admission" in e["reason"]
-                                                   or "UnexpectedAdmissionError" in e.get("message", ""))]
+                if e.get("type") == "Warning" and any(r in e["reason"] for r in reasons)]
 
 
 def device_plugin_gaps(after: float) -> list[float]:
@@ -299,7 +301,11 @@ def test_helm_upgrade_surges_both_agents_and_claims_are_prepared_throughout(roll
         # the old pods going (or gone): a claim and a device-plugin pod created now
         until(lambda: all(p["metadata"]["uid"] != old_uids[n] or p["metadata"].get("deletionTimestamp")
                           for n, pods in roll.agent_pods().items() for p in pods), 180, "the old agents going")
-        roll.apply(*claim_pod("during-handover"), plugin_pod("dp-during"))
+        # the device-plugin pod by a Deployment, as workloads are: a pod the kubelet admits in the moment it
+        # is without the device plugin's registration is rejected (UnexpectedAdmissionError) and made again
+        during = deployment_manifest("dp-during", 1)
+        during["spec"]["template"]["metadata"]["labels"]["test"] = "roll"
+        roll.apply(*claim_pod("during-handover"), during)
         helm.join(300)
         assert not helm.is_alive(), "helm upgrade did not return"
     finally:
@@ -324,9 +330,12 @@ def test_helm_upgrade_surges_both_agents_and_claims_are_prepared_throughout(roll
     assert ours and all(new_uids["devinject"] in n for n in ours), ours
 
     # pods created during the roll run; the ones before it kept their containers and devices
-    for name in ("during-surge", "during-handover", "dp-during"):
+    for name in ("during-surge", "during-handover"):
         roll.running(name)
-    assert not roll.prepare_failures(), roll.prepare_failures()
+    running_pod(roll, "dp-during")
+    assert not roll.warnings("Prepare"), roll.warnings("Prepare")  # no claim's prepare failed
+    rejected = [p for p in roll.workloads().values() if p["status"].get("reason") == "UnexpectedAdmissionError"]
+    roll.figures["device_plugin_pods_rejected_during_roll"] = len(rejected)
     after = roll.snapshot()
     for name, (uid, container, restarts, seen) in before.items():
         assert after[name] == (uid, container, 0, seen), (name, before[name], after[name])
@@ -348,7 +357,8 @@ def test_helm_upgrade_surges_both_agents_and_claims_are_prepared_throughout(roll
           f"({prober.rounds} probes every {PROBE_EVERY} s; registrations answering at once at most "
           f"{prober.most_at_once}: {sorted(prober.seen)})")
     print(f"device plugin: the kubelet without its {GPU} registration {dropped} s (its device manager drops the new "
-          "one as the old plugin's stream ends; registered again)")
+          f"one as the old plugin's stream ends; registered again); device-plugin pods rejected meanwhile: "
+          f"{len(rejected)}")
     assert prober.most_at_once == 2 and len(prober.seen) == 2, (prober.most_at_once, prober.seen)  # they overlapped
     assert prober.longest_gap < 1.0, prober.longest_gap
     assert max(dropped, default=0.0) < 2.0, dropped  # the agent's stream-end look (0.25 s) and a registration
