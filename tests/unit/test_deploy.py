@@ -21,6 +21,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted(p for p in (DEPLOY / "kubernetes").glob("*.yaml") if p.name != "kustomization.yaml")
 INSTALLED = str(Path(sys.executable).parent / "devinject")
 KUBERNETES_VERSION = "1.33.0"  # the oldest release we document; the schemas ship with kubernetes-validate
+POD_UID = "0b7f8e7c-4444-4c1b-9a55-0000000000ff"  # a pod's metadata.uid, as the downward API gives it
 
 
 def documents(path: Path) -> list[dict[str, object]]:
@@ -55,14 +56,14 @@ def test_daemonset_runs_a_command_line_devinject_accepts(tmp_path: Path) -> None
     config = tmp_path / "device-plugin.yaml"
     config.write_text(configmap["data"]["device-plugin.yaml"])  # type: ignore[index]
     args = [f"--config={config}" if a.startswith("--config=") else a for a in container["args"]]
+    args = [a.replace("$(POD_UID)", POD_UID) for a in args]  # as the kubelet expands it
     assert args[0] == "device-plugin"
     command = cli.cli.commands["device-plugin"]
     params = command.make_context("device-plugin", args[1:]).params  # raises on any unknown option or value
     assert params["root"] == "/host" and params["target_root"] == "/"
     assert params["plugin_dir"] == "/var/lib/kubelet/device-plugins" and params["allocate"] == "both"
-    port = container["ports"][0]
-    assert params["metrics_address"].endswith(f":{port['containerPort']}")
-    assert container["livenessProbe"]["httpGet"]["port"] == port["name"] == "metrics"
+    assert params["metrics_address"].endswith(":9400") and params["pod_uid"] == POD_UID
+    assert container["livenessProbe"]["httpGet"]["port"] == 9400
     mounted = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/host", "/var/lib/kubelet/device-plugins", "/var/run/cdi", "/run/devinject"} <= mounted
     assert container["securityContext"]["privileged"] is False
@@ -114,10 +115,17 @@ def test_the_agent_writes_only_its_three_host_directories_and_reads_the_rest_all
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def pod_annotations() -> dict[str, str]:
+    daemonset = documents(DEPLOY / "kubernetes" / "daemonset.yaml")[0]
+    return daemonset["spec"]["template"]["metadata"]["annotations"]  # type: ignore[index,no-any-return]
+
+
 def test_the_endpoints_listen_on_the_nodes_address_from_the_downward_api() -> None:
     _, container = _daemonset()
     (address,) = [a.partition("=")[2] for a in container["args"] if a.startswith("--metrics-address=")]
-    assert address == f"$(NODE_IP):{container['ports'][0]['containerPort']}"  # not 0.0.0.0: not every interface
+    assert address == "$(NODE_IP):9400"  # not 0.0.0.0: not every interface
+    # no port declared: a host-network pod's port is the node's, which a roll's surge pod could not have
+    assert "ports" not in container and pod_annotations()["prometheus.io/port"] == "9400"
     (node_ip,) = [e for e in container["env"] if e["name"] == "NODE_IP"]
     assert node_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
     # hostNetwork: the pod's IP, which the kubelet probes, is that address

@@ -16,6 +16,7 @@ import yaml
 from devinject import cli
 from devinject.discovery.node import Node
 from devinject.dra.slices import DRIVER
+from tests.unit.test_deploy import POD_UID
 
 DRA = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "dra"
 MANIFESTS = sorted(p for p in DRA.glob("*.yaml") if p.name != "kustomization.yaml")
@@ -56,6 +57,7 @@ def dra_driver_params(args: list[str], tmp_path: Path) -> dict[str, Any]:
     config = tmp_path / "dra-driver.yaml"
     config.write_text(configmap["data"]["dra-driver.yaml"])
     args = [f"--config={config}" if a.startswith("--config=") else a for a in args]
+    args = [a.replace("$(POD_UID)", POD_UID) for a in args]  # as the kubelet expands it
     return dict(cli.cli.commands["dra-driver"].make_context("dra-driver", args[1:],
                                                              default_map={"node_name": "n"}).params)
 
@@ -177,6 +179,8 @@ def test_daemonset_serves_the_drivers_metrics_on_the_pods_address(tmp_path: Path
     assert params["metrics_address"] == "$(POD_IP):9401"  # the kubelet expands it from the env below
     (pod_ip,) = [e for e in container["env"] if e["name"] == "POD_IP"]
     assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert container["ports"] == [{"name": "metrics", "containerPort": 9401}]
-    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    # no port declared: a host-network pod's port is the node's, which a roll's surge pod could not have
+    assert "ports" not in container
+    assert daemonset["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9401"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": 9401}
+    assert params["pod_uid"] == POD_UID

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from devinject import cli
+from tests.unit.test_deploy import POD_UID
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CHART = DEPLOY / "helm" / "devinject"
@@ -29,9 +30,9 @@ CLUSTER_SCOPED = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding
                   "ClusterRoleBinding", "NodeFeatureRule"}
 # what the agents' command lines pin (the chart's paths): a config key for one would be overridden unseen
 PINNED = {"device-plugin": {"config", "host-root", "target-root", "output-dir", "state-dir", "plugin-dir", "node-hook",
-                            "metrics-address", "kernel-log"},
+                            "metrics-address", "kernel-log", "pod-uid"},
           "dra-driver": {"config", "host-root", "target-root", "cdi-dir", "state-dir", "plugin-dir", "registry-dir",
-                         "node-hook", "metrics-address"}}
+                         "node-hook", "metrics-address", "pod-uid"}}
 # value sets every rendering of which must be valid Kubernetes
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -185,6 +186,7 @@ def test_the_agents_run_command_lines_and_configs_devinject_accepts(name: str, t
         ((file, text),) = one(docs, "ConfigMap", configmap)["data"].items()
         (tmp_path / file).write_text(text)
         args = [f"--config={tmp_path / file}" if a.startswith("--config=") else a for a in args]
+        args = [a.replace("$(POD_UID)", POD_UID) for a in args]  # as the kubelet expands it
         assert args[0] == command
         # raises on an unknown option or value, in the file or on the line
         cli.cli.commands[command].make_context(command, args[1:], default_map={"node_name": "n"})
@@ -244,16 +246,20 @@ def test_a_path_is_turned_off_whole() -> None:
             or d["metadata"]["name"] == "devinject-config"] == []
 
 
-def test_the_default_roll_never_waits_on_a_surge_pod_that_cannot_start() -> None:
-    """A surging pod (maxSurge) needs the node's ports the old pod holds: both agents run in the host's
-    network with a fixed metrics port, so the scheduler leaves the surge pod Pending ("didn't have free ports
-    for the requested pod ports", seen on the live cluster with maxSurge 1, maxUnavailable 0) and the roll
-    never ends. The default replaces a node's pod instead, as long as any port is fixed."""
+def test_the_default_roll_surges_and_nothing_of_the_old_pod_blocks_the_new_one() -> None:
+    """maxSurge 1, maxUnavailable 0: a node's new agent starts beside the old one, which goes once the new one
+    is ready. Before, both declared their metrics port in the host's network (a port on the node), so the
+    surge pod stayed Pending ("didn't have free ports for the requested pod ports", seen live), and their
+    sockets had fixed names. Now no port is declared, the sockets carry the pod's UID, and ready is the
+    pod's own socket (the old pod still answers on the shared metrics port)."""
     for name in ("devinject", "devinject-dra"):
         daemonset = one(render(), "DaemonSet", name)
         pod = daemonset["spec"]["template"]["spec"]
-        fixed_ports = pod.get("hostNetwork") or any(p.get("hostPort") for c in pod["containers"]
-                                                    for p in c.get("ports", []))
-        rolling = daemonset["spec"]["updateStrategy"].get("rollingUpdate", {})
-        if fixed_ports:
-            assert rolling.get("maxSurge", 0) == 0 and rolling.get("maxUnavailable", 1) != 0, (name, rolling)
+        assert daemonset["spec"]["updateStrategy"] == {"type": "RollingUpdate",
+                                                       "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+        (container,) = pod["containers"]
+        assert not any(c.get("ports") for c in pod["containers"] + pod.get("initContainers", [])), name
+        assert "--pod-uid=$(POD_UID)" in container["args"]
+        (uid,) = [e for e in container["env"] if e["name"] == "POD_UID"]
+        assert uid["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+        assert '"$POD_UID"' in container["readinessProbe"]["exec"]["command"][2], name

@@ -12,6 +12,7 @@ request at once is answered whatever else is connected."""
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import selectors
@@ -235,20 +236,85 @@ class MetricsServer:
                 self.busy -= 1
 
 
-def serve(address: str, metrics: Scrapeable, alive: Callable[[], bool], ready: Callable[[], bool]) -> MetricsServer:
-    """Start the endpoints on `host:port` (an IPv6 host bare or in brackets; an empty one: every address)
-    in daemon threads; the server is returned so it can be shut down."""
+def _listen(address: str) -> socket.socket:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    handler = type("Handler", (_Handler,), {"metrics": metrics, "alive": staticmethod(alive),
-                                            "ready": staticmethod(ready)})
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted agent rebinds at once
         listener.bind((host or "0.0.0.0", int(port)))
         listener.listen(64)
-    except OSError as err:
+    except OSError:
         listener.close()
+        raise
+    return listener
+
+
+def _handler(metrics: Scrapeable, alive: Callable[[], bool], ready: Callable[[], bool]) -> type[_Handler]:
+    return type("Handler", (_Handler,), {"metrics": metrics, "alive": staticmethod(alive),
+                                         "ready": staticmethod(ready)})
+
+
+def serve(address: str, metrics: Scrapeable, alive: Callable[[], bool], ready: Callable[[], bool]) -> MetricsServer:
+    """Start the endpoints on `host:port` (an IPv6 host bare or in brackets; an empty one: every address)
+    in daemon threads; the server is returned so it can be shut down."""
+    try:
+        listener = _listen(address)
+    except OSError as err:
         raise DevinjectError(f"--metrics-address {address}: cannot listen: {err.strerror or err}") from None
-    return MetricsServer(listener, handler)
+    return MetricsServer(listener, _handler(metrics, alive, ready))
+
+
+class WaitingMetricsServer:
+    """The endpoints on an address another process holds now: during a rolling update the pod being replaced
+    holds the agents' port in the node's network, so the new pod binds it as soon as that pod lets it go
+    (tried every `retry` s) and serves its sockets meanwhile. `shutdown()` stops the trying too."""
+
+    def __init__(self, address: str, handler: type[_Handler], retry: float) -> None:
+        self.address, self.handler, self.retry = address, handler, retry
+        self.server: MetricsServer | None = None
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._bind, name="metrics-wait", daemon=True).start()
+
+    @property
+    def server_address(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    def _bind(self) -> None:
+        while not self.stopped.wait(self.retry):
+            try:
+                listener = _listen(self.address)
+            except OSError:
+                continue
+            with self.lock:
+                if self.stopped.is_set():
+                    listener.close()
+                    return
+                self.server = MetricsServer(listener, self.handler)
+            log.info("metrics: listening on %s now that it is free", self.address)
+            return
+
+    def shutdown(self) -> None:
+        with self.lock:
+            self.stopped.set()
+            server, self.server = self.server, None
+        if server is not None:
+            server.shutdown()
+
+
+def serve_or_wait(address: str, metrics: Scrapeable, alive: Callable[[], bool], ready: Callable[[], bool],
+                  retry: float = 1.0) -> MetricsServer | WaitingMetricsServer:
+    """`serve`, except that an address in use is waited for (WaitingMetricsServer) rather than an error: for an
+    agent in a pod, whose predecessor on the node may still hold the port while both overlap."""
+    try:
+        listener = _listen(address)
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise DevinjectError(f"--metrics-address {address}: cannot listen: {err.strerror or err}") from None
+        log.warning("metrics: %s is in use (the pod this one replaces, during a rolling update?): listening "
+                    "there once it is free", address)
+        return WaitingMetricsServer(address, _handler(metrics, alive, ready), retry)
+    return MetricsServer(listener, _handler(metrics, alive, ready))

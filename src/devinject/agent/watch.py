@@ -345,7 +345,20 @@ class Watcher:
                 self.write()
                 self._say_written()
             self.sweep_ledger()
+            self._claim_state_dir_again()
         self.checker.log.close()  # a journal follower is a child process
+
+    def _claim_state_dir_again(self) -> None:
+        """Started beside another loop (the pod a rolling update replaces holds the state dir until it stops):
+        the lock is this loop's once that one lets it go, asked for meanwhile, so that a `dra-driver --health
+        auto` does not take it over and leave two loops on the state dir."""
+        if self.loop_lock is not None:
+            return
+        if self.claim_state_dir():
+            healthstate.withdraw_loop_request(self.opts.state_dir)
+            log.info("the health loop on %s is this agent's alone now", self.opts.state_dir)
+        else:
+            healthstate.ask_for_loop(self.opts.state_dir)
 
     def _start(self, stop: threading.Event) -> None:
         """The state dir's loop lock, the listener threads, the first rescan, round and write."""

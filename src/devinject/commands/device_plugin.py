@@ -10,6 +10,7 @@ from devinject.commands.agentloop import _stop_on_signals, _watch_options, watch
 from devinject.commands.common import _check_metrics_address
 from devinject.commands.configfile import _load_config
 from devinject.commands.group import cli
+from devinject.commands.options import pod_uid_option
 from devinject.core.errors import UsageError
 
 
@@ -31,8 +32,9 @@ from devinject.core.errors import UsageError
 @click.option("--mig-strategy", type=click.Choice(["single", "mixed"]), default="single", show_default=True,
               help="single: MIG devices offered as their GPU's kind (nvidia.com/gpu); mixed: as one resource per "
                    "MIG profile, nvidia.com/mig-<profile> (profiles from NVML; docs/sharing.md).")
+@pod_uid_option
 def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: str, metrics_address: str,
-                  mig_strategy: str, **options: Any) -> None:
+                  mig_strategy: str, pod_uid: str | None, **options: Any) -> None:
     """Kubernetes node agent: a kubelet device plugin per kind, with watch's health loop and specs."""
     from devinject.deviceplugin.agent import DevicePluginAgent, PluginOptions
 
@@ -48,7 +50,8 @@ def device_plugin(plugin_dir: str, resource_names: tuple[str, ...], allocate: st
 
     sharing = click.get_current_context().meta.get("devinject.sharing", SharingConfig())
     opts = PluginOptions(watch=watch, plugin_dir=plugin_dir, resource_names=names, fallback=allocate == "both",
-                         metrics_address=metrics_address or None, sharing=sharing, mig_strategy=mig_strategy)
+                         metrics_address=metrics_address or None, sharing=sharing, mig_strategy=mig_strategy,
+                         pod_uid=pod_uid)
     stop = _stop_on_signals()
     DevicePluginAgent(opts, node=node).run(stop)
     stop.exit()

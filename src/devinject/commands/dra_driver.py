@@ -20,6 +20,7 @@ from devinject.commands.options import (
     kernel_log_option,
     node_hook_option,
     nvml_option,
+    pod_uid_option,
     profile_dir_option,
     root_option,
     state_dir_option,
@@ -92,13 +93,14 @@ from devinject.core.paths import (
               help="Give each claim's containers its devices and their attributes (KEP-5304): a metadata.json "
                    "per request under --plugin-dir, mounted read-only at /var/run/kubernetes.io/"
                    "dra-device-attributes/... (docs/dra.md).")
+@pod_uid_option
 def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_root: str | None,
                driver_root: str | None, nvml: bool | None, node_hook: str | None, hook_path: str | None,
                kinds: tuple[str, ...], node_name: str, driver_name: str, kubeconfig: str | None, plugin_dir: str,
                registry_dir: str, cdi_dir: str, rescan: float, health_mode: str, interval: float, recheck: float,
                threshold: int, test_timings: bool, kernel_log: str, uevents: bool, fatal_taint_effect: str,
                metrics_address: str, consumable_capacity: str, nfd_features_dir: str | None,
-               device_metadata: bool) -> None:
+               device_metadata: bool, pod_uid: str | None) -> None:
     """Kubernetes DRA kubelet plugin: ResourceSlices from discovery with the node's health loop (faults as
     device taints), claims prepared as CDI specs (docs/dra.md)."""
     from devinject.agent.watch import WatchOptions
@@ -135,7 +137,8 @@ def dra_driver(root: str, state_dir: str, profile_dirs: tuple[str, ...], target_
                       registry_dir=registry_dir, cdi_dir=cdi_dir, state_dir=state_dir, rescan=rescan,
                       health=health_mode, watch=watch, fatal_effect=fatal_taint_effect,
                       metrics_address=metrics_address or None, capacity=capacity,
-                      nfd_features_dir=nfd_features_dir, device_metadata=device_metadata)
+                      nfd_features_dir=nfd_features_dir, device_metadata=device_metadata,
+                      pod_uid=pod_uid)
     stop = _stop_on_signals()
     DraDriver(opts, SlicePublisher(api_client(kubeconfig), driver_name, node_name, watch=True)).run(stop)
     stop.exit()

@@ -64,6 +64,22 @@ nvml_option = click.option(
          "memory, compute capability, MIG profiles (default: only when --root is /).")
 
 
+def _pod_uid(_ctx: click.Context, _param: click.Parameter, uid: str | None) -> str | None:
+    from devinject.core.errors import DevinjectError, UsageError
+    from devinject.core.poduid import checked_pod_uid
+
+    try:
+        return None if uid is None else checked_pod_uid(uid)
+    except DevinjectError as err:
+        raise UsageError(err.message) from None
+
+
+pod_uid_option = click.option(
+    "--pod-uid", default=None, metavar="UID", callback=_pod_uid,
+    help="The agent's own pod's UID (the DaemonSet: the downward API's metadata.uid): its kubelet sockets carry "
+         "it, so a rolling update's two pods overlap on a node (docs/deploy.md).")
+
+
 target_root_option = click.option(
     "--target-root", default=None, type=click.Path(), metavar="DIRECTORY",
     help="The host's / as the runtime that reads the specs sees it (usually /): host paths are written under it "

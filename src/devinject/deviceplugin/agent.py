@@ -31,6 +31,7 @@ import grpc
 
 from devinject import __version__
 from devinject.agent.health import HEALTHY, UNHEALTHY
+from devinject.agent.metricsserver import MetricsServer, WaitingMetricsServer, serve_or_wait
 from devinject.agent.mps import Daemon, MpsDaemons, MpsError
 from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions
@@ -38,6 +39,7 @@ from devinject.cdi.identity import DeviceKey, QualifiedName, device_key, node_id
 from devinject.cdi.model import DeviceNode
 from devinject.core import jsonlite
 from devinject.core.errors import DevinjectError, UsageError
+from devinject.core.poduid import checked_pod_uid
 from devinject.deviceplugin.allocation import HEALTHY as HEALTHY_NAME
 from devinject.deviceplugin.allocation import UNHEALTHY as UNHEALTHY_NAME
 from devinject.deviceplugin.allocation import PluginDevice
@@ -72,6 +74,7 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 HOOK_LOG = "/var/log/devinject/hook.log"  # the hook's default log, read under the host root
 HOOK_LOG_TAIL = 64 << 10
 WAIT_LOG_EVERY = 30.0  # seconds between "still waiting for the kubelet" lines (the poll is every second)
+STREAM_SETTLE = 0.25  # seconds from a stream's end to the supervisor's look (a kubelet restarting, or not)
 PROBE_TIMEOUT = 1.0  # seconds to connect to the kubelet's socket before registering
 
 
@@ -156,6 +159,7 @@ class PluginOptions:
     pod_grace: float = UNKNOWN_POD_GRACE  # seconds a booking waits for the checkpoint to name its pod
     sharing: SharingConfig = field(default_factory=SharingConfig)  # time-slicing (deviceplugin/sharing.py)
     mig_strategy: str = SINGLE  # deviceplugin/migstrategy.py: single or mixed
+    pod_uid: str | None = None  # the agent's pod (downward API): its sockets carry it (endpoint_for)
 
     def __post_init__(self) -> None:
         if self.mig_strategy not in MIG_STRATEGIES:
@@ -186,9 +190,13 @@ class PluginOptions:
         return self.sharing.time_sliced(self.resource_names.get(kind, kind), kind)
 
 
-def endpoint_for(resource: str) -> str:
-    """The plugin's socket name: `devinject-nvidia.com-gpu.sock`."""
-    return "devinject-" + resource.replace("/", "-") + ".sock"
+def endpoint_for(resource: str, pod_uid: str | None = None) -> str:
+    """The plugin's socket name: `devinject-nvidia.com-gpu.sock`, or in a pod with its UID
+    (`devinject-nvidia.com-gpu-<pod uid>.sock`): two pods of a rolling update each serve on their own, and
+    the one stopping removes only its own."""
+    if pod_uid is None:
+        return "devinject-" + resource.replace("/", "-") + ".sock"
+    return f"devinject-{resource.replace('/', '-')}-{checked_pod_uid(pod_uid)}.sock"
 
 
 class DevicePluginAgent:
@@ -196,6 +204,8 @@ class DevicePluginAgent:
     else the one the options describe (agent/watch.py)."""
 
     def __init__(self, opts: PluginOptions, node: Node | None = None) -> None:
+        if opts.pod_uid is not None:
+            checked_pod_uid(opts.pod_uid)  # before anything starts: it names the sockets
         self.opts = opts
         self.metrics = Metrics()
         self.watcher = Watcher(opts.watch, node=node)
@@ -206,6 +216,9 @@ class DevicePluginAgent:
         self.servers: dict[str, ResourceServer] = {}  # by kind
         self.registered: set[str] = set()  # kinds registered with the current kubelet
         self.stopping = threading.Event()
+        # the supervisor's turn early, not at its next poll: a stream ended (in a rolling update, the old pod's
+        # exit makes the kubelet drop the newer registration too; registered again at once, the gap is short)
+        self.supervise_now = threading.Event()
         self.lock = threading.Lock()
         self.last_round = time.monotonic()
         self.health_seen: dict[str, str] = {}
@@ -556,7 +569,7 @@ class DevicePluginAgent:
                                                   and self.opts.time_sliced(kind) is not None),
                                               mps=self.mps_daemon if (entry := self.opts.time_sliced(kind))
                                               is not None and entry.mps else None)
-                server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource))
+                server = ResourceServer(service, self.opts.plugin_dir, endpoint_for(state.resource, self.opts.pod_uid))
                 self.servers[kind] = server
             if not server.alive():
                 server.service.new_epoch()  # streams of the server it replaces are not this registration's
@@ -628,6 +641,16 @@ class DevicePluginAgent:
     def _lost_stream(self, kind: str, resource: str) -> None:
         self.due[kind] = (time.time(), "its ListAndWatch stream ended")
         log.warning("%s: the kubelet's ListAndWatch stream ended: not ready until registered again", resource)
+        if self._kubelet_listening():
+            # the kubelet lives on and dropped this registration (a rolling update's old plugin's stream ended):
+            # registered again at once
+            self.supervise_now.set()
+            return
+        # a kubelet going away or restarting: looked at again soon, not at the next poll, once it has made its
+        # socket anew
+        timer = threading.Timer(min(STREAM_SETTLE, self.opts.kubelet_poll), self.supervise_now.set)
+        timer.daemon = True
+        timer.start()
 
     def _allocated(self, resource: str, count: int | None) -> None:
         """`count` devices handed out, or None: a request refused."""
@@ -645,7 +668,8 @@ class DevicePluginAgent:
                 self.supervise_once()
             except Exception:  # the supervisor must outlive any one failure
                 log.exception("device plugin supervisor")
-            self.stopping.wait(self.opts.kubelet_poll)
+            self.supervise_now.wait(self.opts.kubelet_poll)
+            self.supervise_now.clear()
 
     def alive(self) -> bool:
         """The health loop turned within three of its intervals."""
@@ -658,9 +682,11 @@ class DevicePluginAgent:
             return bool(self.states) and set(self.states) <= self.registered
 
     def run(self, stop: threading.Event) -> None:
-        http = None
+        http: MetricsServer | WaitingMetricsServer | None = None
         if self.opts.metrics_address:
-            http = serve(self.opts.metrics_address, self.metrics, self.alive, self.ready)
+            # in a pod, the pod a rolling update replaces may hold the port a while yet (the node's network)
+            http = (serve_or_wait if self.opts.pod_uid else serve)(self.opts.metrics_address, self.metrics,
+                                                                   self.alive, self.ready)
             host, port = http.server_address
             self.metrics_bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         supervisor = threading.Thread(target=self._supervise, name="kubelet", daemon=True)
@@ -671,6 +697,7 @@ class DevicePluginAgent:
             self.watcher.run(stop)
         finally:
             self.stopping.set()
+            self.supervise_now.set()
             supervisor.join(timeout=5)
             follower.join(timeout=5)
             for server in self.servers.values():

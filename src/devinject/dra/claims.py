@@ -38,6 +38,7 @@ from devinject.dra.capacity import CapacityError, consumed, share_id
 from devinject.dra.devicemetadata import MetadataDevice, MetadataFile, MetadataFiles, with_mounts
 from devinject.dra.gpuconfig import MPS, TIME_SLICING, GpuConfigError, GpuSharing, request_sharing
 from devinject.dra.slices import Offer
+from devinject.linux.filelock import NodeLock
 from devinject.linux.trusteddir import write_file
 from devinject.nodestate.claimcheckpoints import (
     NODE_PID,
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 
 CLAIM_CLASS = "claim"
 POD_GROUPS = ("scheduling.k8s.io", "podgroups")  # a reservedFor consumer that is a PodGroup: (apiGroup, resource)
+CLAIMS_LOCK_TIMEOUT = 30.0  # seconds a claim waits for another prepare on the node (an MPS daemon's start)
 
 
 class PrepareError(DevinjectError):
@@ -455,7 +457,8 @@ class Preparer:
         self.generate = generate
         self.ledger = ledger if ledger is not None else Ledger(state_dir)
         self.checkpoint = Checkpoint(checkpoint_path(state_dir, driver))  # the ledger's rebuild reads it too
-        self.lock = threading.Lock()
+        # one claim's change at a time on the node: during a rolling update two driver pods share this state dir
+        self.lock = NodeLock(self.checkpoint.path + ".lock", timeout=CLAIMS_LOCK_TIMEOUT, what="claims")
         self.edits = EditsMemo()  # the driver's files as read for the last claim: _spec, under the lock
         self.contests: dict[str, Contest] = {}  # claim uid -> refused on a held device, until it is gone
         self.contests_changed = threading.Event()  # set when one is added or dropped: publish again

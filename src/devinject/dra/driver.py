@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 from devinject import __version__
 from devinject.agent import healthstate
 from devinject.agent.health import faults_of
-from devinject.agent.metricsserver import MetricsServer, serve
+from devinject.agent.metricsserver import MetricsServer, WaitingMetricsServer, serve, serve_or_wait
 from devinject.agent.publishers import Round
 from devinject.agent.watch import Watcher, WatchOptions, watched_node
 from devinject.cdi.identity import device_key, node_id_of, path_identity
@@ -120,6 +120,7 @@ class DraOptions:
     # the kubelet's pod directories (a device-plugin booking whose pod is gone is released here too:
     # nodestate/pluginrelease.py); default: `pods` beside the plugin directory
     pods_dir: str | None = None
+    pod_uid: str | None = None  # the driver's pod (downward API): its sockets carry it (dra/kubeletplugin.py)
 
     def watch_options(self) -> WatchOptions:
         """The health loop's options: this driver's node, state dir and rescan; no CDI spec of its own, and no
@@ -364,8 +365,8 @@ class DraDriver:
             if isinstance(publisher, StatusApplier) else None  # status.devices, written after each call
         self.servers = PluginServers(opts.driver, self.preparer, opts.plugin_dir, opts.registry_dir, self.health,
                                      self.metrics, self._prepared if self.status else None,
-                                     self.status.unprepared if self.status else None)
-        self.http: MetricsServer | None = None
+                                     self.status.unprepared if self.status else None, pod_uid=opts.pod_uid)
+        self.http: MetricsServer | WaitingMetricsServer | None = None
         self.metrics_bound: str | None = None  # host:port /metrics listens on
 
     # the state's parts tests and the command look at
@@ -725,7 +726,9 @@ class DraDriver:
             log.info("%d half-prepared claim(s) cleaned up", len(removed))
         self.releaser.release()  # before the first slice: bookings of pods gone while no agent ran
         if self.opts.metrics_address:  # first: a port in use fails the start before any socket is made
-            self.http = serve(self.opts.metrics_address, self.metrics, self.alive, self.ready)
+            # in a pod, the pod a rolling update replaces may hold the port a while yet (the node's network)
+            self.http = (serve_or_wait if self.opts.pod_uid else serve)(self.opts.metrics_address, self.metrics,
+                                                                        self.alive, self.ready)
             host, port = self.http.server_address[:2]
             self.metrics_bound = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:

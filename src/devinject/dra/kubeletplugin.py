@@ -2,7 +2,12 @@
 (`pluginregistration.Registration`, on `<registry dir>/<driver>-reg.sock`, which the kubelet watches) and the
 DRA service (`k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`) with resource health (`v1` and `v1alpha1`
 `DRAResourceHealth`, both advertised in the registration: a 1.37 kubelet opens a stream only for a health
-service the plugin advertises) on `<plugins dir>/<driver>/dra.sock`."""
+service the plugin advertises) on `<plugins dir>/<driver>/dra.sock`.
+
+Run in a pod (`--pod-uid`), the sockets carry the pod's UID, as the kubelet plugin library's RollingUpdate names
+them (`<driver>-<uid>-reg.sock`, `<driver>/dra-<uid>.sock`): a 1.33+ kubelet then keeps both pods of a rolling
+update registered and sends new calls to the newest, so a DaemonSet can surge (`maxSurge: 1, maxUnavailable: 0`)
+with no moment in which the node has no driver. Each pod removes only its own sockets when it stops."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Any
 import grpc
 
 from devinject.core.errors import DevinjectError
+from devinject.core.poduid import checked_pod_uid
 from devinject.dra.api import dra_v1_pb2 as dra
 from devinject.dra.api import dra_v1_pb2_grpc as dra_grpc
 from devinject.dra.api import health_v1_pb2 as health_v1
@@ -48,6 +54,15 @@ DIR_MODE = 0o750
 MIN_TIME_LEFT = 1.0  # seconds of the kubelet's deadline a claim needs to be attempted
 Prepared = Callable[[str, str, str, list[PreparedDevice]], None]  # (namespace, name, uid, its devices)
 Unprepared = Callable[[str, str, str], None]
+
+
+def socket_names(driver: str, pod_uid: str | None) -> tuple[str, str]:
+    """The registration socket's and the DRA service socket's file names: fixed for a driver run on the host,
+    with the pod's UID in both for one run in a pod (two pods of one driver overlap during a rolling update)."""
+    if pod_uid is None:
+        return f"{driver}-reg.sock", "dra.sock"
+    uid = checked_pod_uid(pod_uid)
+    return f"{driver}-{uid}-reg.sock", f"dra-{uid}.sock"
 
 
 def claim_error(err: Exception, doing: str, claim: Any) -> str:
@@ -257,10 +272,12 @@ class PluginServers:
 
     def __init__(self, driver: str, preparer: Preparer, plugin_dir: str, registry_dir: str,
                  health: HealthBroadcast | None = None, metrics: DraMetrics | None = None,
-                 prepared: Prepared | None = None, unprepared: Unprepared | None = None) -> None:
+                 prepared: Prepared | None = None, unprepared: Unprepared | None = None,
+                 pod_uid: str | None = None) -> None:
         self.driver = driver
-        self.endpoint = os.path.join(plugin_dir, driver, "dra.sock")
-        self.registration_path = os.path.join(registry_dir, f"{driver}-reg.sock")
+        registration, service = socket_names(driver, pod_uid)
+        self.endpoint = os.path.join(plugin_dir, driver, service)
+        self.registration_path = os.path.join(registry_dir, registration)
         self.stopping = threading.Event()
         self.health = health or HealthBroadcast()
         self.dra_service = DraService(preparer, metrics, prepared, unprepared)

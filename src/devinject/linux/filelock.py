@@ -42,3 +42,33 @@ class exclusive:
 
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
+
+
+class NodeLock:
+    """A reusable lock shared by this process's threads and by every process on the node that takes `path`:
+    `with lock:` waits for both, at most `timeout` s each (two pods of one agent overlap on a node during a
+    rolling update, on one state dir). Not reentrant."""
+
+    def __init__(self, path: str, *, timeout: float, what: str, error: type[DevinjectError] = DevinjectError) -> None:
+        import threading  # here: the hook imports this module and takes no NodeLock
+
+        self.path, self.timeout, self.what, self.error = path, timeout, what, error
+        self.threads = threading.Lock()
+        self.held: exclusive | None = None
+
+    def __enter__(self) -> None:
+        if not self.threads.acquire(timeout=self.timeout):
+            raise self.error(f"{self.path}: the {self.what} lock was not free within {self.timeout:g}s")
+        held = exclusive(self.path, timeout=self.timeout, what=self.what, error=self.error)
+        try:
+            held.__enter__()
+        except BaseException:
+            self.threads.release()
+            raise
+        self.held = held
+
+    def __exit__(self, *exc: object) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            held.__exit__()
+        self.threads.release()
