@@ -69,12 +69,25 @@ class Cluster(KubeClient):
     def log(self, name: str) -> BinaryIO:
         return open(KUBE_DIR / "logs" / name, "ab")
 
+    def published_gpus(self, count: int) -> None:
+        """Both drivers' `count` GPUs in their slices; else the failure with the drivers' logs' ends
+        (cluster-down.sh --purge wipes the logs)."""
+        try:
+            for driver in CLASSES:
+                until(lambda d=driver: len(self.gpus(d)) == count, 90,  # type: ignore[misc]
+                      f"{driver}'s {count} GPUs in its slices")
+        except AssertionError as err:
+            logs = {name: (KUBE_DIR / "logs" / name).read_bytes()[-2000:].decode(errors="replace")
+                    for name in ("devinject-dra-nvcompare.log", "gpu-kubelet-plugin.log")}
+            raise AssertionError(f"{err}\n" + "\n".join(f"--- {n}:\n{t}" for n, t in logs.items())) from None
+
     def start_devinject(self) -> None:
         with self.log("devinject-dra-nvcompare.log") as log:
             self.processes.append(subprocess.Popen(
                 [DEVINJECT, "dra-driver", "--host-root", str(HOST), "--nvml", "--node-name", self.node,
                  "--kubeconfig", str(KUBE_DIR / "admin.kubeconfig"), "--state-dir", str(STATE), "--hook-path",
-                 DEVINJECT, "--kind", "nvidia.com/gpu", "--rescan", "30", "--metrics-address", "127.0.0.1:0"],
+                 DEVINJECT, "--kind", "nvidia.com/gpu", "--rescan", "30", "--metrics-address", "127.0.0.1:0",
+                 "--no-uevents"],
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL))
 
     def start_nvidia(self, plugin: Path, hook: Path) -> None:
@@ -139,8 +152,7 @@ def cluster(nvml_stubs) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
                         for driver, name in CLASSES.items()])
         cluster.start_devinject()
         cluster.start_nvidia(plugin, hook)
-        for driver in CLASSES:
-            until(lambda d=driver: len(cluster.gpus(d)) == 8, 90, f"{driver}'s 8 GPUs in its slices")  # type: ignore[misc]
+        cluster.published_gpus(8)
         yield cluster
     finally:
         cluster.stop()
