@@ -57,6 +57,13 @@ class KubeClient:
             raise AssertionError(f"kubectl {' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
         return done.stdout
 
+    def up(self) -> str:
+        """The cluster started (`cluster-up.sh`, its output in the failure); its one node's name."""
+        done = subprocess.run([str(KUBE / "cluster-up.sh")], capture_output=True, text=True, env=self.env,
+                              timeout=600)
+        assert done.returncode == 0, f"cluster-up.sh failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        return str(self.json("nodes")["items"][0]["metadata"]["name"])
+
     def json(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json"))
 

@@ -12,9 +12,7 @@ in a mount namespace of its own with the host tree's `/proc/driver` over the mac
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
-import lzma
 import re
 import shutil
 import subprocess
@@ -24,31 +22,19 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import DEVINJECT, REPO, require
+from tests.e2e.peers import unpacked
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_dgx_a100_mig, build_hgx_h100
 
 pytestmark = pytest.mark.live
 
-PEERS = REPO.parent / "shared" / "peers"
 FIDELITY = REPO / "docs" / "driver-fidelity.md"
 BUILDERS = {"hgx-h100": build_hgx_h100, "dgx-a100-mig": build_dgx_a100_mig}
 INDEX_NAME = re.compile(r"\d+(:\d+)?")  # a GPU's or a MIG device's index name, which both generators give
 
 
-def _unpacked(name: str, into: Path) -> Path:
-    """A peer's binary, unpacked and checked against SHA256SUMS."""
-    packed = PEERS / f"{name}.xz"
-    require(packed.is_file(), f"{packed} missing (../shared/peers)")
-    sums = dict(reversed(line.split()) for line in (PEERS / "SHA256SUMS").read_text().splitlines() if line.strip())
-    binary = lzma.decompress(packed.read_bytes())
-    assert hashlib.sha256(binary).hexdigest() == sums[name], f"{name}: not the binary SHA256SUMS names"
-    (into / name).write_bytes(binary)
-    (into / name).chmod(0o755)
-    return into / name
-
-
 @pytest.fixture(scope="module")
 def nvidia_ctk(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _unpacked("nvidia-ctk", tmp_path_factory.mktemp("peers"))
+    return unpacked("nvidia-ctk", tmp_path_factory.mktemp("peers"))
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

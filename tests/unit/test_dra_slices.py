@@ -36,7 +36,7 @@ def test_hgx_one_pool_per_kind_with_the_standard_attributes() -> None:
         f"{STD}/pciBusID": {"string": "0000:18:00.0"}, f"{STD}/pcieRoot": {"string": "pci0000:12"},
         f"{STD}/numaNode": {"int": 0}, "kind": {"string": "nvidia.com/gpu"}, "vendor": {"string": "NVIDIA"},
         "pciVendorID": {"string": "0x10de"}, "model": {"string": "NVIDIA H100 80GB HBM3"}, "index": {"int": 0},
-        "driverVersion": {"version": "550.54.14"}, "partition": {"string": "whole"},
+        "driverVersion": {"version": "550.54.14"}, "partition": {"string": "whole"}, "type": {"string": "gpu"},
         "uuid": {"string": "GPU-5b3c0a1e-7c1d-4c1b-9a55-0e1f2a3b4c00"}}
     # the GPU and its NIC sit under one root complex: one pcieRoot, so matchAttribute co-locates them
     nic = devices["rdma-0000-19-00-0"]["attributes"]
@@ -80,6 +80,8 @@ def test_mig_instances_are_partitionable_devices_of_their_gpu() -> None:
     assert instance["consumesCounters"] == [{"counterSet": "gpu-0000-07-00-0-partitions",
                                              "counters": {"gi1-ci0": {"value": "1"}}}]
     assert instance["attributes"]["partition"] == {"string": "mig"}
+    # NVIDIA's DRA driver's types, which its DeviceClasses gpu.nvidia.com and mig.nvidia.com test
+    assert (whole["attributes"]["type"], instance["attributes"]["type"]) == ({"string": "gpu"}, {"string": "mig"})
     assert instance["attributes"][f"{STD}/pciBusID"] == whole["attributes"][f"{STD}/pciBusID"]
     # whole + any instance would take 2 of a counter whose value is 1: the scheduler allocates only one
     for name, device in devices.items():

@@ -5,7 +5,8 @@ from its PCI address (`gpu-0000-18-00-0`, a MIG instance `gpu-0000-07-00-0-gi1-c
 every restart and a DNS label. Each device carries the standard attributes (`resource.kubernetes.io/pciBusID`,
 `pcieRoot`: its PCIe root complex `pci<domain>:<bus>`, the first element of its sysfs path, so a GPU and a NIC
 under one root share it; `numaNode`, left out when the kernel says -1) and the driver's own (kind, vendor,
-model, index, driverVersion, uuid, partition: `whole`, `mig` or `amd`), and where NVML answers (discovery/nvml.py)
+model, index, driverVersion, uuid, partition: `whole`, `mig` or `amd`; an NVIDIA GPU's `type`, `gpu` or `mig`,
+as NVIDIA's DRA driver gives it and its DeviceClasses test), and where NVML answers (discovery/nvml.py)
 NVIDIA's names for its facts (productName, brand, architecture, cudaComputeCapability, cudaDriverVersion; a MIG
 device's `profile`); capacity `memory` where NVML (a GPU's, a MIG device's) or sysfs (AMD's VRAM) states it.
 
@@ -42,6 +43,7 @@ from devinject.dra.capacity import CapacitySharing, binary_quantity, capacity_js
 
 DRIVER = "dra.devinject.io"
 STANDARD = "resource.kubernetes.io"
+NVIDIA_GPU = "nvidia.com/gpu"
 MAX_DEVICES = 128  # per slice (resource.k8s.io/v1 validation)
 MAX_DEVICES_WITH_COUNTERS = 64  # per slice when any device consumes counters or carries taints
 MAX_TAINTS = 16  # per device (resource.k8s.io/v1 validation: DeviceTaintsMaxLength)
@@ -197,6 +199,8 @@ def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | 
             common["driverVersion"] = _version(str(driver_version))
         common.update(nvml_attributes(gpu, node.nvml_facts()))
         whole: dict[str, dict[str, object]] = {**common, "partition": {"string": "whole"}}  # for CEL selectors
+        if kind == NVIDIA_GPU:  # NVIDIA's DRA driver's type, which its DeviceClass tests (`type == 'gpu'`)
+            whole["type"] = {"string": "gpu"}
         if found.uuid:
             whole["uuid"] = {"string": found.uuid}
         pool = pool_name(node_name, kind)
@@ -208,6 +212,8 @@ def offers(node: Node, node_name: str, driver_versions: dict[str, str | None] | 
             attributes["partition"] = {"string": partition.kind}
             attributes["partitionName"] = {"string": partition.name}
             attributes["parentName"] = {"string": device_name(found)}
+            if kind == NVIDIA_GPU and partition.kind == "mig":
+                attributes["type"] = {"string": "mig"}  # NVIDIA's driver's, which its mig.nvidia.com class tests
             if partition.uuid:
                 attributes["uuid"] = {"string": partition.uuid}
             mig = gpu.mig(partition.gpu_instance, partition.compute_instance) if gpu is not None else None
