@@ -31,7 +31,7 @@ CLUSTER_SCOPED = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding
 # what the agents' command lines pin (the chart's paths): a config key for one would be overridden unseen
 PINNED = {"device-plugin": {"config", "host-root", "target-root", "output-dir", "state-dir", "plugin-dir", "node-hook",
                             "metrics-address", "kernel-log", "pod-uid"},
-          "dra-driver": {"config", "host-root", "target-root", "cdi-dir", "state-dir", "plugin-dir", "registry-dir",
+          "dra-driver": {"config", "host-root", "target-root", "output-dir", "state-dir", "plugin-dir", "registry-dir",
                          "node-hook", "metrics-address", "pod-uid"}}
 # value sets every rendering of which must be valid Kubernetes
 VALUE_SETS: dict[str, dict[str, Any]] = {

@@ -92,3 +92,27 @@ def test_a_config_file_giving_one_option_under_both_spellings_is_refused(tmp_pat
     assert done.exit_code == 2, done.output
     assert done.output.strip().splitlines()[-1] == (
         f"devinject: error: {config}: output-dir: the same option as cdi-dir, given twice")
+
+
+def _devinject_args(path: Path) -> list[list[str]]:
+    """The argument lists of the manifest's containers that run devinject."""
+    import yaml
+
+    found = []
+    for doc in yaml.safe_load_all(path.read_text()):
+        pod = ((doc or {}).get("spec", {}).get("template", {}) or {}).get("spec", {}) if isinstance(doc, dict) else {}
+        for container in pod.get("initContainers", []) + pod.get("containers", []):
+            if container.get("command") == ["devinject"]:
+                found.append([str(a) for a in container.get("args", [])])
+    return found
+
+
+def test_the_shipped_manifests_spell_every_option_as_help_does() -> None:
+    """deploy/kubernetes runs what the docs teach: an old spelling parses, but one copied from a manifest into a
+    new one would carry a deprecated name on (install-node-hook --dir, dra-driver --cdi-dir were shipped so)."""
+    manifests = sorted((Path(__file__).parents[2] / "deploy" / "kubernetes").rglob("*.yaml"))
+    old = {(command, spelling) for command, _, spelling, _ in RENAMED}
+    used = [(path.name, args[0], a.partition("=")[0]) for path in manifests for args in _devinject_args(path)
+            for a in args[1:] if (args[0], a.partition("=")[0]) in old]
+    assert used == []
+    assert sum(len(_devinject_args(path)) for path in manifests) >= 4  # both agents and their installers
