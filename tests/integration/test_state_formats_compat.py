@@ -24,32 +24,16 @@ import pytest
 
 import devinject
 from tests.conftest import HOSTS
+from tests.previous_release import RELEASE, RELEASE_VERSION, REPO, extract
 
-# The previous release: tag v0.1.0. A clone may lack the tag (CI's shallow checkout), so its commit is named.
-RELEASE = "v0.1.0"
-RELEASE_COMMIT = "4375c0383df68b43b9859f0821efb292d8326a2e"
-REPO = Path(__file__).resolve().parents[2]
 SCENARIO = Path(__file__).with_name("statecompat") / "scenario.py"
 THIS = "this tree"
 HOST = str(HOSTS / "hgx-h100")
 
 
-def release_tree(out: Path) -> Path:
-    """v0.1.0's src/ extracted under `out` (its `git archive`); a clear failure when the clone lacks it."""
-    have = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{RELEASE_COMMIT}^{{commit}}"],
-                          capture_output=True, timeout=30)
-    if have.returncode != 0:
-        pytest.fail(f"{RELEASE} (commit {RELEASE_COMMIT}) is not in this clone: fetch it (`git fetch origin "
-                    f"{RELEASE_COMMIT}` or a clone with full history) to test state files against it")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", RELEASE_COMMIT, "src"], capture_output=True,
-                             check=True, timeout=60).stdout
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True, timeout=60)
-    return out / "src"
-
-
 @pytest.fixture(scope="module")
 def trees(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {RELEASE: release_tree(tmp_path_factory.mktemp("release")), THIS: REPO / "src"}
+    return {RELEASE: extract(tmp_path_factory.mktemp("release"), "src") / "src", THIS: REPO / "src"}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +69,7 @@ def written(run: Run, trees: dict[str, Path], tmp_path_factory: pytest.TempPathF
         node = tmp_path_factory.mktemp("written")
         (node / "state").mkdir(mode=0o755)
         (node / "cdi").mkdir()
-        assert run(tree, "write", node)["version"] == (devinject.__version__ if tree == THIS else "0.1.0")
+        assert run(tree, "write", node)["version"] == (devinject.__version__ if tree == THIS else RELEASE_VERSION)
         nodes[tree] = node
     return nodes
 
