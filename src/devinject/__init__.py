@@ -3,4 +3,4 @@
 This package's top level imports nothing: the OCI hook imports only what it needs.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
