@@ -39,6 +39,7 @@ from tests.e2e.test_cluster_live import (
     TEST_ROOT,
     Cluster,
     build_fake_host,
+    ctr_v2,
     foreign_kubernetes,
     image,  # noqa: F401 - the module fixture: `make image`
     run,
@@ -52,7 +53,6 @@ DRIVER = "dra.devinject.io"
 CLASS = "nvidia-gpu.devinject.io"  # the shipped class (deploy/kubernetes/dra/deviceclasses.yaml)
 DEVINJECT = str(Path(sys.executable).parent / "devinject")
 FIGURES = REPO / "build" / "both-paths-figures.json"
-V2_SOCKET = "/run/containerd-v2/containerd.sock"  # ../shared/kube/README.md, CONTAINERD=v2
 
 
 class Node(Cluster):
@@ -228,10 +228,7 @@ def node(image: Path) -> Iterator[Node]:  # noqa: F811 - the imported fixture
         made.gpus = build_fake_host()
         up = run([str(KUBE / "cluster-up.sh")], 900, env=made.env)
         assert up.returncode == 0, f"cluster-up.sh failed:\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
-        # containerd 2.3.4's own ctr, as the cluster's README says (Debian's `ctr` is 1.6's)
-        imported = run([str(KUBE_DIR / "bin" / "ctr2"), "--address", V2_SOCKET, "-n", "k8s.io", "images", "import",
-                        str(image)], 300)
-        assert imported.returncode == 0, imported.stderr
+        ctr_v2("images", "import", str(image))
         made.node = made.json("nodes")["items"][0]["metadata"]["name"]
         made.kubectl("label", "node", made.node, "devinject.io/accelerators=true", "--overwrite")
         made.kubectl("apply", "-k", str(OVERLAY))

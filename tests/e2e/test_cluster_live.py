@@ -57,6 +57,16 @@ def run(command: list[str], timeout: float, **kwargs: Any) -> subprocess.Complet
                           **kwargs)
 
 
+V2_SOCKET = "/run/containerd-v2/containerd.sock"  # ../shared/kube/README.md, CONTAINERD=v2
+
+
+def ctr_v2(*args: str, timeout: float = 300) -> None:
+    """containerd 2.3.4's own ctr (Debian's `ctr` is 1.6's) on the CONTAINERD=v2 cluster's socket, in the
+    kubelet's namespace (k8s.io): `images import ARCHIVE`, `images tag ...`."""
+    done = run([str(KUBE_DIR / "bin" / "ctr2"), "--address", V2_SOCKET, "-n", "k8s.io", *args], timeout)
+    assert done.returncode == 0, done.stderr
+
+
 class Cluster(KubeClient):
     def __init__(self, mode: str) -> None:
         super().__init__(KUBE_DIR, mode)

@@ -47,6 +47,7 @@ from tests.e2e.test_cluster_live import (
     HelmConfig,
     build_fake_host,
     claimed_gpu,
+    ctr_v2,
     deployment_manifest,
     devices_seen,
     foreign_kubernetes,
@@ -59,7 +60,6 @@ from tests.e2e.test_cluster_live import (
 
 pytestmark = pytest.mark.live
 
-V2_SOCKET = "/run/containerd-v2/containerd.sock"  # ../shared/kube/README.md, CONTAINERD=v2
 FIGURES = REPO / "build" / "rolling-upgrade-figures.json"
 REGISTRY = Path("/var/lib/kubelet/plugins_registry")
 DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
@@ -232,13 +232,11 @@ def roll(image: Path) -> Iterator[Roll]:  # noqa: F811 - the imported fixture
         made.gpus = build_fake_host()
         up = run([str(KUBE / "cluster-up.sh")], 900, env=made.env)
         assert up.returncode == 0, f"cluster-up.sh failed:\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
-        ctr = str(KUBE_DIR / "bin" / "ctr2")  # containerd 2.3.4's own (Debian's `ctr` is 1.6's)
-        imported = run([ctr, "--address", V2_SOCKET, "-n", "k8s.io", "images", "import", str(image)], 300)
-        assert imported.returncode == 0, imported.stderr
+        ctr_v2("images", "import", str(image))
         version = CHART.joinpath("Chart.yaml").read_text().split('appVersion: "')[1].split('"')[0]
-        tagged = run([ctr, "--address", V2_SOCKET, "-n", "k8s.io", "images", "tag", "--force",
-                      f"localhost/devinject:{version}", f"localhost/devinject:{ROLL_TAG}"], 60)
-        assert tagged.returncode == 0, tagged.stderr  # the same image under a new tag, as a registry serves it
+        # the same image under a new tag, as a registry serves it
+        ctr_v2("images", "tag", "--force", f"localhost/devinject:{version}", f"localhost/devinject:{ROLL_TAG}",
+               timeout=60)
         made.node = made.json("nodes")["items"][0]["metadata"]["name"]
         made.kubectl("label", "node", made.node, "devinject.io/accelerators=true", "--overwrite")
         started = time.monotonic()

@@ -41,6 +41,7 @@ from tests.e2e.test_cluster_live import (  # noqa: F401 - `image`: the imported 
     build_fake_host,
     claim_pod,
     claimed_gpu,
+    ctr_v2,
     deployment_manifest,
     devices_seen,
     foreign_kubernetes,
@@ -53,7 +54,6 @@ from tests.previous_release import RELEASE, RELEASE_VERSION, commit_time, extrac
 
 pytestmark = pytest.mark.live
 
-V2_SOCKET = "/run/containerd-v2/containerd.sock"  # ../shared/kube/README.md, CONTAINERD=v2
 RELEASE_IMAGE = REPO / "build" / f"devinject-image-{RELEASE_VERSION}.tar"
 FIGURES = REPO / "build" / "upgrade-figures.json"
 figures: dict[str, float] = {}
@@ -102,10 +102,8 @@ def cluster(release_chart: Path, image: Path) -> Iterator[Cluster]:  # noqa: F81
         made.gpus = build_fake_host()
         up = run([str(KUBE / "cluster-up.sh")], 900, env=made.env)
         assert up.returncode == 0, f"cluster-up.sh failed:\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
-        for archive in (RELEASE_IMAGE, image):  # containerd 2.3.4's own ctr (Debian's `ctr` is 1.6's)
-            imported = run([str(KUBE_DIR / "bin" / "ctr2"), "--address", V2_SOCKET, "-n", "k8s.io", "images",
-                            "import", str(archive)], 300)
-            assert imported.returncode == 0, imported.stderr
+        for archive in (RELEASE_IMAGE, image):
+            ctr_v2("images", "import", str(archive))
         made.node = made.json("nodes")["items"][0]["metadata"]["name"]
         made.kubectl("label", "node", made.node, "devinject.io/accelerators=true", "--overwrite")
         yield made
