@@ -56,8 +56,9 @@ lint: venv
 	$(BIN)/ruff check src tests bench tools
 	$(BIN)/mypy
 
+# --durations: the slowest tests in CI's log, to keep the whole run under its hour
 test: system-deps venv lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 unit: venv
 	$(BIN)/pytest -q -m 'not live'

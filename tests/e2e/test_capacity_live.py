@@ -104,8 +104,8 @@ def test_two_claims_share_one_gpu_and_a_third_beyond_its_memory_waits(cluster: C
 
     memory_pod(cluster, "share-a", "16Gi", pinned=True)
     memory_pod(cluster, "share-b", "16Gi", pinned=True)
-    until(lambda: cluster.running("share-a"), 120, "pod share-a Running")
-    until(lambda: cluster.running("share-b"), 120, "pod share-b Running")
+    cluster.until_running("share-a")
+    cluster.until_running("share-b")
     claims = [cluster.claim_of(p) for p in ("share-a", "share-b")]
     results = [c["status"]["allocation"]["devices"]["results"] for c in claims]
     assert [[r["device"] for r in rs] for rs in results] == [[GPU], [GPU]], results
@@ -125,13 +125,13 @@ def test_two_claims_share_one_gpu_and_a_third_beyond_its_memory_waits(cluster: C
     message = until(lambda: pending_reason(cluster, "share-c"), 60, "the scheduler's reason for share-c")
     assert "cannot allocate all claims" in message, message
     memory_pod(cluster, "share-d", "16Gi", pinned=False)  # any GPU: another one
-    until(lambda: cluster.running("share-d"), 120, "pod share-d Running")
+    cluster.until_running("share-d")
     (elsewhere,) = cluster.claim_of("share-d")["status"]["allocation"]["devices"]["results"]
     assert elsewhere["device"] != GPU, elsewhere
     assert cluster.pod("share-c")["status"]["phase"] == "Pending"
 
     cluster.delete_pod("share-b")  # room again: the third runs on the GPU
-    until(lambda: cluster.running("share-c"), 120, "pod share-c Running once share-b is gone")
+    cluster.until_running("share-c", 120, "pod share-c Running once share-b is gone")
     assert cluster.claim_of("share-c")["status"]["allocation"]["devices"]["results"][0]["device"] == GPU
     for pod in ("share-a", "share-c", "share-d"):
         cluster.delete_pod(pod)

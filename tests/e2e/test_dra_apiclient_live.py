@@ -252,7 +252,7 @@ def test_an_api_server_away_for_a_minute_costs_only_a_delay(driver: Driver) -> N
     finally:
         driver.proxy.restore()
     until(lambda: driver.slice_names() == slices, 60, "the slices published again once it is back")
-    until(lambda: cluster.running("during-outage"), 180, "the pod made during the outage Running")
+    cluster.until_running("during-outage", 180, "the pod made during the outage Running")
     for pod in ("before-outage", "during-outage"):
         cluster.delete_pod(pod)
     assert "Traceback" not in LOG.read_text()

@@ -74,7 +74,7 @@ def ours(cluster: Cluster, name: str) -> dict[str, dict[str, Any]]:
 
 def check_status(cluster: Cluster, name: str, netdevs: dict[str, dict[str, str]]) -> None:
     claim_and_pod(cluster, name)
-    until(lambda: cluster.running(name), 120, f"pod {name} Running")
+    cluster.until_running(name)
     results = cluster.json("resourceclaim", name)["status"]["allocation"]["devices"]["results"]
     entries = until(lambda: ours(cluster, name) if len(ours(cluster, name)) == 2 else None, 60,
                     f"claim {name}'s status.devices written")
@@ -138,7 +138,7 @@ def test_a_gpu_and_nic_claims_pod_reads_both_devices_metadata(cluster: Cluster) 
     try:
         cluster.start_driver("--device-metadata")
         claim_and_pod(cluster, "metadata")
-        until(lambda: cluster.running("metadata"), 120, "pod metadata Running")
+        cluster.until_running("metadata")
         claim = cluster.json("resourceclaim", "metadata")
         results = {r["request"]: r for r in claim["status"]["allocation"]["devices"]["results"]}
         base = "/var/run/kubernetes.io/dra-device-attributes/resourceclaims/metadata"

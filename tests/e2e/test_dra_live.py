@@ -89,6 +89,37 @@ class Cluster(KubeClient):
         pod = self.pod(name)
         return pod if pod["status"].get("phase") == "Running" else None
 
+    def until_running(self, name: str, timeout: float = 120, what: str | None = None) -> dict[str, Any]:
+        """Pod `name` once Running; past `timeout` s an AssertionError saying why it is not (`why_not_running`)."""
+        try:
+            return until(lambda: self.running(name), timeout, what or f"pod {name} Running")
+        except AssertionError as err:
+            raise AssertionError(f"{err}; {self.why_not_running(name)}") from None
+
+    def why_not_running(self, name: str) -> str:
+        """For a failure's message: the pod's phase, conditions, waiting containers and latest events, its
+        claims' allocations, and whether the driver runs, with its log's last lines."""
+        pod = self.pod(name)
+        status = pod["status"]
+        conditions = [f"{c['type']}={c['status']}" + (f" ({c['message'][:200]})" if c.get("message") else "")
+                      for c in status.get("conditions", [])]
+        waiting = [f"{c['name']}: {c['state']['waiting'].get('reason')} {c['state']['waiting'].get('message', '')}"
+                   for c in status.get("containerStatuses", []) if "waiting" in c.get("state", {})]
+        events = self.json("events", "--field-selector", f"involvedObject.name={name}")["items"]
+        said = [f"{e['reason']}: {e.get('message', '')[:300]}" for e in events[-5:]]
+        claims = []
+        for entry in status.get("resourceClaimStatuses", []):
+            claim = self.json("resourceclaim", entry["resourceClaimName"])
+            allocation = claim.get("status", {}).get("allocation", {}).get("devices", {}).get("results")
+            claims.append(f"{entry['resourceClaimName']}: allocated {allocation}, reserved for "
+                          f"{[r.get('name') for r in claim.get('status', {}).get('reservedFor', [])]}")
+        driver = "not started" if self.driver is None else \
+            ("running" if self.driver.poll() is None else f"exited {self.driver.returncode}")
+        log = self.log.read_text(errors="replace").splitlines()[-15:] if self.log.exists() else []
+        return (f"phase {status.get('phase')}, node {pod['spec'].get('nodeName')}; conditions {conditions}; "
+                f"waiting {waiting}; events {said}; claims {claims}; driver {driver}; its log ends:\n"
+                + "\n".join(log))
+
     def claim_of(self, pod: str) -> dict[str, Any]:
         status = self.pod(pod)["status"]
         (entry,) = status["resourceClaimStatuses"]
@@ -182,7 +213,7 @@ def test_slices_are_published_and_read_back(cluster: Cluster) -> None:
 
 def test_two_gpus_under_one_root_and_the_pod_sees_exactly_them(cluster: Cluster) -> None:
     claim_pod(cluster, "two-gpus", [("gpus", "gpu.devinject.io", 2)])
-    until(lambda: cluster.running("two-gpus"), 120, "pod two-gpus Running")
+    cluster.until_running("two-gpus")
     claim = cluster.claim_of("two-gpus")
     results = claim["status"]["allocation"]["devices"]["results"]
     assert len(results) == 2 and {r["driver"] for r in results} == {DRIVER}
@@ -200,7 +231,7 @@ def test_two_gpus_under_one_root_and_the_pod_sees_exactly_them(cluster: Cluster)
 
 def test_a_gpu_and_a_nic_under_one_root(cluster: Cluster) -> None:
     claim_pod(cluster, "pair", [("gpu", "gpu.devinject.io", 1), ("nic", "nic.devinject.io", 1)])
-    until(lambda: cluster.running("pair"), 120, "pod pair Running")
+    cluster.until_running("pair")
     results = cluster.claim_of("pair")["status"]["allocation"]["devices"]["results"]
     devices = published(cluster)
     assert sorted(r["device"].split("-")[0] for r in results) == ["gpu", "rdma"]
@@ -224,7 +255,7 @@ def test_a_claim_no_root_can_meet_stays_pending_with_the_schedulers_reason(clust
 
 def test_a_restarted_driver_keeps_the_claim_and_cleans_it_on_delete(cluster: Cluster) -> None:
     claim_pod(cluster, "kept", [("gpu", "gpu.devinject.io", 1)], match=False)
-    until(lambda: cluster.running("kept"), 120, "pod kept Running")
+    cluster.until_running("kept")
     uid = cluster.claim_of("kept")["metadata"]["uid"]
     spec = CDI / f"{DRIVER}-{uid}.json"
     assert spec.exists()
@@ -246,7 +277,7 @@ def test_a_claim_is_booked_again_over_its_running_pod_after_a_ledger_rebuild(clu
 
     claim_pod(cluster, "rebuilt", [("gpu", "gpu.devinject.io", 1)], match=False)
     try:
-        until(lambda: cluster.running("rebuilt"), 120, "pod rebuilt Running")
+        cluster.until_running("rebuilt")
         pod_uid = cluster.pod("rebuilt")["metadata"]["uid"]
         uid = cluster.claim_of("rebuilt")["metadata"]["uid"]
         (device,) = json.loads((CDI / f"{DRIVER}-{uid}.json").read_text())["devices"]
@@ -331,7 +362,7 @@ def extended_pod(cluster: Cluster, name: str, resource: str) -> dict[str, Any]:
                    "spec": {"terminationGracePeriodSeconds": 1, "containers": [
                        {"name": "c", "image": "localhost/busybox:1", "imagePullPolicy": "Never", "command": SLEEPER,
                         "resources": {"limits": {resource: "1"}}}]}})
-    until(lambda: cluster.running(name), 120, f"pod {name} Running")
+    cluster.until_running(name)
     claim_name = cluster.pod(name)["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
     (result,) = cluster.json("resourceclaim", claim_name)["status"]["allocation"]["devices"]["results"]
     return result  # type: ignore[no-any-return]
@@ -388,7 +419,7 @@ def test_a_mig_instance_and_its_whole_gpu_are_never_both_allocated(cluster: Clus
         until(lambda: cluster.json("resourceslices", "--field-selector", f"spec.driver={MIG_DRIVER}")["items"],
               60, "the MIG driver's slices")
         selector_pod(cluster, "whole", "whole.mig.devinject.io", MIG_GPU)
-        until(lambda: cluster.running("whole"), 120, "pod whole Running")
+        cluster.until_running("whole")
         selector_pod(cluster, "instance", "mig.mig.devinject.io", MIG_GPU)
 
         def reason() -> str | None:
@@ -398,9 +429,9 @@ def test_a_mig_instance_and_its_whole_gpu_are_never_both_allocated(cluster: Clus
 
         assert "cannot allocate all claims" in until(reason, 60, "the scheduler's reason for pod instance")
         cluster.delete_pod("whole")
-        until(lambda: cluster.running("instance"), 120, "pod instance Running once the whole GPU is free")
+        cluster.until_running("instance", 120, "pod instance Running once the whole GPU is free")
         selector_pod(cluster, "instance2", "mig.mig.devinject.io", MIG_GPU)
-        until(lambda: cluster.running("instance2"), 120, "pod instance2 Running beside instance")
+        cluster.until_running("instance2", 120, "pod instance2 Running beside instance")
         devices = {cluster.claim_of(p)["status"]["allocation"]["devices"]["results"][0]["device"]
                    for p in ("instance", "instance2")}
         assert devices == {"gpu-0000-07-00-0-gi1-ci0", "gpu-0000-07-00-0-gi2-ci0"}
@@ -448,7 +479,7 @@ def test_claims_select_by_nvmls_memory_and_compute_capability(cluster: Cluster, 
                      f'{capacity}.memory.compareTo(quantity("40Gi")) >= 0 && '
                      f'{attributes}.cudaComputeCapability.compareTo(semver("9.0.0")) >= 0 && '
                      f'{attributes}.productName == "NVIDIA H100 80GB HBM3"')
-        until(lambda: cluster.running("fits"), 120, "pod fits Running")
+        cluster.until_running("fits")
         (result,) = cluster.claim_of("fits")["status"]["allocation"]["devices"]["results"]
         assert result["driver"] == NVML_DRIVER and result["device"].startswith("gpu-")
         selector_pod(cluster, "too-big", "gpu.nvml.devinject.io",
@@ -498,7 +529,7 @@ def test_a_channel_claim_gives_the_pod_exactly_that_channel(cluster: Cluster) ->
 
     claim_pod(cluster, "imex", [("channel", "imex.devinject.io", 1)], match=False)
     try:
-        until(lambda: cluster.running("imex"), 120, "pod imex Running")
+        cluster.until_running("imex")
         claim = cluster.claim_of("imex")
         (result,) = claim["status"]["allocation"]["devices"]["results"]
         assert result["pool"] == f"{cluster.node}-nvidia-com-imex-channel" and result["device"].startswith("channel-")
@@ -574,7 +605,7 @@ def test_an_xid_taints_the_gpu_the_scheduler_skips_it_and_put_back_clears_it(clu
     runs on (NoSchedule evicts nothing), and a new claim whose selector admits only that GPU or one other gets
     the other; with only the tainted one admitted it stays Pending. `devinject put-back` clears the taint."""
     claim_pod(cluster, "health", [("gpu", "gpu.devinject.io", 1)], match=False)
-    until(lambda: cluster.running("health"), 120, "pod health Running")
+    cluster.until_running("health")
     claim = cluster.claim_of("health")
     (result,) = claim["status"]["allocation"]["devices"]["results"]
     name = result["device"]
@@ -596,7 +627,7 @@ def test_an_xid_taints_the_gpu_the_scheduler_skips_it_and_put_back_clears_it(clu
                for n in (name, other)}
         pci = 'device.attributes["resource.kubernetes.io"].pciBusID'
         selector_pod(cluster, "skips", "gpu.devinject.io", f'{pci} == "{bus[name]}" || {pci} == "{bus[other]}"')
-        until(lambda: cluster.running("skips"), 120, "pod skips Running")
+        cluster.until_running("skips")
         (given,) = cluster.claim_of("skips")["status"]["allocation"]["devices"]["results"]
         assert given["device"] == other, given
         cluster.delete_pod("skips")
@@ -701,7 +732,7 @@ def test_an_admin_access_claim_never_keeps_the_workload_from_its_gpu(cluster: Cl
         raise AssertionError(f"{err}: {cluster.kubectl('describe', 'pod', '-n', namespace, 'monitor')[-2500:]}") \
             from None
     selector_pod(cluster, "watched", "gpu.devinject.io", gpu)
-    until(lambda: cluster.running("watched"), 120, "the workload's pod Running beside the admin claim")
+    cluster.until_running("watched", 120, "the workload's pod Running beside the admin claim")
     seen = devices_seen(cluster, "watched")
     assert len(seen) == 1, seen
     assert cluster.kubectl("exec", "-n", namespace, "monitor", "--", "ls", "/dev").split().count(seen[0]) == 1

@@ -183,7 +183,7 @@ def claim_pod(cluster: Cluster, name: str, driver: Driver, count: int,
 
 
 def running_claim(cluster: Cluster, pod: str) -> dict[str, Any]:
-    until(lambda: cluster.running(pod), 120, f"pod {pod} Running")
+    cluster.until_running(pod)
     return cluster.claim_of(pod)
 
 
@@ -290,7 +290,7 @@ def test_an_extended_resource_pod_is_served_through_the_device_class(cluster: Cl
                        "spec": {"terminationGracePeriodSeconds": 1,
                                 "containers": [container({"limits": {resource: "1"}})]}})
     try:
-        until(lambda: cluster.running(name), 120, f"pod {name} Running")
+        cluster.until_running(name)
         status = cluster.pod(name)["status"]
         claim = cluster.json("resourceclaim", status["extendedResourceClaimStatus"]["resourceClaimName"])
         assert_allocated_and_seen(cluster, driver, name, claim, 1)
