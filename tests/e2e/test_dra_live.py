@@ -58,7 +58,9 @@ class Cluster(KubeClient):
 
     def start_driver(self, *extra: str) -> None:
         """The driver alone, as on a DRA-only node: its own health loop (fast timings) reads the host's
-        kernel log (HOST/var/log/kern.log)."""
+        kernel log (HOST/var/log/kern.log). Back once its slices are published and the kubelet has registered
+        it (a pod made before that waits on the kubelet's retry, or on nothing if the registration failed)."""
+        since = self.log.stat().st_size if self.log.exists() else 0
         handle = open(self.log, "ab")  # noqa: SIM115 - the driver's own log, kept for the report
         self.driver = subprocess.Popen(
             [DEVINJECT, "dra-driver", "--host-root", str(HOST), "--node-name", self.node, "--kubeconfig",
@@ -67,6 +69,8 @@ class Cluster(KubeClient):
              "--threshold", "2", "--no-uevents", *extra], stdout=handle, stderr=handle, stdin=subprocess.DEVNULL)
         handle.close()
         until(lambda: self.slices(), 60, "the driver's ResourceSlices")
+        until(lambda: b"registered with the kubelet" in self.log.read_bytes()[since:], 60,
+              "the kubelet's registration of the driver (its log)")
 
     def stop_driver(self) -> None:
         if self.driver is not None and self.driver.poll() is None:
