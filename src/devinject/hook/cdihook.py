@@ -2,7 +2,7 @@
 profile of the container's GPUs, made in the container's mount namespace before pivot_root.
 
 Apart from the OCI hook (hook/main.py): a CDI runtime runs it on every start of a container given a device,
-in a fresh interpreter when no hook server takes it, so it imports only what it needs
+in a fresh interpreter when no hook server takes it, so it imports only what it needs, and no `os`
 (tests/unit/test_cdi_hook_lean.py holds its imports). Errors are one line on stderr starting
 `devinject: error:` and a non-zero exit; nothing goes to stdout but --help.
 """
