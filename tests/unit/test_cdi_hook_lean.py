@@ -33,7 +33,8 @@ CDI_HOOK_MODULES = {
 NOT_IMPORTED = ("_ctypes", "ctypes", "json", "typing", "re", "enum", "dataclasses", "pathlib", "subprocess",
                 "collections", "functools", "contextlib", "signal", "socket", "site", "yaml", "click",
                 "operator",  # records' fields are plain functions: `operator` is ~0.4 ms of a cold start
-                "os", "posixpath", "_collections_abc")  # ~0.9 ms: posix's calls and hook/purepath.py instead
+                "os", "posixpath", "_collections_abc",  # ~0.9 ms: posix's calls and hook/purepath.py instead
+                "itertools")  # core/atomicfile.py's temp names count with a range's iterator
 
 
 def _container(tmp_path: Path) -> tuple[Path, Path]:
