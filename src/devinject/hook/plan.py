@@ -246,7 +246,7 @@ def parse_forward_compat(value: str) -> ForwardCompat:
 
 
 def _version_key(version: str) -> tuple[int, ...]:
-    from devinject.core.asciitext import is_digits  # here: a cdi-hook's start imports plan, seldom this
+    from devinject.core.asciitext import is_digits  # here: a --forward-compat alone needs it (NVIDIA specs name one)
 
     parts = version.split(".")  # from a file name in the image: libcuda.so.5²0.1 is no version
     return tuple(int(p) for p in parts) if parts and all(is_digits(p) for p in parts) else ()
