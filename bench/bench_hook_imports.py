@@ -9,7 +9,9 @@ run loads (tests/e2e/test_hook_edges.py sees the same set) and makes one JSON ro
 - `+json`, `+ctypes`, `+typing`: one shortcut replaced by the standard library (the `json` package; the
   `ctypes` package; `typing.NamedTuple` for every record), to show what each one pays on its own;
 - `stdlib`: all three replaced, what the hook's start would be with the standard library alone;
-- `python`: the interpreter alone, the floor.
+- `python`: the interpreter alone, the floor;
+- `cdi-hook`: the modules an in-process `cdi-hook links-and-ldcache` imports (tests/unit/test_cdi_hook_lean.py
+  lists them) and one JSON round trip: the specs' hook's start on a CDI runtime.
 Medians of BENCH_RUNS (60) interleaved runs; prints figures (added ms against `hook`), asserts nothing.
 """
 
@@ -25,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.bench_hook import compile_bytecode  # noqa: E402
+from tests.unit.test_cdi_hook_lean import CDI_HOOK_MODULES  # noqa: E402
 
 HOOK_MODULES = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.request", "devinject.hook.registry",
                 "devinject.hook.plan", "devinject.hook.executor", "devinject.hook.nsenter",
@@ -49,8 +52,14 @@ def variant(json_package: bool, ctypes_package: bool, typing_records: bool) -> s
     return "\n".join(lines)
 
 
+CDI_HOOK = "\n".join(["import sys", f"sys.path.insert(0, {str(REPO / 'src')!r})",
+                      *(f"import {module}" for module in sorted(CDI_HOOK_MODULES)),
+                      "from devinject.core import jsonlite", "from devinject.hook import fastjson",
+                      "fastjson.install()", "assert jsonlite.loads(jsonlite.dumps({'pid': 1})) == {'pid': 1}"])
+
 VARIANTS = {
     "python": "pass",
+    "cdi-hook": CDI_HOOK,
     "hook": variant(False, False, False),
     "+json": variant(True, False, False),
     "+ctypes": variant(False, True, False),
@@ -74,7 +83,8 @@ def main() -> int:
     medians = {name: statistics.median(values) for name, values in times.items()}
     print(f"bench_hook_imports: {runs} runs of each, interleaved; median ms of a fresh `python -I -S`")
     print(f"  {'python (floor)':<16} {medians['python']:7.2f}")
-    print(f"  {'hook':<16} {medians['hook']:7.2f}   (+{medians['hook'] - medians['python']:.2f} over the floor)")
+    for name in ("cdi-hook", "hook"):
+        print(f"  {name:<16} {medians[name]:7.2f}   (+{medians[name] - medians['python']:.2f} over the floor)")
     for name in ("+json", "+ctypes", "+typing", "stdlib"):
         print(f"  {name:<16} {medians[name]:7.2f}   ({medians[name] - medians['hook']:+.2f} against hook)")
     return 0

@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None, *, site_dirs: bool = False) -> int:
         from devinject.hook.sitedirs import package_dirs
 
         sys.path += package_dirs()
+    if args[:1] == ["cdi-hook"]:  # its own module: the OCI hook's is not loaded for it
+        from devinject.hook.cdihook import main as cdi_hook_main
+
+        return cdi_hook_main(args[1:])
     if args[:1] and args[0] in LEAN_COMMANDS:
         from devinject.hook.main import main as hook_main
 

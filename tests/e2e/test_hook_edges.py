@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from devinject.cdi.spec import load_file
+from devinject.linux.ldcache import parse_ldcache
 from tests.e2e.conftest import DEVINJECT, require, stand_ins, write_spec_dir
+from tests.unit.test_cdi_hook_lean import CDI_HOOK_MODULES, NOT_IMPORTED
 
 pytestmark = pytest.mark.live
 REPO = Path(__file__).resolve().parents[2]
@@ -165,6 +168,41 @@ def test_a_real_hook_run_imports_only_the_core_it_needs(tmp_path: Path) -> None:
         assert ours and all(m.startswith(HOOK_PACKAGES) for m in ours), ours
         assert "devinject.hook.executor" in ours  # the child's imports are seen too
         assert [m for m in loaded if not m.startswith("devinject")] == []
+
+
+def test_a_spec_s_cdi_hook_run_as_written_imports_no_os(tmp_path: Path) -> None:
+    """The spec's own CDI hook, as generate writes it for an HGX H100 GPU (this interpreter on the launcher,
+    `-IS`, links-and-ldcache), run as a runtime runs it on a rootfs holding the spec's mounts (the driver's
+    files) with no hook server: its links and linker cache made, and none of the standard library it no longer
+    needs imported (`os` and what it pulls, ~0.9 ms of every start; itertools), nor any devinject module
+    beyond the cdi-hook's own (tests/unit/test_cdi_hook_lean.py holds both lists)."""
+    host = REPO / "tests" / "fixtures" / "hosts" / "hgx-h100"
+    subprocess.run([DEVINJECT, "generate", "--root", str(host), "--kind", "nvidia.com/gpu", "--output-dir",
+                    str(tmp_path / "cdi"), "--hook-path", DEVINJECT], check=True, capture_output=True)
+    spec = load_file(tmp_path / "cdi" / "nvidia.com-gpu.yaml")
+    edits = spec.edits.merge(next(d for d in spec.devices if d.name == "0").edits)
+    rootfs = tmp_path / "bundle" / "rootfs"
+    for mount in edits.mounts:  # what the runtime's bind mounts show the hook
+        (rootfs / mount.container_path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(mount.host_path, rootfs / mount.container_path.lstrip("/"))
+    devices = [{"path": n.path, "type": "c", "major": n.major, "minor": n.minor} for n in edits.device_nodes]
+    (rootfs.parent / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}, "linux": {"devices": devices}}))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "creating", "pid": os.getpid(),
+                        "bundle": str(rootfs.parent)})
+    (hook,) = edits.hooks
+    interpreter, *args = hook.args
+    assert (hook.path, args[:2]) == (interpreter, ["-IS", str(REPO / "src/devinject/hook/launcher.py")])
+    done = subprocess.run([hook.path, "-X", "importtime", *args, "--server", str(tmp_path / "nobody.sock")],
+                          input=state, capture_output=True, text=True, env=dict(e.split("=", 1) for e in hook.env),
+                          cwd="/", timeout=60)
+    assert done.returncode == 0, done.stderr
+    cached = {e.soname for e in parse_ldcache((rootfs / "etc/ld.so.cache").read_bytes())}
+    assert {"libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1"} <= cached, cached
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line} - {"package"}
+    assert not [m for m in imported if m.split(".")[0] in NOT_IMPORTED], sorted(imported)
+    forward_compat = {"devinject.core.asciitext"}  # the spec's --forward-compat: the host driver's version read
+    assert {m for m in imported if m.startswith("devinject")} <= CDI_HOOK_MODULES | forward_compat
 
 
 def test_the_cgroup_v2_path_imports_no_slow_stdlib() -> None:

@@ -6,6 +6,7 @@ Each scenario runs the executor in a private mount namespace of its own (`unshar
 from __future__ import annotations
 
 import os
+import posix
 import shutil
 from pathlib import Path
 
@@ -169,7 +170,7 @@ def test_device_nodes_get_their_exact_mode_and_a_swapped_name_is_never_followed(
         os.unlink(name, dir_fd=dir_fd)  # an attacker sharing /dev swaps the new node for a link
         os.symlink(str(host_file), name, dir_fd=dir_fd)
 
-    monkeypatch.setattr(os, "mknod", mknod_then_swap)
+    monkeypatch.setattr(posix, "mknod", mknod_then_swap)  # what the executor calls (posix, not os)
     with pytest.raises(HookError, match="replaced while it was being created"):
         Executor(str(rootfs)).apply(Plan(nodes=(MakeNode("/dev/fake1", "c", 1, 3, 0o666, 1000, 44, "/dev/null"),)))
     st = host_file.stat()

@@ -19,7 +19,7 @@ import pytest
 from devinject.cdi.model import ContainerEdits, DeviceNode, Hook
 from devinject.core.errors import ConfigError
 from devinject.discovery.profiles import parse_profile
-from devinject.hook.main import run_cdi_hook
+from devinject.hook.cdihook import run_cdi_hook
 from devinject.hook.plan import APPLICATION_PROFILE, application_profile, gpu_minors, parse_cdi_hook, plan
 from devinject.specs.generate import GenerateOptions, generate_specs
 from devinject.specs.hooks import HookCommand, library_hook

@@ -18,21 +18,23 @@ from devinject.linux.ldcache import parse_ldcache
 from devinject.specs.generate import hook_command
 
 LIBDIR = "/usr/lib/x86_64-linux-gnu"
-# Every devinject module a `links-and-ldcache` run imports (each is ~0.15 ms of a cold start): the CDI model
-# and its identities (the SONAME memo's, which a cdi-hook does not keep), the device cgroup rules (the plan's
-# for the OCI hook), the C library (fastlibc, _ctypes), the mount table and the mount syscalls are not among them.
+# Every devinject module a `links-and-ldcache` run imports (each is ~0.15 ms of a cold start): the OCI hook's
+# (hook/main.py), the CDI model and its identities (the SONAME memo's, which a cdi-hook does not keep), the device
+# cgroup rules (the plan's for the OCI hook), the C library (fastlibc, _ctypes), the mount table and the mount
+# syscalls are not among them.
 CDI_HOOK_MODULES = {
-    "devinject.linux",
-    "devinject", "devinject.entry", "devinject.hook", "devinject.hook.main", "devinject.hook.fastjson",
-    "devinject.hook.plan", "devinject.hook.executor", "devinject.linux.safepath", "devinject.hook.linkercache",
+    "devinject", "devinject.entry", "devinject.hook", "devinject.hook.cdihook", "devinject.hook.fastjson",
+    "devinject.hook.plan", "devinject.hook.purepath", "devinject.hook.executor", "devinject.hook.linkercache",
     "devinject.hook.state", "devinject.core", "devinject.core.jsonlite", "devinject.core.errors",
-    "devinject.core.paths", "devinject.core.records", "devinject.core.atomicfile",
-    "devinject.linux.ldcache", "devinject.linux.elfinfo", "devinject.core.deadline",
+    "devinject.core.paths", "devinject.core.records", "devinject.core.atomicfile", "devinject.core.deadline",
+    "devinject.linux", "devinject.linux.safepath", "devinject.linux.ldcache", "devinject.linux.elfinfo",
     "devinject.hook.client",  # no hook server answered: the socket client found none, and the hook ran here
 }
 NOT_IMPORTED = ("_ctypes", "ctypes", "json", "typing", "re", "enum", "dataclasses", "pathlib", "subprocess",
                 "collections", "functools", "contextlib", "signal", "socket", "site", "yaml", "click",
-                "operator")  # records' fields are plain functions: `operator` is ~0.4 ms of a cold start
+                "operator",  # records' fields are plain functions: `operator` is ~0.4 ms of a cold start
+                "os", "posixpath", "_collections_abc",  # ~0.9 ms: posix's calls and hook/purepath.py instead
+                "itertools")  # core/atomicfile.py's temp names count with a range's iterator
 
 
 def _container(tmp_path: Path) -> tuple[Path, Path]:

@@ -240,7 +240,7 @@ def _cdi_hook_container(tmp_path, devices):
 
 
 def test_a_cdi_hook_makes_the_device_links_of_the_container_s_own_devices(tmp_path):
-    from devinject.hook.main import run_cdi_hook
+    from devinject.hook.cdihook import run_cdi_hook
 
     rootfs, stdin = _cdi_hook_container(tmp_path, ["/dev/dri/card2", "/dev/nvidia0"])
     try:
@@ -252,7 +252,7 @@ def test_a_cdi_hook_makes_the_device_links_of_the_container_s_own_devices(tmp_pa
 
 
 def test_a_cdi_hook_whose_devices_are_not_in_the_container_makes_nothing(tmp_path):
-    from devinject.hook.main import run_cdi_hook
+    from devinject.hook.cdihook import run_cdi_hook
 
     rootfs, stdin = _cdi_hook_container(tmp_path, ["/dev/nvidia0"])
     try:

@@ -6,7 +6,7 @@ Lean: the hook uses it (socket and threading are imported by SocketDeadline alon
 
 from __future__ import annotations
 
-import os
+import posix  # not `os`, ~0.9 ms of imports: the hook runs this on every container start
 import select
 import time
 
@@ -30,7 +30,7 @@ def read_to_eof(fd: int, seconds: float, limit: int) -> bytes:
         ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
         if not ready:
             raise TimeoutError(f"no end of input within {seconds:g}s")
-        chunk = os.read(fd, 65536)
+        chunk = posix.read(fd, 65536)
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
@@ -67,7 +67,7 @@ class SocketDeadline:
         import threading
 
         # a duplicate of the descriptor (an SSLSocket has no dup(): a kept connection is armed again)
-        self._socket = socket.socket(sock.family, sock.type, sock.proto, os.dup(sock.fileno()))
+        self._socket = socket.socket(sock.family, sock.type, sock.proto, posix.dup(sock.fileno()))
         self._timer = threading.Timer(self.left(), self._fire)
         self._timer.daemon = True
         self._timer.start()

@@ -17,9 +17,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"devinject, version {__version__}")
         return 0
     if args[:1] == ["cdi-hook"]:
-        from devinject.hook.main import main as hook_main
+        from devinject.hook.cdihook import main as cdi_hook_main
 
-        return hook_main(args)
+        return cdi_hook_main(args[1:])
     print(USAGE, file=sys.stderr)
     return 2
 

@@ -1,4 +1,5 @@
-"""`devinject hook` (OCI prestart / createRuntime / poststop) and `devinject cdi-hook` (CDI createContainer).
+"""`devinject hook` (OCI prestart / createRuntime / poststop); `devinject cdi-hook` (CDI createContainer) is
+hook/cdihook.py's, handed on from `main` here.
 
 Lean on purpose: stdlib, the CDI model and a spec cache; no click, yaml or pynvml (pyroute2 only when a spec
 moves network devices). tests/e2e/test_hook_edges.py checks a real run's imports.
@@ -406,59 +407,22 @@ def run_hook(opts: HookOptions, stdin_fd: int = 0, started: float | None = None,
     return record
 
 
-def run_cdi_hook(args: list[str], stdin_fd: int = 0) -> list[str]:
-    """A CDI createContainer hook: already inside the container's mount namespace, before pivot_root. One with
-    nothing to make (no link, device link, library directory or application profile's GPU) returns before it
-    reads the container's state; one whose device links and GPUs name none of the container's devices, and
-    nothing else, right after."""
-    from devinject.hook.plan import Plan, device_links, gpu_minors, parse_cdi_hook, parse_forward_compat, parse_link
-
-    _, values = parse_cdi_hook(args)
-    links = tuple(dict.fromkeys(parse_link(v) for v in values["--link"]))
-    folders = tuple(dict.fromkeys(v for v in values["--folder"] if v.startswith("/")))
-    compat = tuple(dict.fromkeys(parse_forward_compat(v) for v in values["--forward-compat"]))
-    if not links and not folders and not values["--device-link"] and not values["--application-profile"]:
-        return []
-    from devinject.hook.executor import Executor
-    from devinject.hook.state import given_char_minors, given_devices, load_bundle, parse_state, read_stdin
-
-    bundle = load_bundle(parse_state(read_stdin(stdin_fd)))
-    if values["--device-link"]:
-        links += tuple(s for s in device_links(values["--device-link"], given_devices(bundle)) if s not in links)
-    minors: tuple[int, ...] = ()
-    if values["--application-profile"]:
-        minors, dropped = gpu_minors(values["--application-profile"], given_char_minors(bundle))
-        for warning in dropped:
-            print(f"devinject: warning: {warning}", file=sys.stderr)
-    if not links and not folders and not minors:
-        return []  # none of the devices whose links or GPUs the spec names is in this container
-    return Executor(bundle.rootfs).apply(Plan(links=links, ldcache_folders=folders, forward_compat=compat,
-                                              gpu_minors=minors))
-
-
 def main(argv: list[str]) -> int:
-    fastjson.install()  # the hook's JSON codec: the standard one costs imports on every start
     command, args = argv[0], argv[1:]
-    if command != "cdi-hook":  # and its C library: a cdi-hook makes links and a linker cache, no C call
-        from devinject.hook import fastlibc
+    if command == "cdi-hook":
+        from devinject.hook.cdihook import main as cdi_hook_main
 
-        fastlibc.install()
+        return cdi_hook_main(args)
+    fastjson.install()  # the hook's JSON codec: the standard one costs imports on every start
+    from devinject.hook import fastlibc  # and its C library
+
+    fastlibc.install()
     started = time.monotonic()
     opts = HookOptions()
     record: dict[str, object] = {"command": command, "time": time.time()}
     if SERVED_BY is not None:
         record["server"] = SERVED_BY
     try:
-        if command == "cdi-hook":
-            if any(arg in ("-h", "--help") for arg in args):  # no flag's value is either (not a path, no ::)
-                from devinject.hook.plan import CDI_HOOK_COMMANDS, cdi_hook_usage
-
-                if args[0] in ("-h", "--help", *CDI_HOOK_COMMANDS):  # else: run_cdi_hook names the unknown one
-                    print(cdi_hook_usage(args[0]))
-                    return 0
-            opts.log_file = None
-            run_cdi_hook(args)
-            return 0
         parse_hook_args(args, opts)
         record.update(run_hook(opts, started=started))
         if opts.dry_run:  # the one case the hook writes to stdout: an admin asked what it would do

@@ -3,11 +3,11 @@ an injectable `stat` for device nodes whose numbers the spec leaves out."""
 
 from __future__ import annotations
 
-import os
-import posixpath
+import posix  # not `os`, ~0.9 ms of imports: the hook runs this on every container start
 import stat as statmod
 
 from devinject.core.errors import HookError
+from devinject.hook.purepath import dirname, join, normpath
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:  # the CDI model only as types: a cdi-hook's start imports neither
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the CDI model only as types: a cdi-hook's start imports nei
     from devinject.cdi.model import ContainerEdits, DeviceNode, Hook, NetDevice
     from devinject.linux.devcgroup import AllowDevice as AllowDevice  # a device cgroup rule: the plan's, the ledger's
 
-    StatFn = Callable[[str], os.stat_result]
+    StatFn = Callable[[str], posix.stat_result]
 else:
     from devinject.core.records import NamedTuple
 
@@ -96,8 +96,8 @@ def _fill_node(node: DeviceNode, stat_fn: StatFn, uid: int, gid: int) -> MakeNod
         else:
             if statmod.S_ISCHR(st.st_mode) or statmod.S_ISBLK(st.st_mode):
                 kind = kind or ("c" if statmod.S_ISCHR(st.st_mode) else "b")
-                major = os.major(st.st_rdev) if major is None else major
-                minor = os.minor(st.st_rdev) if minor is None else minor
+                major = posix.major(st.st_rdev) if major is None else major
+                minor = posix.minor(st.st_rdev) if minor is None else minor
                 mode = statmod.S_IMODE(st.st_mode) if mode is None else mode
             elif not kind or major is None or minor is None:
                 raise HookError(f"device node {node.path}: {host_path} is not a device node")
@@ -110,7 +110,7 @@ def _fill_node(node: DeviceNode, stat_fn: StatFn, uid: int, gid: int) -> MakeNod
                     uid if node.uid is None else node.uid, gid if node.gid is None else node.gid, host_path)
 
 
-def node_identity(node: DeviceNode, stat_fn: StatFn = os.stat) -> NodeId:
+def node_identity(node: DeviceNode, stat_fn: StatFn = posix.stat) -> NodeId:
     """`c 195:0`: what the ledger books. Numbers a spec leaves out come from the host node, as for mknod,
     so a node written without major/minor (as other generators write them) is still one device."""
     from devinject.cdi.identity import node_id
@@ -138,7 +138,7 @@ def _devinject_hook_args(hook: Hook) -> list[str] | None:
     console script, the node hook's launcher), `PYTHON -IS .../devinject/hook/launcher.py cdi-hook ...`, or the
     node hook's loader running its interpreter on `-c BUNDLED_ENTRY cdi-hook ...`."""
     args = list(hook.args)
-    if len(args) >= 3 and posixpath.basename(args[0]) == "devinject" and args[1] == "cdi-hook":
+    if len(args) >= 3 and args[0].rpartition("/")[2] == "devinject" and args[1] == "cdi-hook":
         return args[2:]
     if len(args) >= 5 and args[1] == "-IS" and args[2].endswith(LAUNCHER_SUFFIX) and args[3] == "cdi-hook":
         return args[4:]
@@ -246,7 +246,7 @@ def parse_forward_compat(value: str) -> ForwardCompat:
 
 
 def _version_key(version: str) -> tuple[int, ...]:
-    from devinject.core.asciitext import is_digits  # here: a cdi-hook's start imports plan, seldom this
+    from devinject.core.asciitext import is_digits  # here: a --forward-compat alone needs it (NVIDIA specs name one)
 
     parts = version.split(".")  # from a file name in the image: libcuda.so.5²0.1 is no version
     return tuple(int(p) for p in parts) if parts and all(is_digits(p) for p in parts) else ()
@@ -271,7 +271,7 @@ def device_links(values: list[str], given: set[str]) -> list[Symlink]:
     hook, so that a container of any of its devices starts one hook process; each container gets its own
     devices' links only, never a link naming another device's PCI address."""
     links = [parse_link(v, "--device-link") for v in values]
-    return [s for s in links if posixpath.normpath(posixpath.join(posixpath.dirname(s.link), s.target)) in given]
+    return [s for s in links if normpath(join(dirname(s.link), s.target)) in given]
 
 
 APPLICATION_PROFILE = "/etc/nvidia/nvidia-application-profiles-rc.d/10-container.conf"  # where the driver reads it
@@ -281,7 +281,7 @@ APPLICATION_PROFILE_BITS = 64  # EGLVisibleDGPUDevices is a 64-bit mask: bit N f
 def gpu_minors(values: list[str], given: dict[str, int]) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The minors of the `--application-profile` nodes the container was given (`given`: its char device
     nodes' minors by normalized container path), sorted, and a warning for each that no mask can hold."""
-    named = {posixpath.normpath(v) for v in values if v.startswith("/")}
+    named = {normpath(v) for v in values if v.startswith("/")}
     minors = sorted({minor for path, minor in given.items() if path in named})
     dropped = tuple(f"application profile: GPU minor {m} left out (EGLVisibleDGPUDevices holds minors 0-"
                     f"{APPLICATION_PROFILE_BITS - 1})" for m in minors if not 0 <= m < APPLICATION_PROFILE_BITS)
@@ -297,10 +297,10 @@ def application_profile(minors: tuple[int, ...]) -> bytes:
             + ']}],"rules":[{"pattern":[],"profile":"_container_"}]}').encode()
 
 
-def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid: int = 0) -> Plan:
+def plan(edits: ContainerEdits, *, stat_fn: StatFn = posix.stat, uid: int = 0, gid: int = 0) -> Plan:
     nodes = tuple(_fill_node(n, stat_fn, uid, gid) for n in edits.device_nodes)
     mounts = [_bind(m.host_path, m.container_path, m.options, m.type) for m in edits.mounts]
-    mounts.sort(key=lambda m: posixpath.normpath(m.container_path).count("/"))  # parents before children
+    mounts.sort(key=lambda m: normpath(m.container_path).count("/"))  # parents before children
     links: list[Symlink] = []
     folders: list[str] = []
     compat: list[ForwardCompat] = []
@@ -321,11 +321,11 @@ def plan(edits: ContainerEdits, *, stat_fn: StatFn = os.stat, uid: int = 0, gid:
             continue
         _, values = parse_cdi_hook(args)
         links += [parse_link(v) for v in values["--link"]]
-        links += device_links(values["--device-link"], {posixpath.normpath(n.path) for n in edits.device_nodes})
+        links += device_links(values["--device-link"], {normpath(n.path) for n in edits.device_nodes})
         folders += [v for v in values["--folder"] if v.startswith("/")]
         compat += [parse_forward_compat(v) for v in values["--forward-compat"]]
         profile_nodes += values["--application-profile"]
-    minors, dropped = gpu_minors(profile_nodes, {posixpath.normpath(n.path): n.minor for n in nodes if n.type == "c"})
+    minors, dropped = gpu_minors(profile_nodes, {normpath(n.path): n.minor for n in nodes if n.type == "c"})
     warnings += dropped
     from devinject.linux.devcgroup import AllowDevice
 

@@ -47,10 +47,10 @@ from devinject.linux.trusteddir import trusted_dir
 log = logging.getLogger("devinject.hook-server")
 
 # What a container start loads: imported once here, so no worker imports anything.
-PRELOAD = ("devinject.hook.main", "devinject.hook.state", "devinject.hook.request", "devinject.hook.registry",
-           "devinject.hook.plan", "devinject.hook.nsenter", "devinject.hook.executor", "devinject.hook.cgroup",
-           "devinject.hook.bpf", "devinject.nodestate.ledger", "devinject.nodestate.profilefacts",
-           "devinject.nodestate.evidence", "devinject.core.asciitext")
+PRELOAD = ("devinject.hook.main", "devinject.hook.cdihook", "devinject.hook.state", "devinject.hook.request",
+           "devinject.hook.registry", "devinject.hook.plan", "devinject.hook.nsenter", "devinject.hook.executor",
+           "devinject.hook.cgroup", "devinject.hook.bpf", "devinject.nodestate.ledger",
+           "devinject.nodestate.profilefacts", "devinject.nodestate.evidence", "devinject.core.asciitext")
 RECEIVE_TIMEOUT = 5.0
 SPARES = 3  # workers waiting for a request: container starts come in bursts, and a poststop takes one too
 REPLACE_AFTER = 0.2  # seconds after the last request before replacing the workers that took one

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from devinject.core import jsonlite
 from devinject.core.deadline import TooLarge, read_to_eof
 from devinject.core.errors import HookError
+from devinject.hook.purepath import join, normpath
 
 TYPE_CHECKING = False  # `typing` costs the hook ~2 ms per container start: type checkers only
 if TYPE_CHECKING:
@@ -78,7 +77,7 @@ def parse_state(data: bytes) -> ContainerState:
 
 
 def load_bundle(state: ContainerState) -> BundleConfig:
-    path = os.path.join(state.bundle, "config.json")
+    path = join(state.bundle, "config.json")
     try:
         with open(path, "rb") as handle:
             data = handle.read(MAX_CONFIG_BYTES + 1)
@@ -96,13 +95,13 @@ def load_bundle(state: ContainerState) -> BundleConfig:
     root_path = state.root or (root.get("path") if isinstance(root, dict) else None)
     if not isinstance(root_path, str) or not root_path:
         raise HookError(f"{path}: root.path missing")
-    rootfs = root_path if os.path.isabs(root_path) else os.path.join(state.bundle, root_path)
+    rootfs = root_path if root_path.startswith("/") else join(state.bundle, root_path)
     process = raw.get("process") or {}
     env = process.get("env") if isinstance(process, dict) else None
     if env is not None and (not isinstance(env, list) or not all(isinstance(e, str) for e in env)):
         raise HookError(f"{path}: process.env must be a list of strings")
     return BundleConfig(
-        rootfs=os.path.normpath(rootfs),
+        rootfs=normpath(rootfs),
         env=tuple(env or ()),
         annotations=_strings(raw.get("annotations"), f"{path}: annotations"),
         raw=raw,
@@ -116,7 +115,7 @@ def given_devices(bundle: BundleConfig) -> set[str]:
     devices = linux.get("devices") if isinstance(linux, dict) else None
     if not isinstance(devices, list):
         return set()
-    return {os.path.normpath(d["path"]) for d in devices
+    return {normpath(d["path"]) for d in devices
             if isinstance(d, dict) and isinstance(d.get("path"), str) and d["path"].startswith("/")}
 
 
@@ -128,6 +127,6 @@ def given_char_minors(bundle: BundleConfig) -> dict[str, int]:
     devices = linux.get("devices") if isinstance(linux, dict) else None
     if not isinstance(devices, list):
         return {}
-    return {os.path.normpath(d["path"]): d["minor"] for d in devices
+    return {normpath(d["path"]): d["minor"] for d in devices
             if isinstance(d, dict) and d.get("type") == "c" and isinstance(d.get("path"), str)
             and d["path"].startswith("/") and isinstance(d.get("minor"), int) and not isinstance(d["minor"], bool)}

@@ -3,7 +3,7 @@ and machine). Reads through an fd with bounded preads: the file may come from a 
 
 from __future__ import annotations
 
-import os
+import posix  # not `os`, ~0.9 ms of imports: the hook runs this on every container start
 import struct
 
 from devinject.linux.ldcache import ARCH_AARCH64, ARCH_PPC64, ARCH_X86_64, FLAG_ELF_LIBC6
@@ -57,7 +57,7 @@ _LAYOUTS = {2: _Layout("<Q", 32, 54, struct.Struct("<IIQQQQQQ"), (0, 2, 3, 5), s
 
 
 def _read(fd: int) -> SharedObject | None:
-    ident = os.pread(fd, 64, 0)
+    ident = posix.pread(fd, 64, 0)
     if len(ident) < 52 or ident[:4] != b"\x7fELF" or ident[5] != 1:  # little-endian only
         return None
     layout = _LAYOUTS.get(ident[4])
@@ -69,12 +69,12 @@ def _read(fd: int) -> SharedObject | None:
     arch = _ARCH.get((ident[4], machine))
     if e_type != _ET_DYN or arch is None or phentsize < layout.ph.size or not 0 < phnum <= MAX_PROGRAM_HEADERS:
         return None
-    segments = _segments(os.pread(fd, phentsize * phnum, phoff), layout, phentsize, phnum)
+    segments = _segments(posix.pread(fd, phentsize * phnum, phoff), layout, phentsize, phnum)
     if segments is None:
         return None
     loads, (dynamic_offset, dynamic_size) = segments
     dyn = layout.dyn
-    tags = _strtab_and_soname(os.pread(fd, min(dynamic_size, dyn.size * MAX_DYNAMIC_ENTRIES), dynamic_offset), dyn)
+    tags = _strtab_and_soname(posix.pread(fd, min(dynamic_size, dyn.size * MAX_DYNAMIC_ENTRIES), dynamic_offset), dyn)
     if tags is None:
         return None
     name = _string_at(fd, loads, *tags)
@@ -120,7 +120,7 @@ def _string_at(fd: int, loads: list[tuple[int, int, int]], strtab: int, offset: 
     address in the file; None where none does."""
     for vaddr, filesz, file_offset in loads:
         if vaddr <= strtab < vaddr + filesz:
-            raw = os.pread(fd, MAX_SONAME, file_offset + strtab - vaddr + offset)
+            raw = posix.pread(fd, MAX_SONAME, file_offset + strtab - vaddr + offset)
             end = raw.find(b"\0")
             return raw[:end].decode() if end > 0 else ""
     return None
