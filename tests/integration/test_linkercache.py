@@ -272,3 +272,43 @@ def test_the_soname_memo_survives_a_broken_file_and_stays_bounded(tmp_path: Path
     assert json.loads(memo_file.read_text()) == {key: ["libx.so.1", X86_64]}
     SonameMemo(json.loads(memo_file.read_text())).save(str(tmp_path / "unchanged.json"))
     assert not (tmp_path / "unchanged.json").exists()  # nothing learned: nothing written
+
+
+def test_a_huge_image_folder_costs_the_hook_no_more_memory_than_its_cut(tmp_path: Path, libraries: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image may fill a folder the spec names with any number of entries; the hook reads the first
+    MAX_FOLDER_ENTRIES names in sorted order and holds no more than twice that many at a time (a hook server's
+    worker serves one request after another). Here the cut is 100 and the folder holds 20,000 files: the
+    libraries sorted first are found as before, and the listing's peak is a fraction of the whole folder's."""
+    import tracemalloc
+
+    rootfs = _rootfs(tmp_path, libraries)
+    folder = rootfs / "opt/vendor/lib"
+    for index in range(20_000):
+        (folder / f"zz-filler-{index:05d}-{'x' * 40}").touch()  # sorted after every library
+    monkeypatch.setattr(linkercache, "MAX_FOLDER_ENTRIES", 100)
+    with Root(str(rootfs)) as root:
+        tracemalloc.start()
+        try:
+            found = libraries_in(root, "/opt/vendor/lib", [])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert sorted(e.soname for e in found) == sorted(SONAMES)
+    assert peak < 400_000, f"{peak} bytes at the peak of listing 20,000 names cut to 100"
+
+
+def test_first_entries_are_the_sorted_listings_first() -> None:
+    class Entry:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def is_symlink(self) -> bool:
+            return self.name.endswith("7")
+
+    names = [f"lib{n}.so" for n in range(1000)]
+    random.Random(7).shuffle(names)
+    for limit in (1, 3, 100, 499, 500, 1000, 5000):
+        kept = linkercache.first_entries([Entry(n) for n in names], limit)  # type: ignore[misc]
+        assert list(kept) == sorted(names)[:limit]
+        assert all(kept[n] == n.endswith("7") for n in kept)
