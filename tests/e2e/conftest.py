@@ -230,6 +230,10 @@ def stand_ins(count: int, *command: str) -> Iterator[list[subprocess.Popen[bytes
 # /dev/null, zero, full, random, urandom, tty, console, ptmx and tun by name): a ledger rebuild on this machine
 # finds it granted only where a test grants it, whatever containers run beside the tests.
 UNLISTED_NODE = "/dev/fuse"
+# A char major for the devices a unit test books and then rebuilds its ledger over from live evidence: no
+# fixture host hands it out (240-254 are the kernel's local-use majors; the fixtures' dynamic ones are
+# others), so the rebuild never finds a live cluster's pod holding it, as it finds the fake GPUs (c 195:N)
+UNBOOKED_MAJOR = 250
 
 
 _HOLDER = ("import os, sys\n"

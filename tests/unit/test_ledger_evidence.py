@@ -18,6 +18,7 @@ from devinject.core.errors import LedgerError
 from devinject.nodestate import evidence
 from devinject.nodestate.ledger import Claim, Ledger
 from tests.e2e.conftest import (
+    UNBOOKED_MAJOR,
     UNLISTED_NODE,
     held_in_a_container,
     node_holder,
@@ -65,7 +66,7 @@ def test_a_rebuild_never_leaves_the_node_without_a_ledger_file(tmp_path: Path, m
         return real(proc)
 
     monkeypatch.setattr(evidence, "collect", collect)
-    Ledger(str(tmp_path)).book("b", os.getpid(), claim("c 195:0"), POLICY)
+    Ledger(str(tmp_path)).book("b", os.getpid(), claim(f"c {UNBOOKED_MAJOR}:0"), POLICY)  # rebuilt from live evidence
     assert seen == [True]
     (aside,) = tmp_path.glob("ledger.json.broken-*")
     assert aside.read_text() == '{"allocations": {"c1": {"exclus'

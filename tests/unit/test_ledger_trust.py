@@ -16,9 +16,10 @@ from devinject.core.errors import LedgerError
 from devinject.hook.plan import node_identity
 from devinject.nodestate import events
 from devinject.nodestate.ledger import Claim, Ledger, process_start_time
-from tests.e2e.conftest import UNLISTED_NODE, held_in_a_container, stand_ins
+from tests.e2e.conftest import UNBOOKED_MAJOR, UNLISTED_NODE, held_in_a_container, stand_ins
 
 POLICY = {"vendor.com/gpu": "exclusive"}
+MAJOR = UNBOOKED_MAJOR  # a rebuild here reads the live node's evidence
 NULL = os.stat("/dev/null")
 NULL_NODE = f"c {os.major(NULL.st_rdev)}:{os.minor(NULL.st_rdev)}"
 UNLISTED = f"c {os.major(os.stat(UNLISTED_NODE).st_rdev)}:{os.minor(os.stat(UNLISTED_NODE).st_rdev)}"
@@ -45,11 +46,11 @@ def test_a_zombie_container_process_is_dead_and_its_device_reclaimed(tmp_path: P
     child = subprocess.Popen(["sleep", "60"])
     try:
         ledger = Ledger(str(tmp_path))
-        ledger.book("killed", child.pid, claim("c 195:0"), POLICY)
+        ledger.book("killed", child.pid, claim(f"c {MAJOR}:0"), POLICY)
         child.kill()  # SIGKILLed, and its parent (this test) does not reap it yet
         wait_for_state(child.pid, b"Z")
         assert process_start_time(child.pid) is None
-        ledger.book("next", os.getpid(), claim("c 195:0"), POLICY)
+        ledger.book("next", os.getpid(), claim(f"c {MAJOR}:0"), POLICY)
         assert sorted(ledger.snapshot()["allocations"]) == ["next"]
     finally:
         child.kill()
@@ -60,7 +61,7 @@ def test_a_zombie_container_process_is_dead_and_its_device_reclaimed(tmp_path: P
     (b'{"allocations": {"c1": {"exclus', "unreadable"),
     (b"\xff\xfe garbage", "unreadable"),
     (b"[]", "not a devinject ledger"),
-    (json.dumps({"allocations": {"c1": {"devices": [], "exclusive": "c 195:0", "shared": [], "pid": 1,
+    (json.dumps({"allocations": {"c1": {"devices": [], "exclusive": f"c {MAJOR}:0", "shared": [], "pid": 1,
                                         "start_time": 1, "state": "active"}}}).encode(),
      "allocation c1: exclusive is not a list of strings"),
     (json.dumps({"allocations": {"c1": {"devices": [], "exclusive": [], "shared": [], "pid": "1",
@@ -72,11 +73,11 @@ def test_a_zombie_container_process_is_dead_and_its_device_reclaimed(tmp_path: P
 ])
 def test_a_broken_ledger_is_moved_aside_and_the_node_goes_on(tmp_path: Path, content: bytes, reason: str) -> None:
     (tmp_path / "ledger.json").write_bytes(content)
-    Ledger(str(tmp_path), proc="/proc").book("c2", os.getpid(), claim("c 195:0"), POLICY)
+    Ledger(str(tmp_path), proc="/proc").book("c2", os.getpid(), claim(f"c {MAJOR}:0"), POLICY)
     (aside,) = tmp_path.glob("ledger.json.broken-*")
     assert aside.read_bytes() == content  # kept for forensics
     data = json.loads((tmp_path / "ledger.json").read_text())
-    assert data["allocations"]["c2"]["exclusive"] == ["c 195:0"]
+    assert data["allocations"]["c2"]["exclusive"] == [f"c {MAJOR}:0"]
     (event,) = [e for e in logged(tmp_path) if e["event"] == "ledger-rebuilt"]
     assert str(event["reason"]).startswith(reason) and event["moved_to"] == str(aside)
 
@@ -91,7 +92,7 @@ def test_rebuild_books_nodes_a_containers_process_holds_open(tmp_path: Path) -> 
             Ledger(str(tmp_path)).book("c2", os.getpid(), claim(node), POLICY)
         recovered = json.loads((tmp_path / "ledger.json").read_text())["allocations"]
         assert recovered[f"recovered: open by pid {holder}"]["exclusive"] == [node]
-        assert Ledger(str(tmp_path)).book("c3", os.getpid(), claim("c 195:0"), POLICY).new  # others are free
+        assert Ledger(str(tmp_path)).book("c3", os.getpid(), claim(f"c {MAJOR}:0"), POLICY).new  # others are free
     Ledger(str(tmp_path)).book("c4", os.getpid(), claim(node), POLICY)  # its process gone: free again
 
 
@@ -110,10 +111,10 @@ def test_a_reused_container_id_is_not_waved_through(tmp_path: Path) -> None:
     other = subprocess.Popen(["sleep", "60"])
     try:
         ledger = Ledger(str(tmp_path))
-        ledger.book("same-id", other.pid, claim("c 195:0"), POLICY)
+        ledger.book("same-id", other.pid, claim(f"c {MAJOR}:0"), POLICY)
         with pytest.raises(LedgerError, match="the id is booked for another live process"):
-            ledger.book("same-id", os.getpid(), claim("c 195:1"), POLICY)
-        assert not ledger.book("same-id", other.pid, claim("c 195:0"), POLICY).new  # a real re-run is one
+            ledger.book("same-id", os.getpid(), claim(f"c {MAJOR}:1"), POLICY)
+        assert not ledger.book("same-id", other.pid, claim(f"c {MAJOR}:0"), POLICY).new  # a real re-run is one
     finally:
         other.kill()
         other.wait()
@@ -123,9 +124,9 @@ def test_a_reused_container_id_is_not_waved_through(tmp_path: Path) -> None:
         ledger.book("reused", dead.pid, claim(NULL_NODE), POLICY)
         dead.kill()
         dead.wait()
-        assert ledger.book("reused", os.getpid(), claim("c 195:5"), POLICY).new
+        assert ledger.book("reused", os.getpid(), claim(f"c {MAJOR}:5"), POLICY).new
         allocations = ledger.snapshot()["allocations"]
-        assert allocations["reused"]["exclusive"] == ["c 195:5"]
+        assert allocations["reused"]["exclusive"] == [f"c {MAJOR}:5"]
         (old,) = [k for k in allocations if k.startswith("reused@")]
         assert allocations[old]["state"] == "reclaiming" and allocations[old]["exclusive"] == [NULL_NODE]
         with pytest.raises(LedgerError, match=f"held by container {old}"):
@@ -154,7 +155,7 @@ def test_the_lock_is_released_whatever_fails_after_it_is_taken(tmp_path: Path, m
     released nothing: a long-lived agent then held the node's ledger lock and every hook timed out."""
     from devinject.nodestate import ledger as ledger_module
 
-    Ledger(str(tmp_path)).book("c1", os.getpid(), claim("c 195:0"), POLICY)
+    Ledger(str(tmp_path)).book("c1", os.getpid(), claim(f"c {MAJOR}:0"), POLICY)
     real = ledger_module.ledger_problem
 
     def failing(data: object) -> str | None:
