@@ -18,10 +18,9 @@ from typing import Any
 import yaml
 
 from tests.e2e.conftest import DEVINJECT
-from tests.e2e.kube import KUBE
+from tests.e2e.peers import PEERS
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
 
-PEERS = KUBE.parent / "peers"
 # each GPU node the container sees, with its major:minor in hex (stat's %t:%T), then a last line
 SEE_GPUS = "for n in /dev/nvidia*; do case $n in *[0-9]) stat -c '%n %t:%T' $n;; esac; done; echo finished"
 

@@ -19,12 +19,11 @@ import pytest
 
 from devinject.hook.plan import APPLICATION_PROFILE, application_profile
 from devinject.specs.generate import hook_command
-from tests.e2e.conftest import REPO, require
+from tests.e2e.conftest import require
+from tests.e2e.peers import PEERS
 
 pytestmark = pytest.mark.live
 
-PEERS = next((p for p in (REPO.parent / "shared" / "peers", Path("/work/shared/peers"))
-              if (p / "nvidia-cdi-hook.xz").exists()), REPO.parent / "shared" / "peers")
 PROFILE = APPLICATION_PROFILE.lstrip("/")
 
 

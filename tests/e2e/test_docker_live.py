@@ -24,13 +24,12 @@ import pytest
 import yaml
 
 from devinject.runtimes import docker
-from tests.e2e.conftest import DEVINJECT, REPO, require
+from tests.e2e.conftest import DEVINJECT, require
+from tests.e2e.peers import PEERS
 from tests.integration.test_doctor import Live
 
 pytestmark = pytest.mark.live
 
-PEERS = next((p for p in (REPO.parent / "shared" / "peers", Path("/work/shared/peers")) if (p / "docker.sh").exists()),
-             REPO.parent / "shared" / "peers")
 KUBE = PEERS.parent / "kube"
 IMAGE = "devinject-busybox:docker"
 GPU = "nvidia.com/gpu=0"
