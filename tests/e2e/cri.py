@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import lzma
 import re
 import shutil
 import subprocess
@@ -18,19 +17,10 @@ from typing import Any
 import yaml
 
 from tests.e2e.conftest import DEVINJECT
-from tests.e2e.peers import PEERS
 from tests.fixtures.build_hosts import FakeHost, LibBuilder, build_hgx_h100
 
 # each GPU node the container sees, with its major:minor in hex (stat's %t:%T), then a last line
 SEE_GPUS = "for n in /dev/nvidia*; do case $n in *[0-9]) stat -c '%n %t:%T' $n;; esac; done; echo finished"
-
-
-def unpack(name: str, into: Path) -> Path:
-    """../shared/peers/NAME.xz unpacked into `into`, executable."""
-    target = into / name
-    target.write_bytes(lzma.decompress((PEERS / f"{name}.xz").read_bytes()))
-    target.chmod(0o755)
-    return target
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,10 @@ import pytest
 from devinject.runtimes.config import read_containerd
 from devinject.runtimes.daemons import running_containerd
 from tests.e2e.conftest import DEVINJECT, require, terminate
-from tests.e2e.cri import PEERS, Crictl, live_hgx_gpu, unpack
+from tests.e2e.cri import Crictl, live_hgx_gpu
 from tests.e2e.kube import KUBE
+from tests.e2e.peers import PEERS
+from tests.e2e.peers import unpacked as unpack
 
 pytestmark = pytest.mark.live
 

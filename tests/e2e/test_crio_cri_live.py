@@ -22,8 +22,10 @@ import pytest
 from devinject.runtimes.daemons import running_crio
 from devinject.runtimes.status import runtime_status
 from tests.e2e.conftest import DEVINJECT, require
-from tests.e2e.cri import PEERS, Crictl, live_hgx_gpu, unpack
+from tests.e2e.cri import Crictl, live_hgx_gpu
 from tests.e2e.kube import KUBE
+from tests.e2e.peers import PEERS
+from tests.e2e.peers import unpacked as unpack
 
 pytestmark = pytest.mark.live
 
